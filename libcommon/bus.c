@@ -1,0 +1,626 @@
+/* NATS and JetStream client (see bus.h). */
+#include "bus.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "log.h"
+
+#define BUS_TOKEN_MAX 128
+#define BUS_FETCH_MAX 256        /* messages per fetch */
+#define BUS_MAX_ACK_PENDING 1024 /* unacked messages per pull consumer before it pauses */
+#define BUS_CLOSE_WAIT_MS 5000   /* bound on waiting for nats.c's closed/complete callbacks */
+
+struct bus {
+    natsConnection *nc;
+    jsCtx *js;
+    bus_opts o;
+    char name[64];
+    atomic_ullong slow;
+    /* set by the closed callback, the last one nats.c delivers for a connection */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int closed;
+};
+
+struct bus_sub {
+    bus *b;
+    natsSubscription *sub;
+    bus_msg_cb cb;
+    void *ud;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int done; /* nats.c's on-complete callback ran: the message callback never runs again */
+};
+
+struct bus_pull {
+    bus *b;
+    natsSubscription *sub;
+};
+
+/* ---- errors ---- */
+
+static int bus__code(natsStatus s) {
+    switch (s) {
+    case NATS_OK:
+        return BUS_OK;
+    case NATS_TIMEOUT:
+        return BUS_ETIMEOUT;
+    case NATS_NO_RESPONDERS:
+        return BUS_ENORESP;
+    case NATS_INSUFFICIENT_BUFFER:
+        return BUS_EFULL;
+    case NATS_CONNECTION_CLOSED:
+        return BUS_ECLOSED;
+    case NATS_NO_MEMORY:
+        return BUS_ENOMEM;
+    case NATS_INVALID_ARG:
+    case NATS_INVALID_SUBJECT:
+        return BUS_EINVAL;
+    default:
+        return BUS_ERR;
+    }
+}
+
+/* Message from nats.c's thread-local last error, which carries the server's detail. */
+static int bus__fail(char *err, size_t errlen, const char *what, natsStatus s, jsErrCode jerr) {
+    if (err && errlen) {
+        natsStatus ls;
+        const char *detail = nats_GetLastError(&ls);
+        if (!detail || !*detail) detail = natsStatus_GetText(s);
+        if (jerr)
+            snprintf(err, errlen, "%s: %s (JetStream error %d)", what, detail, (int)jerr);
+        else
+            snprintf(err, errlen, "%s: %s", what, detail);
+    }
+    return bus__code(s);
+}
+
+/* ---- connection ---- */
+
+void bus_opts_default(bus_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->reconnect_wait_ms = 500;
+    o->reconnect_buf_bytes = 8 << 20;
+    o->sub_pending_msgs = 8192;
+    o->sub_pending_bytes = 16 << 20;
+    o->js_timeout_ms = 5000;
+}
+
+static void bus__on_disconnected(natsConnection *nc, void *closure) {
+    (void)nc;
+    bus *b = closure;
+    log_warn("bus.disconnected",
+             "%s: reconnecting every %d ms; publishes buffered up to %d bytes meanwhile", b->name,
+             b->o.reconnect_wait_ms, b->o.reconnect_buf_bytes);
+}
+
+static void bus__on_reconnected(natsConnection *nc, void *closure) {
+    bus *b = closure;
+    char url[256] = "";
+    natsConnection_GetConnectedUrl(nc, url, sizeof url);
+    log_info("bus.reconnected", "%s: connected to %s", b->name, url);
+}
+
+static void bus__on_connected(natsConnection *nc, void *closure) {
+    bus *b = closure;
+    char url[256] = "";
+    natsConnection_GetConnectedUrl(nc, url, sizeof url);
+    log_info("bus.connected", "%s: connected to %s", b->name, url);
+}
+
+static void bus__on_closed(natsConnection *nc, void *closure) {
+    (void)nc;
+    bus *b = closure;
+    pthread_mutex_lock(&b->mu);
+    b->closed = 1;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+}
+
+static void bus__on_error(natsConnection *nc, natsSubscription *sub, natsStatus s, void *closure) {
+    (void)nc;
+    bus *b = closure;
+    if (s == NATS_SLOW_CONSUMER && sub) {
+        unsigned long long n = atomic_fetch_add(&b->slow, 1) + 1;
+        int64_t dropped = 0;
+        natsSubscription_GetDropped(sub, &dropped);
+        log_warn("bus.slow_consumer",
+                 "%s: subscription on %s is over its pending limit; newest messages dropped "
+                 "(%lld so far, episode %llu)",
+                 b->name, natsSubscription_GetSubject(sub), (long long)dropped, n);
+        return;
+    }
+    log_warn("bus.async_error", "%s: %s", b->name, natsStatus_GetText(s));
+}
+
+static void bus__free(bus *b) {
+    pthread_cond_destroy(&b->cv);
+    pthread_mutex_destroy(&b->mu);
+    free(b);
+}
+
+static int bus__options(const char *url, bus *b, natsOptions **out, char *err, size_t errlen) {
+    natsOptions *o = NULL;
+    natsStatus s = natsOptions_Create(&o);
+    if (s == NATS_OK) s = natsOptions_SetURL(o, url);
+    if (s == NATS_OK) s = natsOptions_SetName(o, b->name);
+    if (s == NATS_OK) s = natsOptions_SetTimeout(o, 2000);
+    if (s == NATS_OK) s = natsOptions_SetMaxReconnect(o, -1);
+    if (s == NATS_OK) s = natsOptions_SetReconnectWait(o, b->o.reconnect_wait_ms);
+    if (s == NATS_OK) s = natsOptions_SetReconnectJitter(o, 100, 1000);
+    if (s == NATS_OK) s = natsOptions_SetReconnectBufSize(o, b->o.reconnect_buf_bytes);
+    if (s == NATS_OK) s = natsOptions_SetMaxPendingMsgs(o, b->o.sub_pending_msgs);
+    /* a half-open TCP connection is detected within ~30 s */
+    if (s == NATS_OK) s = natsOptions_SetPingInterval(o, 10000);
+    if (s == NATS_OK) s = natsOptions_SetMaxPingsOut(o, 3);
+    if (s == NATS_OK) s = natsOptions_SetDisconnectedCB(o, bus__on_disconnected, b);
+    if (s == NATS_OK) s = natsOptions_SetReconnectedCB(o, bus__on_reconnected, b);
+    if (s == NATS_OK) s = natsOptions_SetClosedCB(o, bus__on_closed, b);
+    if (s == NATS_OK) s = natsOptions_SetErrorHandler(o, bus__on_error, b);
+    if (s == NATS_OK && b->o.connect_retry)
+        s = natsOptions_SetRetryOnFailedConnect(o, true, bus__on_connected, b);
+    if (s != NATS_OK) {
+        natsOptions_Destroy(o);
+        return bus__fail(err, errlen, "nats options", s, 0);
+    }
+    *out = o;
+    return BUS_OK;
+}
+
+int bus_connect_ex(const char *url, const char *name, const bus_opts *opts, bus **out, char *err,
+                   size_t errlen) {
+    *out = NULL;
+    bus_opts o;
+    if (opts) {
+        o = *opts;
+    } else {
+        bus_opts_default(&o);
+    }
+    if (!url || !*url || o.reconnect_wait_ms < 1 || o.reconnect_buf_bytes < 0 ||
+        o.sub_pending_msgs < 1 || o.sub_pending_bytes < 1 || o.js_timeout_ms < 1) {
+        snprintf(err, errlen, "bus_connect: bad url or options");
+        return BUS_EINVAL;
+    }
+    bus *b = calloc(1, sizeof *b);
+    if (!b) {
+        snprintf(err, errlen, "out of memory");
+        return BUS_ENOMEM;
+    }
+    b->o = o;
+    snprintf(b->name, sizeof b->name, "%s", name && *name ? name : "upsquad");
+    pthread_mutex_init(&b->mu, NULL);
+    pthread_cond_init(&b->cv, NULL);
+    natsOptions *no = NULL;
+    int rc = bus__options(url, b, &no, err, errlen);
+    if (rc != BUS_OK) {
+        bus__free(b);
+        return rc;
+    }
+    natsStatus s = natsConnection_Connect(&b->nc, no);
+    natsOptions_Destroy(no);
+    if (s == NATS_NOT_YET_CONNECTED) s = NATS_OK; /* connect_retry: continues in background */
+    if (s != NATS_OK) {
+        rc = bus__fail(err, errlen, "nats connect", s, 0);
+        bus__free(b); /* no connection: no callback can follow */
+        return rc;
+    }
+    jsOptions jo;
+    jsOptions_Init(&jo);
+    jo.Wait = o.js_timeout_ms;
+    s = natsConnection_JetStream(&b->js, b->nc, &jo);
+    if (s != NATS_OK) {
+        rc = bus__fail(err, errlen, "jetstream context", s, 0);
+        bus_close(b);
+        return rc;
+    }
+    *out = b;
+    return BUS_OK;
+}
+
+int bus_connect(const char *url, const char *name, bus **out, char *err, size_t errlen) {
+    return bus_connect_ex(url, name, NULL, out, err, errlen);
+}
+
+/* Waits (bounded) for flag to become 1 under mu. 1 when it did. */
+static int bus__wait_flag(pthread_mutex_t *mu, pthread_cond_t *cv, int *flag) {
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += BUS_CLOSE_WAIT_MS / 1000;
+    pthread_mutex_lock(mu);
+    while (!*flag)
+        if (pthread_cond_timedwait(cv, mu, &dl) == ETIMEDOUT) break;
+    int ok = *flag;
+    pthread_mutex_unlock(mu);
+    return ok;
+}
+
+void bus_close(bus *b) {
+    if (!b) return;
+    if (natsConnection_Status(b->nc) == NATS_CONN_STATUS_CONNECTED)
+        natsConnection_FlushTimeout(b->nc, 1000);
+    natsConnection_Close(b->nc);
+    int closed = bus__wait_flag(&b->mu, &b->cv, &b->closed);
+    jsCtx_Destroy(b->js);
+    natsConnection_Destroy(b->nc);
+    if (!closed) {
+        /* a late callback could still use b: keeping it is the safe side of the bound */
+        log_error("bus.close", "%s: closed callback not seen within %d ms", b->name,
+                  BUS_CLOSE_WAIT_MS);
+        return;
+    }
+    bus__free(b);
+}
+
+void bus_library_shutdown(void) {
+    nats_CloseAndWait(BUS_CLOSE_WAIT_MS);
+}
+
+int bus_connected(bus *b) {
+    return b && natsConnection_Status(b->nc) == NATS_CONN_STATUS_CONNECTED;
+}
+
+int bus_flush(bus *b, int timeout_ms) {
+    return bus__code(natsConnection_FlushTimeout(b->nc, timeout_ms));
+}
+
+void bus_get_stats(bus *b, bus_stats *out) {
+    memset(out, 0, sizeof *out);
+    natsStatistics *st = NULL;
+    if (natsStatistics_Create(&st) == NATS_OK && natsConnection_GetStats(b->nc, st) == NATS_OK)
+        natsStatistics_GetCounts(st, &out->in_msgs, NULL, &out->out_msgs, NULL, &out->reconnects);
+    natsStatistics_Destroy(st);
+    out->slow_consumer_events = atomic_load(&b->slow);
+}
+
+/* ---- subjects ---- */
+
+int bus_token_valid(const char *t) {
+    if (!t || !*t) return 0;
+    size_t n = 0;
+    for (const unsigned char *q = (const unsigned char *)t; *q; q++, n++) {
+        if (n >= BUS_TOKEN_MAX) return 0;
+        if (*q == '.' || *q == '*' || *q == '>' || *q <= ' ' || *q == 0x7f) return 0;
+    }
+    return 1;
+}
+
+int bus_subject(char *out, size_t outlen, const char *first, ...) {
+    va_list ap;
+    size_t len = 0;
+    int rc = BUS_OK;
+    if (!out || outlen == 0) return BUS_EINVAL;
+    out[0] = '\0';
+    va_start(ap, first);
+    for (const char *t = first; t; t = va_arg(ap, const char *)) {
+        size_t n = strlen(t);
+        if (!bus_token_valid(t) || len + (len ? 1 : 0) + n + 1 > outlen) {
+            rc = BUS_EINVAL;
+            break;
+        }
+        if (len) out[len++] = '.';
+        memcpy(out + len, t, n + 1);
+        len += n;
+    }
+    va_end(ap);
+    if (rc != BUS_OK || len == 0) {
+        out[0] = '\0';
+        return BUS_EINVAL;
+    }
+    return BUS_OK;
+}
+
+/* ---- core ---- */
+
+int bus_publish(bus *b, const char *subject, const void *data, int len) {
+    if (!b || !subject || len < 0 || (len > 0 && !data)) return BUS_EINVAL;
+    return bus__code(natsConnection_Publish(b->nc, subject, data, len));
+}
+
+int bus_request(bus *b, const char *subject, const void *data, int len, int timeout_ms,
+                natsMsg **reply) {
+    *reply = NULL;
+    if (!b || !subject || len < 0 || timeout_ms < 1) return BUS_EINVAL;
+    return bus__code(natsConnection_Request(reply, b->nc, subject, data, len, timeout_ms));
+}
+
+int bus_respond(bus *b, natsMsg *request, const void *data, int len) {
+    const char *to = request ? natsMsg_GetReply(request) : NULL;
+    if (!b || !to || !*to || len < 0) return BUS_EINVAL;
+    return bus__code(natsConnection_Publish(b->nc, to, data, len));
+}
+
+static void bus__on_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure) {
+    (void)nc;
+    (void)sub;
+    bus_sub *s = closure;
+    s->cb(s->b, msg, s->ud);
+    natsMsg_Destroy(msg);
+}
+
+static void bus__on_sub_complete(void *closure) {
+    bus_sub *s = closure;
+    pthread_mutex_lock(&s->mu);
+    s->done = 1;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void bus__sub_free(bus_sub *s) {
+    pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+int bus_subscribe(bus *b, const char *subject, const char *queue_group, bus_msg_cb cb, void *ud,
+                  bus_sub **out, char *err, size_t errlen) {
+    *out = NULL;
+    if (!b || !subject || !*subject || !cb || (queue_group && !*queue_group)) {
+        snprintf(err, errlen, "bus_subscribe: bad subject, queue group or callback");
+        return BUS_EINVAL;
+    }
+    bus_sub *s = calloc(1, sizeof *s);
+    if (!s) {
+        snprintf(err, errlen, "out of memory");
+        return BUS_ENOMEM;
+    }
+    s->b = b;
+    s->cb = cb;
+    s->ud = ud;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    natsStatus st;
+    if (queue_group)
+        st = natsConnection_QueueSubscribe(&s->sub, b->nc, subject, queue_group, bus__on_msg, s);
+    else
+        st = natsConnection_Subscribe(&s->sub, b->nc, subject, bus__on_msg, s);
+    if (st != NATS_OK) {
+        int rc = bus__fail(err, errlen, "subscribe", st, 0);
+        bus__sub_free(s); /* never subscribed: no callback can run */
+        return rc;
+    }
+    st = natsSubscription_SetOnCompleteCB(s->sub, bus__on_sub_complete, s);
+    if (st == NATS_OK)
+        st = natsSubscription_SetPendingLimits(s->sub, b->o.sub_pending_msgs,
+                                               b->o.sub_pending_bytes);
+    if (st != NATS_OK) {
+        int rc = bus__fail(err, errlen, "subscribe", st, 0);
+        bus_unsubscribe(s); /* waits for the callback to be done with s, then frees it */
+        return rc;
+    }
+    *out = s;
+    return BUS_OK;
+}
+
+void bus_unsubscribe(bus_sub *s) {
+    if (!s) return;
+    natsSubscription_Unsubscribe(s->sub);
+    int done = bus__wait_flag(&s->mu, &s->cv, &s->done);
+    natsSubscription_Destroy(s->sub);
+    if (!done) {
+        log_error("bus.unsubscribe", "callback still running after %d ms; not freed",
+                  BUS_CLOSE_WAIT_MS);
+        return;
+    }
+    bus__sub_free(s);
+}
+
+int64_t bus_sub_dropped(bus_sub *s) {
+    int64_t n = 0;
+    natsSubscription_GetDropped(s->sub, &n);
+    return n;
+}
+
+/* ---- JetStream ---- */
+
+void bus_stream_limits_default(bus_stream_limits *l) {
+    memset(l, 0, sizeof *l);
+    l->replicas = 1;
+    l->max_msgs = -1;
+    l->max_bytes = 64LL << 20;
+    l->duplicate_window_s = 120;
+    l->memory = 0;
+}
+
+int bus_js_stream_ensure(bus *b, const char *name, const char *const *subjects, int nsubjects,
+                         int retention, int64_t max_age_s, const bus_stream_limits *limits,
+                         char *err, size_t errlen) {
+    bus_stream_limits l;
+    if (limits) {
+        l = *limits;
+    } else {
+        bus_stream_limits_default(&l);
+    }
+    if (!b || !bus_token_valid(name) || !subjects || nsubjects < 1 || max_age_s < 0 ||
+        retention < BUS_RETENTION_LIMITS || retention > BUS_RETENTION_INTEREST ||
+        l.duplicate_window_s < 0 || l.replicas < 1 || l.replicas > 5) {
+        snprintf(err, errlen, "bus_js_stream_ensure: bad name, subjects, retention or limits");
+        return BUS_EINVAL;
+    }
+    jsStreamConfig cfg;
+    jsStreamConfig_Init(&cfg);
+    cfg.Name = name;
+    cfg.Subjects = (const char **)subjects;
+    cfg.SubjectsLen = nsubjects;
+    cfg.Retention = retention == BUS_RETENTION_WORKQUEUE  ? js_WorkQueuePolicy
+                    : retention == BUS_RETENTION_INTEREST ? js_InterestPolicy
+                                                          : js_LimitsPolicy;
+    cfg.MaxAge = max_age_s * 1000000000LL;
+    cfg.MaxMsgs = l.max_msgs;
+    cfg.MaxBytes = l.max_bytes;
+    cfg.Duplicates = l.duplicate_window_s * 1000000000LL;
+    cfg.Storage = l.memory ? js_MemoryStorage : js_FileStorage;
+    cfg.Replicas = l.replicas;
+    cfg.Discard = retention == BUS_RETENTION_LIMITS ? js_DiscardOld : js_DiscardNew;
+    jsErrCode jerr = 0;
+    jsStreamInfo *si = NULL;
+    natsStatus s = js_AddStream(&si, b->js, &cfg, NULL, &jerr);
+    if (s != NATS_OK && jerr == JSStreamNameExistErr) {
+        jerr = 0;
+        s = js_UpdateStream(&si, b->js, &cfg, NULL, &jerr);
+    }
+    jsStreamInfo_Destroy(si);
+    if (s != NATS_OK) return bus__fail(err, errlen, "stream ensure", s, jerr);
+    return BUS_OK;
+}
+
+int bus_js_stream_delete(bus *b, const char *name, char *err, size_t errlen) {
+    jsErrCode jerr = 0;
+    natsStatus s = js_DeleteStream(b->js, name, NULL, &jerr);
+    if (s == NATS_OK || jerr == JSStreamNotFoundErr) return BUS_OK;
+    return bus__fail(err, errlen, "stream delete", s, jerr);
+}
+
+int bus_js_stream_msgs(bus *b, const char *name, uint64_t *msgs, char *err, size_t errlen) {
+    jsErrCode jerr = 0;
+    jsStreamInfo *si = NULL;
+    natsStatus s = js_GetStreamInfo(&si, b->js, name, NULL, &jerr);
+    if (s != NATS_OK) return bus__fail(err, errlen, "stream info", s, jerr);
+    *msgs = si->State.Msgs;
+    jsStreamInfo_Destroy(si);
+    return BUS_OK;
+}
+
+int bus_js_publish(bus *b, const char *subject, const void *data, int len, const char *msg_id,
+                   int *duplicate, char *err, size_t errlen) {
+    if (duplicate) *duplicate = 0;
+    if (!b || !subject || len < 0 || (len > 0 && !data) || (msg_id && !*msg_id)) {
+        snprintf(err, errlen, "bus_js_publish: bad subject, data or msg_id");
+        return BUS_EINVAL;
+    }
+    jsPubOptions po;
+    jsPubOptions_Init(&po);
+    po.MsgId = msg_id;
+    po.MaxWait = b->o.js_timeout_ms;
+    jsPubAck *pa = NULL;
+    jsErrCode jerr = 0;
+    natsStatus s = js_Publish(&pa, b->js, subject, data, len, &po, &jerr);
+    if (s != NATS_OK) {
+        if (s == NATS_NO_RESPONDERS) {
+            snprintf(err, errlen, "js publish %s: no stream captures this subject", subject);
+            return BUS_ENORESP;
+        }
+        return bus__fail(err, errlen, "js publish", s, jerr);
+    }
+    if (duplicate) *duplicate = pa->Duplicate ? 1 : 0;
+    jsPubAck_Destroy(pa);
+    return BUS_OK;
+}
+
+int bus_js_pull_subscribe(bus *b, const char *stream, const char *durable,
+                          const char *filter_subject, int ack_wait_ms, int max_deliver,
+                          bus_pull **out, char *err, size_t errlen) {
+    *out = NULL;
+    if (!b || !bus_token_valid(stream) || !bus_token_valid(durable) || !filter_subject ||
+        !*filter_subject || ack_wait_ms < 1 || max_deliver == 0 || max_deliver < -1) {
+        snprintf(err, errlen, "bus_js_pull_subscribe: bad stream, durable, filter or limits");
+        return BUS_EINVAL;
+    }
+    /* The consumer is created explicitly and then bound to: nats.c deletes a consumer that
+     * its subscribe call created when that subscription is unsubscribed, and this one's state
+     * (acks, redeliveries) must outlive the process. */
+    jsConsumerConfig cc;
+    jsConsumerConfig_Init(&cc);
+    cc.Durable = durable;
+    cc.FilterSubject = filter_subject;
+    cc.AckPolicy = js_AckExplicit;
+    cc.AckWait = (int64_t)ack_wait_ms * 1000000LL;
+    cc.MaxDeliver = max_deliver;
+    cc.MaxAckPending = BUS_MAX_ACK_PENDING;
+    jsErrCode jerr = 0;
+    jsConsumerInfo *ci = NULL;
+    natsStatus s = js_AddConsumer(&ci, b->js, stream, &cc, NULL, &jerr);
+    jsConsumerInfo_Destroy(ci);
+    ci = NULL;
+    if (s != NATS_OK && jerr != JSStreamNotFoundErr) {
+        jsErrCode uerr = 0;
+        if (js_UpdateConsumer(&ci, b->js, stream, &cc, NULL, &uerr) == NATS_OK) {
+            s = NATS_OK;
+            jerr = 0;
+        }
+        jsConsumerInfo_Destroy(ci);
+    }
+    if (s != NATS_OK) return bus__fail(err, errlen, "consumer ensure", s, jerr);
+
+    bus_pull *p = calloc(1, sizeof *p);
+    if (!p) {
+        snprintf(err, errlen, "out of memory");
+        return BUS_ENOMEM;
+    }
+    p->b = b;
+    jsSubOptions so;
+    jsSubOptions_Init(&so);
+    so.Stream = stream;
+    so.Consumer = durable;
+    s = js_PullSubscribe(&p->sub, b->js, filter_subject, durable, NULL, &so, &jerr);
+    if (s != NATS_OK) {
+        free(p);
+        return bus__fail(err, errlen, "pull subscribe", s, jerr);
+    }
+    *out = p;
+    return BUS_OK;
+}
+
+int bus_js_fetch(bus_pull *p, int batch, int timeout_ms, natsMsgList *out, char *err,
+                 size_t errlen) {
+    memset(out, 0, sizeof *out);
+    if (!p || batch < 1 || batch > BUS_FETCH_MAX || timeout_ms < 1) {
+        snprintf(err, errlen, "bus_js_fetch: batch must be 1..%d and timeout positive",
+                 BUS_FETCH_MAX);
+        return BUS_EINVAL;
+    }
+    /* nats.c ends a fetch early when the late "request timeout" status of an earlier fetch
+     * arrives during it; fetch again until this call's own deadline. */
+    int64_t deadline = nats_Now() + timeout_ms;
+    for (;;) {
+        jsErrCode jerr = 0;
+        int64_t left = deadline - nats_Now();
+        natsStatus s = natsSubscription_Fetch(out, p->sub, batch, left > 0 ? left : 1, &jerr);
+        if (out->Count > 0) return BUS_OK;
+        if (s != NATS_OK && s != NATS_TIMEOUT) return bus__fail(err, errlen, "fetch", s, jerr);
+        natsMsgList_Destroy(out);
+        memset(out, 0, sizeof *out);
+        if (deadline - nats_Now() < 5) return BUS_OK; /* nothing to deliver in time */
+    }
+}
+
+/* A message the server handed to a fetch that had already timed out sits in this
+ * subscription; if it is closed before another fetch takes it, the message comes back after
+ * ack_wait (at-least-once). */
+void bus_pull_close(bus_pull *p) {
+    if (!p) return;
+    natsSubscription_Unsubscribe(p->sub); /* the consumer stays: this call did not create it */
+    natsSubscription_Destroy(p->sub);
+    free(p);
+}
+
+int bus_ack(natsMsg *m) {
+    return bus__code(natsMsg_Ack(m, NULL));
+}
+
+int bus_nak(natsMsg *m, int delay_ms) {
+    if (delay_ms < 0) return BUS_EINVAL;
+    return bus__code(delay_ms ? natsMsg_NakWithDelay(m, delay_ms, NULL) : natsMsg_Nak(m, NULL));
+}
+
+int bus_term(natsMsg *m) {
+    return bus__code(natsMsg_Term(m, NULL));
+}
+
+int bus_in_progress(natsMsg *m) {
+    return bus__code(natsMsg_InProgress(m, NULL));
+}
+
+int bus_delivery_count(natsMsg *m) {
+    jsMsgMetaData *meta = NULL;
+    if (natsMsg_GetMetaData(&meta, m) != NATS_OK) return 0;
+    int n = (int)meta->NumDelivered;
+    jsMsgMetaData_Destroy(meta);
+    return n;
+}

@@ -1,0 +1,145 @@
+/* Internals shared by the rpc_*.c files of libcommon. Not for services. */
+#ifndef UPSQUAD_RPC_INTERNAL_H
+#define UPSQUAD_RPC_INTERNAL_H
+
+#include <grpc/byte_buffer.h>
+#include <grpc/grpc.h>
+#include <grpc/slice.h>
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "metrics.h"
+#include "rpc.h"
+
+/* Every completion-queue tag starts with one of these, so one switch dispatches them. */
+enum {
+    RPC__TAG_REQUEST = 1, /* a requested call arrived (or the request failed at shutdown) */
+    RPC__TAG_CLOSE,       /* RECV_CLOSE_ON_SERVER completed: the call is over */
+    RPC__TAG_UNARY_SEND,  /* the reply batch of a unary call completed */
+    RPC__TAG_STREAM_SEND, /* one stream message was written */
+    RPC__TAG_STREAM_END,  /* the stream's status was sent */
+    RPC__TAG_SHUTDOWN,    /* the server finished shutting down */
+    RPC__TAG_UNKNOWN,     /* a call to a method nobody registered arrived */
+    RPC__TAG_UNKNOWN_END, /* ... and was answered UNIMPLEMENTED */
+};
+
+typedef struct rpc__tag {
+    int kind;
+} rpc__tag;
+
+/* Bump allocator: the first chunk lives inside the call, later ones are malloc'd. */
+typedef struct rpc__chunk {
+    struct rpc__chunk *next;
+    size_t cap, used;
+    _Alignas(16) unsigned char mem[];
+} rpc__chunk;
+
+typedef struct rpc__arena {
+    rpc__chunk *head; /* newest first; the last one is the inline chunk (not freed) */
+} rpc__arena;
+
+void rpc__arena_init(rpc__arena *a, void *inline_mem, size_t inline_cap);
+void *rpc__arena_alloc(rpc__arena *a, size_t n);
+void rpc__arena_release(rpc__arena *a);
+
+typedef struct rpc__method {
+    rpc_method m;
+    char *service; /* "pkg.Service", from the path */
+    void *reg;     /* grpc_server_register_method handle */
+    /* rpc_server_handled_total{method,code} series, filled lazily; index = status code */
+    _Atomic(metric *) handled[17];
+    metric *latency;
+} rpc__method;
+
+struct rpc_frame {
+    atomic_int refs;
+    grpc_slice slice; /* the encoded message; grpc refcounts it again per byte buffer */
+};
+
+struct rpc_call {
+    rpc__tag t_close, t_send, t_end;
+    atomic_int refs;
+    struct rpc_server *srv;
+    rpc__method *method;
+    grpc_call *call;
+    grpc_completion_queue *cq;
+    gpr_timespec deadline;
+    grpc_metadata_array md;
+    grpc_byte_buffer *payload;
+    ProtobufCMessage *req;
+    const auth_identity *ident; /* points into `ident_mem` when authenticated */
+    auth_identity ident_mem;
+    char trace[40];
+    int64_t start_ns;
+    atomic_int cancelled; /* set by the CLOSE completion (client gone, deadline, shutdown) */
+    int recv_close_cancelled;
+
+    /* outgoing status */
+    int code;
+    char *message;                 /* arena */
+    void **details;                /* arena array of packed google.protobuf.Any */
+    size_t n_details, cap_details;
+    grpc_slice status_slice;       /* kept until the final batch completes */
+    grpc_metadata trailer;         /* grpc-status-details-bin */
+    int has_trailer;
+    grpc_byte_buffer *reply;       /* unary reply in flight */
+
+    /* server streaming (guarded by mu) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int is_stream;
+    int counted_stream; /* counted in the server's active_streams */
+    rpc_frame **q;
+    size_t q_cap, q_head, q_len;
+    int send_inflight;
+    int md_sent;
+    int finishing;   /* a status is queued behind the frames */
+    int end_started; /* the status batch has been started */
+    int closed;      /* no more writes: cancelled or finished */
+    int writer_waiting;
+    grpc_byte_buffer *inflight;
+    int detached;
+    rpc_close_fn on_close;
+    void *close_ud;
+    struct rpc_call *dnext, *dprev; /* the server's list of detached streams */
+
+    rpc__arena arena;
+    _Alignas(16) unsigned char arena_inline[2048];
+};
+
+/* rpc_server.c */
+void rpc__call_ref(rpc_call *c);
+/* Packs the status and details into the call's trailer; used before sending a status. */
+void rpc__prepare_status(rpc_call *c, grpc_op *op);
+void rpc__account(rpc_call *c);
+void rpc__server_detached_add(struct rpc_server *s, rpc_call *c);
+void rpc__server_detached_remove(struct rpc_server *s, rpc_call *c);
+
+/* rpc_stream.c */
+int rpc__stream_init(rpc_call *c, int queue_cap);
+void rpc__stream_on_send(rpc_call *c, int ok);
+void rpc__stream_on_end(rpc_call *c);
+void rpc__stream_on_close(rpc_call *c);
+void rpc__stream_destroy(rpc_call *c);
+
+/* rpc_health.c */
+typedef struct rpc__health rpc__health;
+int rpc__health_new(rpc__health **out);
+void rpc__health_free(rpc__health *h);
+int rpc__health_register(struct rpc_server *s);
+rpc__health *rpc__server_health(struct rpc_server *s);
+void rpc__health_set(rpc__health *h, const char *service, int serving);
+void rpc__health_set_all(rpc__health *h, int serving);
+
+/* rpc_codec.c: protobuf-c <-> grpc byte buffers */
+#define RPC_MAX_NESTING 64 /* deepest message nesting a request may have */
+grpc_byte_buffer *rpc__encode(const ProtobufCMessage *msg);
+int rpc__decode(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *d, ProtobufCAllocator *alloc,
+                ProtobufCMessage **out);
+grpc_slice rpc__encode_slice(const ProtobufCMessage *msg);
+void rpc__install_log_hook(void);
+int64_t rpc__now_ns(void);
+/* Reads a whole (PEM) file; *out is NUL-terminated, caller frees. */
+int rpc__read_file(const char *path, char **out, char *err, size_t errlen);
+
+#endif

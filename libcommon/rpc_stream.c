@@ -1,0 +1,231 @@
+/* Server streaming: a bounded queue of encoded frames per stream with exactly one send in
+ * flight (the C core allows no more), fed by a blocking writer (the handler) or by a
+ * non-blocking producer on any thread (a detached stream). The next send starts on the
+ * completion of the previous one, on the stream's completion-queue thread.
+ *
+ * Locking: c->mu guards the queue and the flags below it in struct rpc_call. Callbacks
+ * (on_close) run without it. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "rpc_internal.h"
+
+rpc_frame *rpc_frame_encode(const ProtobufCMessage *msg) {
+    rpc_frame *f = malloc(sizeof *f);
+    if (f == NULL) return NULL;
+    atomic_init(&f->refs, 1);
+    f->slice = rpc__encode_slice(msg);
+    return f;
+}
+
+rpc_frame *rpc_frame_ref(rpc_frame *f) {
+    atomic_fetch_add_explicit(&f->refs, 1, memory_order_relaxed);
+    return f;
+}
+
+void rpc_frame_unref(rpc_frame *f) {
+    if (f && atomic_fetch_sub_explicit(&f->refs, 1, memory_order_acq_rel) == 1) {
+        grpc_slice_unref(f->slice);
+        free(f);
+    }
+}
+
+size_t rpc_frame_len(const rpc_frame *f) {
+    return GRPC_SLICE_LENGTH(f->slice);
+}
+
+int rpc__stream_init(rpc_call *c, int queue_cap) {
+    c->q = calloc((size_t)queue_cap, sizeof *c->q);
+    if (c->q == NULL) return -1;
+    c->q_cap = (size_t)queue_cap;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    c->is_stream = 1;
+    return 0;
+}
+
+void rpc__stream_destroy(rpc_call *c) {
+    while (c->q_len > 0) {
+        rpc_frame_unref(c->q[c->q_head]);
+        c->q_head = (c->q_head + 1) % c->q_cap;
+        c->q_len--;
+    }
+    if (c->inflight) grpc_byte_buffer_destroy(c->inflight);
+    free(c->q);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+}
+
+static void drop_queue_locked(rpc_call *c) {
+    while (c->q_len > 0) {
+        rpc_frame_unref(c->q[c->q_head]);
+        c->q_head = (c->q_head + 1) % c->q_cap;
+        c->q_len--;
+    }
+}
+
+/* Starts the next batch if none is in flight: the next frame (with the status too when it is
+ * the last one and the stream is finishing), or the status alone. */
+static void pump_locked(rpc_call *c) {
+    grpc_op ops[3];
+    size_t n = 0;
+    rpc__tag *tag = &c->t_send;
+    if (c->send_inflight || c->end_started || c->closed) return;
+    if (c->q_len == 0 && !c->finishing) return;
+    memset(ops, 0, sizeof ops);
+    if (!c->md_sent) ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+    if (c->q_len > 0) {
+        rpc_frame *f = c->q[c->q_head];
+        c->q_head = (c->q_head + 1) % c->q_cap;
+        c->q_len--;
+        c->inflight = grpc_raw_byte_buffer_create(&f->slice, 1);
+        rpc_frame_unref(f);
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n++].data.send_message.send_message = c->inflight;
+    }
+    if (c->q_len == 0 && c->finishing) {
+        rpc__prepare_status(c, &ops[n++]);
+        c->end_started = 1;
+        tag = &c->t_end;
+    }
+    c->md_sent = 1;
+    c->send_inflight = 1;
+    rpc__call_ref(c);
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, tag, NULL);
+    if (e != GRPC_CALL_OK) {
+        log_error("rpc.stream", "stream batch refused: %d", (int)e);
+        c->send_inflight = 0;
+        c->closed = 1;
+        drop_queue_locked(c);
+        pthread_cond_broadcast(&c->cv);
+        atomic_fetch_sub(&c->refs, 1); /* the caller holds another reference */
+    }
+}
+
+void rpc__stream_on_send(rpc_call *c, int ok) {
+    pthread_mutex_lock(&c->mu);
+    grpc_byte_buffer_destroy(c->inflight);
+    c->inflight = NULL;
+    c->send_inflight = 0;
+    if (!ok) { /* the client is gone; the CLOSE completion will tell the rest */
+        c->closed = 1;
+        drop_queue_locked(c);
+        pthread_cond_broadcast(&c->cv);
+    } else {
+        pump_locked(c);
+        /* wake a blocked writer only once the queue has half drained: fewer wake-ups */
+        if (c->writer_waiting && c->q_len <= c->q_cap / 2) pthread_cond_signal(&c->cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+    rpc_call_unref(c);
+}
+
+void rpc__stream_on_end(rpc_call *c) {
+    pthread_mutex_lock(&c->mu);
+    if (c->inflight) grpc_byte_buffer_destroy(c->inflight);
+    c->inflight = NULL;
+    c->send_inflight = 0;
+    c->closed = 1;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    rpc__account(c);
+    rpc_call_unref(c);
+}
+
+void rpc__stream_on_close(rpc_call *c) {
+    rpc_close_fn cb;
+    void *ud;
+    int detached, account;
+    pthread_mutex_lock(&c->mu);
+    account = !c->end_started; /* ended without our status: cancelled, deadline, gone */
+    c->closed = 1;
+    drop_queue_locked(c);
+    pthread_cond_broadcast(&c->cv);
+    cb = c->on_close;
+    ud = c->close_ud;
+    c->on_close = NULL;
+    detached = c->detached;
+    pthread_mutex_unlock(&c->mu);
+    if (account) {
+        if (c->code == RPC_OK) c->code = RPC_CANCELLED;
+        rpc__account(c);
+    }
+    if (detached) rpc__server_detached_remove(c->srv, c);
+    if (cb) cb(c, ud);
+}
+
+static int push_locked(rpc_call *c, rpc_frame *f) {
+    c->q[(c->q_head + c->q_len) % c->q_cap] = f;
+    c->q_len++;
+    pump_locked(c);
+    return RPC_OK;
+}
+
+int rpc_stream_send(rpc_call *c, const ProtobufCMessage *msg) {
+    rpc_frame *f = rpc_frame_encode(msg);
+    int rc;
+    if (f == NULL) return RPC_ENOMEM;
+    pthread_mutex_lock(&c->mu);
+    while (!c->closed && !c->finishing && c->q_len == c->q_cap) {
+        c->writer_waiting = 1;
+        pthread_cond_wait(&c->cv, &c->mu);
+    }
+    c->writer_waiting = 0;
+    if (c->closed || c->finishing) {
+        rc = RPC_ECLOSED;
+        rpc_frame_unref(f);
+    } else {
+        rc = push_locked(c, f); /* the queue takes our reference */
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+int rpc_stream_push(rpc_call *c, rpc_frame *f) {
+    int rc;
+    pthread_mutex_lock(&c->mu);
+    if (c->closed || c->finishing)
+        rc = RPC_ECLOSED;
+    else if (c->q_len == c->q_cap)
+        rc = RPC_EFULL;
+    else
+        rc = push_locked(c, rpc_frame_ref(f));
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+size_t rpc_stream_queued(rpc_call *c) {
+    pthread_mutex_lock(&c->mu);
+    size_t n = c->q_len;
+    pthread_mutex_unlock(&c->mu);
+    return n;
+}
+
+int rpc_stream_finish(rpc_call *c, int code, const char *message) {
+    pthread_mutex_lock(&c->mu);
+    if (!c->finishing && !c->closed) {
+        c->finishing = 1;
+        c->code = code;
+        if (message) c->message = rpc_strdup(c, message);
+        pump_locked(c);
+        pthread_cond_broadcast(&c->cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return RPC_OK;
+}
+
+rpc_call *rpc_stream_detach(rpc_call *c, rpc_close_fn on_close, void *ud) {
+    pthread_mutex_lock(&c->mu);
+    if (c->closed || c->finishing) {
+        pthread_mutex_unlock(&c->mu);
+        return NULL;
+    }
+    c->detached = 1;
+    c->on_close = on_close;
+    c->close_ud = ud;
+    rpc__call_ref(c);
+    rpc__server_detached_add(c->srv, c);
+    pthread_mutex_unlock(&c->mu);
+    return c;
+}

@@ -1,0 +1,180 @@
+/* See service.h. */
+#include "service.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "auth.h"
+#include "log.h"
+#include "metrics.h"
+#include "rpc_internal.h"
+
+static struct {
+    char *grpc_addr, *metrics_addr, *log_level;
+    char *jwt_secret, *jwt_pubkey_file, *jwt_audience, *jwt_issuer;
+    char *tls_cert, *tls_key, *tls_ca;
+    long long unary_threads, stream_threads, stream_workers, max_streams, stream_queue, grace_ms;
+} C;
+
+static const cfg_var common_vars[] = {
+    {"UPSQUAD_GRPC_ADDR", CFG_STR, "0.0.0.0:50051", "gRPC listen address (port 0 picks one)",
+     &C.grpc_addr},
+    {"UPSQUAD_METRICS_ADDR", CFG_STR, "", "Prometheus /metrics HTTP address; empty disables",
+     &C.metrics_addr},
+    {"UPSQUAD_LOG_LEVEL", CFG_STR, "info", "debug, info, warn or error", &C.log_level},
+    {"UPSQUAD_JWT_SECRET", CFG_STR, NULL, "HS256 secret verifying tokens (local runs)",
+     &C.jwt_secret, 0, 0, CFG_SECRET},
+    {"UPSQUAD_JWT_PUBLIC_KEY_FILE", CFG_STR, NULL,
+     "PEM public key (RS256 or ES256) verifying the gateway's tokens (production)",
+     &C.jwt_pubkey_file},
+    {"UPSQUAD_JWT_AUDIENCE", CFG_STR, "upsquad", "required `aud` of tokens", &C.jwt_audience},
+    {"UPSQUAD_JWT_ISSUER", CFG_STR, NULL, "required `iss` of tokens, when set", &C.jwt_issuer},
+    {"UPSQUAD_TLS_CERT_FILE", CFG_STR, NULL, "server certificate chain (PEM); unset: plaintext",
+     &C.tls_cert},
+    {"UPSQUAD_TLS_KEY_FILE", CFG_STR, NULL, "server private key (PEM)", &C.tls_key},
+    {"UPSQUAD_TLS_CLIENT_CA_FILE", CFG_STR, NULL,
+     "CA bundle (PEM); set: mTLS, clients must present a certificate it verifies", &C.tls_ca},
+    {"UPSQUAD_RPC_UNARY_THREADS", CFG_INT, "2",
+     "threads running unary calls inline, one completion queue each (about one per core: "
+     "every extra poller costs wake-ups; more only when handlers block on I/O)",
+     &C.unary_threads,
+     1, 256},
+    {"UPSQUAD_RPC_STREAM_THREADS", CFG_INT, "0",
+     "threads driving streaming I/O; 0 shares the unary threads (best unless unary handlers "
+     "block for long)",
+     &C.stream_threads, 0, 64},
+    {"UPSQUAD_RPC_STREAM_WORKERS", CFG_INT, "16", "threads running streaming handlers",
+     &C.stream_workers, 1, 1024},
+    {"UPSQUAD_RPC_MAX_STREAMS", CFG_INT, "1024",
+     "concurrent server streams; more are refused with RESOURCE_EXHAUSTED", &C.max_streams, 1,
+     1000000},
+    {"UPSQUAD_RPC_STREAM_QUEUE", CFG_INT, "256",
+     "frames queued per stream; a producer pushing into a full queue is told the subscriber "
+     "is slow",
+     &C.stream_queue, 1, 65536},
+    {"UPSQUAD_SHUTDOWN_GRACE", CFG_MS, "10s",
+     "on SIGTERM, how long in-flight calls may finish before they are cancelled", &C.grace_ms, 0,
+     3600000},
+};
+
+const cfg_var *svc_common_vars(size_t *n) {
+    *n = sizeof common_vars / sizeof common_vars[0];
+    return common_vars;
+}
+
+static int make_verifier(auth_verifier **out, char *err, size_t errlen) {
+    char *pem = NULL;
+    int rc;
+    if (C.jwt_pubkey_file && rpc__read_file(C.jwt_pubkey_file, &pem, err, errlen) != 0) return -1;
+    if (pem == NULL && (C.jwt_secret == NULL || C.jwt_secret[0] == 0)) {
+        snprintf(err, errlen, "UPSQUAD_JWT_SECRET or UPSQUAD_JWT_PUBLIC_KEY_FILE is required");
+        return -1;
+    }
+    auth_config ac = {pem ? NULL : C.jwt_secret, pem, C.jwt_audience, C.jwt_issuer, 30};
+    rc = auth_verifier_new(&ac, out, err, errlen);
+    free(pem);
+    return rc == AUTH_OK ? 0 : -1;
+}
+
+static int load_config(const svc_def *def, char *err, size_t errlen) {
+    if (cfg_load(common_vars, sizeof common_vars / sizeof common_vars[0], err, errlen) != 0)
+        return -1;
+    if (def->n_vars && cfg_load(def->vars, def->n_vars, err, errlen) != 0) return -1;
+    return 0;
+}
+
+static void print_config(const svc_def *def) {
+    printf("## %s\n\n", def->name);
+    cfg_print_markdown(common_vars, sizeof common_vars / sizeof common_vars[0], stdout);
+    if (def->n_vars) cfg_print_markdown(def->vars, def->n_vars, stdout);
+}
+
+int svc_main(const svc_def *def, int argc, char **argv) {
+    char err[1024] = "";
+    int code = 1, migrate_only = 0;
+    auth_verifier *verifier = NULL;
+    rpc_server *srv = NULL;
+
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--help-config") == 0) {
+            print_config(def);
+            return 0;
+        } else if (strcmp(argv[i], "--migrate") == 0) {
+            migrate_only = 1;
+        } else {
+            fprintf(stderr, "usage: %s [--help-config] [--migrate]\n", argv[0]);
+            return 2;
+        }
+    }
+    /* before any thread exists, so every thread inherits the mask and sigwait sees them */
+    rpc_block_signals();
+    signal(SIGPIPE, SIG_IGN);
+    log_init(def->name, LOG_INFO);
+    if (load_config(def, err, sizeof err) != 0) goto fail;
+    int lvl = log_level_parse(C.log_level);
+    if (lvl < 0) {
+        snprintf(err, sizeof err, "UPSQUAD_LOG_LEVEL: unknown level \"%s\"", C.log_level);
+        goto fail;
+    }
+    log_init(def->name, lvl);
+    cfg_log(common_vars, sizeof common_vars / sizeof common_vars[0]);
+    if (def->n_vars) cfg_log(def->vars, def->n_vars);
+    if (migrate_only) {
+        if (def->migrate == NULL) {
+            log_info("svc.migrate", "no migrations");
+            code = 0;
+        } else if (def->migrate(def->state, err, sizeof err) == 0) {
+            code = 0;
+        } else {
+            goto fail;
+        }
+        goto done;
+    }
+    if (make_verifier(&verifier, err, sizeof err) != 0) goto fail;
+    rpc_tls tls = {C.tls_cert, C.tls_key, C.tls_ca};
+    rpc_server_opts o = {
+        .addr = C.grpc_addr,
+        .unary_threads = (int)C.unary_threads,
+        .stream_threads = (int)C.stream_threads,
+        .stream_workers = (int)C.stream_workers,
+        .max_streams = (int)C.max_streams,
+        .stream_queue = (int)C.stream_queue,
+        .tls = C.tls_cert ? &tls : NULL,
+        .auth = verifier,
+    };
+    if (rpc_server_new(&o, &srv, err, sizeof err) != 0) goto fail;
+    if (def->init && def->init(def->state, srv, err, sizeof err) != 0) goto fail;
+    if (rpc_server_start(srv, err, sizeof err) != 0) goto fail;
+    if (C.metrics_addr && C.metrics_addr[0] && metrics_serve(C.metrics_addr, err, sizeof err) != 0)
+        goto fail;
+    printf("port=%d\nmetrics_port=%d\n", rpc_server_port(srv), metrics_port());
+    fflush(stdout);
+    log_info("svc.ready", "%s listening on port %d, metrics on %d", def->name,
+             rpc_server_port(srv), metrics_port());
+    for (;;) {
+        int sig = rpc_wait_signal();
+        if (sig != SIGHUP) {
+            log_info("svc.signal", "signal %d: shutting down", sig);
+            break;
+        }
+        log_info("svc.signal", "SIGHUP: reloading");
+        if (def->reload) def->reload(def->state);
+    }
+    rpc_server_shutdown(srv, (int)C.grace_ms);
+    code = 0;
+    goto done;
+fail:
+    log_error("svc.fatal", "%s", err);
+    code = 1;
+done:
+    if (srv) rpc_server_shutdown(srv, 0);
+    if (def->fini) def->fini(def->state);
+    rpc_server_free(srv);
+    metrics_stop();
+    auth_verifier_free(verifier);
+    cfg_free(common_vars, sizeof common_vars / sizeof common_vars[0]);
+    if (def->n_vars) cfg_free(def->vars, def->n_vars);
+    return code;
+}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# `make test`: a throw-away runtime (private Postgres, Redis, NATS on loopback), every test
+# against it, then the AddressSanitizer/UBSan build of the test programs against it too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export RUN_DIR=${TEST_RUN_DIR:-$(mktemp -d /tmp/upsquad-test.XXXXXX)}
+export PORT_BASE=${TEST_PORT_BASE:-46000}
+export FAST=1 START_SERVICES=0
+cleanup() { # down, then remove the data (a 0700 RUN_DIR keeps Postgres' data under /tmp)
+    scripts/runtime.sh purge >/dev/null 2>&1 || true
+    rm -rf "$RUN_DIR"
+}
+trap cleanup EXIT
+scripts/runtime.sh up
+# shellcheck disable=SC1091
+source "$RUN_DIR/env"
+
+status=0
+echo "== tests (build)"
+tests/run.sh || status=1
+
+if [ "${SKIP_ASAN:-0}" != 1 ]; then
+    echo "== tests (AddressSanitizer + UBSan build)"
+    make --no-print-directory -j"$(nproc)" BUILD=build-asan SAN=1 tests-build >build-asan.log 2>&1 ||
+        { tail -n 80 build-asan.log; exit 1; }
+    rm -f build-asan.log
+    # grpc's and OpenSSL's process-lifetime allocations are not leaks of ours
+    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1}
+    export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+    BUILD=build-asan tests/run.sh --binaries-only || status=1
+fi
+exit $status

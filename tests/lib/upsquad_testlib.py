@@ -1,0 +1,117 @@
+"""Helpers shared by the Python integration tests: generated modules, tokens, processes.
+
+Tests run with Debian's /usr/bin/python3 (python3-grpcio, python3-protobuf). Generated
+modules come from `make py` (build/py); BUILD overrides the build folder.
+"""
+import base64
+import hashlib
+import hmac
+import importlib.util
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BUILD = os.path.join(ROOT, os.environ.get("BUILD", "build"))
+PY = os.path.join(BUILD, "py")
+if PY not in sys.path:
+    sys.path.insert(0, PY)
+
+
+def load_generated(relpath, name):
+    """Loads a generated module by file path: `google.rpc` and `grpc.health` would otherwise
+    collide with the installed google and grpc packages."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(PY, relpath))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def b64url(data):
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def mint(secret, sub="user-1", org="org-1", clearance=3, teams=(), aud="upsquad", ttl=600,
+         alg="HS256", extra=None, now=None):
+    """An HS256 JWT as the gateway forwards it."""
+    now = int(time.time()) if now is None else now
+    header = {"alg": alg, "typ": "JWT"}
+    claims = {"sub": sub, "org_id": org, "clearance": clearance, "teams": list(teams),
+              "aud": aud, "iat": now, "exp": now + ttl}
+    if extra:
+        claims.update(extra)
+    signing = b64url(json.dumps(header).encode()) + "." + b64url(json.dumps(claims).encode())
+    if alg == "none":
+        return signing + "."
+    sig = hmac.new(secret.encode(), signing.encode(), hashlib.sha256).digest()
+    return signing + "." + b64url(sig)
+
+
+class Server:
+    """A service executable started on a free loopback port; stopped by pid."""
+
+    def __init__(self, binary, env=None, ready_timeout=15):
+        self.secret = secrets.token_hex(16)
+        e = dict(os.environ)
+        e.update({"UPSQUAD_GRPC_ADDR": "127.0.0.1:0", "UPSQUAD_METRICS_ADDR": "127.0.0.1:0",
+                  "UPSQUAD_JWT_SECRET": self.secret, "UPSQUAD_LOG_LEVEL": "warn"})
+        e.update(env or {})
+        self.secret = e["UPSQUAD_JWT_SECRET"]
+        path = binary if os.path.isabs(binary) else os.path.join(BUILD, "bin", binary)
+        self.proc = subprocess.Popen([path], env=e, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.port = None
+        deadline = time.time() + ready_timeout
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("port="):
+                self.port = int(line.strip()[5:])
+                m = self.proc.stdout.readline()
+                self.metrics = int(m.strip()[13:]) if m.startswith("metrics_port=") else 0
+                break
+        if self.port is None:
+            self.stop()
+            raise RuntimeError("%s did not start: %s" % (binary, self.proc.stderr.read()[-2000:]))
+        self.addr = "127.0.0.1:%d" % self.port
+
+    def token(self, **kw):
+        return mint(self.secret, **kw)
+
+    def metric(self, name, labels=""):
+        """The value of one series on /metrics, 0.0 when absent."""
+        text = http_get("http://127.0.0.1:%d/metrics" % self.metrics)
+        key = name + ("{" + labels + "}" if labels else "")
+        for line in text.splitlines():
+            if line.startswith(key + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def signal(self, sig):
+        os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout):
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f:
+                f.close()
+
+
+def http_get(url, timeout=5):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()

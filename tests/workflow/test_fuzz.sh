@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Fuzzes the workflow definition validator with libFuzzer (clang, ASan + UBSan) for a bounded
+# time, starting from the committed seeds in tests/workflow/fuzz-seeds. A crash, a sanitizer
+# report or a broken validator contract fails the test; the input is kept under
+# $BUILD/fuzz/artifacts for reproduction (run the binary with that file as its argument).
+#   DEFN_FUZZ_SECONDS   run time (default 30)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BUILD=${BUILD:-build}
+SECONDS_BUDGET=${DEFN_FUZZ_SECONDS:-30}
+out="$BUILD/fuzz"
+bin="$out/defn_fuzz"
+srcs=(services/workflow-engine/defn_*.c tests/workflow/fuzz/defn_fuzz.c)
+mkdir -p "$out/artifacts"
+if [ ! -x "$bin" ] || [ -n "$(find "${srcs[@]}" services/workflow-engine/*.h -newer "$bin" 2>/dev/null)" ]; then
+    clang -std=c11 -D_GNU_SOURCE -g -O1 -fno-omit-frame-pointer \
+        -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+        -Wall -Wextra -Werror -Wno-missing-field-initializers \
+        -Iservices/workflow-engine "${srcs[@]}" -o "$bin" -lcjson -lm
+fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# New inputs go to the scratch corpus; the committed seeds stay as they are.
+"$bin" -max_total_time="$SECONDS_BUDGET" -max_len=32768 -timeout=10 -rss_limit_mb=2048 \
+    -dict=tests/workflow/fuzz/defn.dict -artifact_prefix="$out/artifacts/" -print_final_stats=1 \
+    "$work" tests/workflow/fuzz-seeds >"$work/log" 2>&1 || {
+    tail -60 "$work/log"
+    echo "test_fuzz: FAILED (artifacts in $out/artifacts)"
+    exit 1
+}
+grep -E 'stat::number_of_executed_units|stat::peak_rss_mb' "$work/log" | sed 's/^/test_fuzz: /'
+echo "test_fuzz: OK (${SECONDS_BUDGET}s, no crash)"
