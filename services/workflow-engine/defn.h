@@ -26,10 +26,6 @@
  * and announced by one final violation at the root. */
 #define DEFN_MAX_VIOLATIONS 200
 
-/* Type URL under which the serialized violations ride in google.rpc.Status.details. */
-#define DEFN_VALIDATION_ERROR_TYPE_URL                                                             \
-    "type.googleapis.com/upsquad.workflow.v1.DefinitionValidationError"
-
 enum {
     DEFN_OK = 0,
     DEFN_INVALID = 1,    /* the definition has violations (in *out) */
@@ -80,10 +76,7 @@ void defn_violations_free(defn_violations *v);
  * DEFN_INVALID, or a negative DEFN_ERR_*. */
 int defn_validate(const defn_ctx *ctx, const char *json, size_t len, defn_violations *out);
 
-/* Serializes the violations as an upsquad.workflow.v1.DefinitionValidationError message
- * (field 1: repeated FieldViolation{1: instance_location, 2: message}), ready to be packed into a
- * google.protobuf.Any with DEFN_VALIDATION_ERROR_TYPE_URL. Caller frees *buf. */
-int defn_violations_encode(const defn_violations *v, uint8_t **buf, size_t *len);
+/* As a DefinitionValidationError message (the status detail): see defn_pb.h. */
 
 /* A one-line status message naming the first violation and the count of the others, truncated
  * to fit buf. Returns the length written (without the NUL). */

@@ -250,62 +250,6 @@ int defn_validate(const defn_ctx *ctx, const char *json, size_t len, defn_violat
 
 /* ---- wire form ---- */
 
-static size_t varint_len(uint64_t v) {
-    size_t n = 1;
-    while (v >= 0x80) {
-        v >>= 7;
-        n++;
-    }
-    return n;
-}
-
-static uint8_t *put_varint(uint8_t *p, uint64_t v) {
-    while (v >= 0x80) {
-        *p++ = (uint8_t)(v | 0x80);
-        v >>= 7;
-    }
-    *p++ = (uint8_t)v;
-    return p;
-}
-
-/* Bytes of one FieldViolation body; proto3 leaves empty strings off the wire. */
-static size_t field_violation_len(const defn_violation *fv) {
-    size_t l = strlen(fv->instance_location), m = strlen(fv->message), n = 0;
-    if (l) n += 1 + varint_len(l) + l;
-    if (m) n += 1 + varint_len(m) + m;
-    return n;
-}
-
-static uint8_t *put_string(uint8_t *p, uint8_t tag, const char *s) {
-    size_t n = strlen(s);
-    if (n == 0) return p;
-    *p++ = tag;
-    p = put_varint(p, n);
-    memcpy(p, s, n);
-    return p + n;
-}
-
-int defn_violations_encode(const defn_violations *v, uint8_t **buf, size_t *len) {
-    if (!v || !buf || !len) return DEFN_ERR_ARG;
-    size_t total = 0;
-    for (size_t i = 0; i < v->n; i++) {
-        size_t body = field_violation_len(&v->items[i]);
-        total += 1 + varint_len(body) + body;
-    }
-    uint8_t *out = malloc(total ? total : 1);
-    if (!out) return DEFN_ERR_NOMEM;
-    uint8_t *p = out;
-    for (size_t i = 0; i < v->n; i++) {
-        *p++ = 0x0a; /* field 1 (violations), length-delimited */
-        p = put_varint(p, field_violation_len(&v->items[i]));
-        p = put_string(p, 0x0a, v->items[i].instance_location); /* field 1 */
-        p = put_string(p, 0x12, v->items[i].message);           /* field 2 */
-    }
-    *buf = out;
-    *len = total;
-    return 0;
-}
-
 size_t defn_violations_summary(const defn_violations *v, char *buf, size_t buflen) {
     if (!buflen) return 0;
     int n;

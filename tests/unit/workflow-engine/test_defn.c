@@ -13,6 +13,7 @@
 #include <cmocka.h>
 
 #include "../../../services/workflow-engine/defn.h"
+#include "../../../services/workflow-engine/defn_pb.h"
 
 #define SCHEMA_FILE "services/workflow-engine/schema/workflow-definition.schema.json"
 #define CATALOG_FILE "services/workflow-engine/catalog/tools.json"
@@ -309,17 +310,7 @@ static void test_violation_cap(void **state) {
 
 /* ------------------------------------------------------------------ wire form */
 
-static uint64_t get_varint(const uint8_t **p, const uint8_t *end) {
-    uint64_t v = 0;
-    for (int shift = 0; *p < end && shift < 64; shift += 7) {
-        uint8_t b = *(*p)++;
-        v |= (uint64_t)(b & 0x7f) << shift;
-        if (!(b & 0x80)) return v;
-    }
-    fail_msg("truncated varint");
-    return 0;
-}
-
+/* The detail must decode with the generated descriptor, exactly as a client reads it. */
 static void test_encode_round_trip(void **state) {
     (void)state;
     defn_violations v;
@@ -328,34 +319,21 @@ static void test_encode_round_trip(void **state) {
                                {(char *)"/steps/loop1/max_iterations", (char *)"must be <= 25"}};
     v.items = items;
     v.n = 2;
-    uint8_t *buf;
-    size_t len;
-    assert_int_equal(defn_violations_encode(&v, &buf, &len), 0);
-    /* Decode by hand: repeated field 1 of FieldViolation{1: location, 2: message}. */
-    const uint8_t *p = buf, *end = buf + len;
-    char loc[2][64] = {"", ""}, msg[2][64] = {"", ""};
-    int count = 0;
-    while (p < end) {
-        assert_int_equal(*p++, 0x0a);
-        uint64_t body = get_varint(&p, end);
-        const uint8_t *stop = p + body;
-        assert_true(stop <= end && count < 2);
-        while (p < stop) {
-            uint8_t tag = *p++;
-            uint64_t n = get_varint(&p, stop);
-            assert_true(n < 64 && p + n <= stop);
-            assert_true(tag == 0x0a || tag == 0x12);
-            memcpy(tag == 0x0a ? loc[count] : msg[count], p, n);
-            p += n;
-        }
-        count++;
-    }
-    assert_int_equal(count, 2);
-    assert_string_equal(loc[0], ""); /* proto3: the empty root pointer is left off the wire */
-    assert_string_equal(msg[0], "root problem");
-    assert_string_equal(loc[1], "/steps/loop1/max_iterations");
-    assert_string_equal(msg[1], "must be <= 25");
-    assert_int_equal(len, 2 + 14 + 2 + (2 + 27 + 2 + 13));
+    defn_pb_error *m = NULL;
+    assert_int_equal(defn_violations_to_pb(&v, &m), 0);
+    size_t len = protobuf_c_message_get_packed_size(&m->base);
+    uint8_t *buf = malloc(len);
+    assert_non_null(buf);
+    assert_int_equal(protobuf_c_message_pack(&m->base, buf), len);
+    defn_violations_pb_free(m);
+    defn_pb_error *back = upsquad__workflow__v1__definition_validation_error__unpack(NULL, len, buf);
+    assert_non_null(back);
+    assert_int_equal(back->n_violations, 2);
+    assert_string_equal(back->violations[0]->instance_location, "");
+    assert_string_equal(back->violations[0]->message, "root problem");
+    assert_string_equal(back->violations[1]->instance_location, "/steps/loop1/max_iterations");
+    assert_string_equal(back->violations[1]->message, "must be <= 25");
+    upsquad__workflow__v1__definition_validation_error__free_unpacked(back, NULL);
     free(buf);
 }
 

@@ -49,10 +49,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (loc[0] != '\0' && loc[0] != '/') abort();
         if (v.items[i].message[0] == '\0') abort();
     }
-    uint8_t *buf = NULL;
-    size_t len = 0;
-    if (defn_violations_encode(&v, &buf, &len) != 0) abort();
-    free(buf);
     char summary[256];
     defn_violations_summary(&v, summary, sizeof(summary));
     defn_violations_free(&v);
