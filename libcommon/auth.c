@@ -7,6 +7,7 @@
  * The signature is checked before the payload is parsed: unauthenticated claims are never
  * interpreted. */
 #include "auth.h"
+#include "util.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -56,17 +57,7 @@ struct auth_signer {
     EVP_PKEY *pkey;
 };
 
-static int auth__fail(char *err, size_t errlen, int code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int auth__fail(char *err, size_t errlen, int code, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return code;
-}
+#define auth__fail util_errf
 
 /* EVP_sha256() triggers an implicit provider fetch on every use in OpenSSL 3; fetch once. */
 static pthread_once_t auth__md_once = PTHREAD_ONCE_INIT;

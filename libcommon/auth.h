@@ -70,8 +70,8 @@ typedef struct auth_claims {
     int clearance;
     const char *const *teams;
     size_t n_teams;
-    int64_t iat;   /* 0 = now */
-    int64_t ttl_s; /* exp = iat + ttl_s */
+    int64_t iat;            /* 0 = now */
+    int64_t ttl_s;          /* exp = iat + ttl_s */
     const char *extra_json; /* optional JSON object whose members are added (e.g. "scope") */
 } auth_claims;
 

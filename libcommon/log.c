@@ -3,6 +3,7 @@
  * atomic, so lines from concurrent threads and processes sharing stderr never interleave.
  * A message that does not fit is cut on a UTF-8 character boundary and ends with "…". */
 #include "log.h"
+#include "util.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -56,30 +57,6 @@ const char *log_get_trace(void) {
     return log__trace[0] ? log__trace : NULL;
 }
 
-/* Length of the well-formed UTF-8 sequence at s (at most n bytes), or 0 when the bytes are
- * not valid UTF-8 (overlongs, surrogates and code points above U+10FFFF included). */
-static size_t log__utf8_len(const unsigned char *s, size_t n) {
-    unsigned c = s[0], min;
-    size_t len;
-    if (c < 0x80) return 1;
-    if ((c & 0xE0) == 0xC0) {
-        len = 2, min = 0x80, c &= 0x1F;
-    } else if ((c & 0xF0) == 0xE0) {
-        len = 3, min = 0x800, c &= 0x0F;
-    } else if ((c & 0xF8) == 0xF0) {
-        len = 4, min = 0x10000, c &= 0x07;
-    } else {
-        return 0;
-    }
-    if (len > n) return 0;
-    for (size_t i = 1; i < len; i++) {
-        if ((s[i] & 0xC0) != 0x80) return 0;
-        c = (c << 6) | (s[i] & 0x3F);
-    }
-    if (c < min || c > 0x10FFFF || (c >= 0xD800 && c <= 0xDFFF)) return 0;
-    return len;
-}
-
 /* Appends the JSON-escaped form of s[0..n) to buf at *pos without passing cap. Invalid UTF-8
  * becomes U+FFFD so that every line is valid JSON. Returns 1 when everything fit, 0 when it
  * stopped early (always on a character boundary). */
@@ -107,7 +84,7 @@ static int log__escape(char *buf, size_t *pos, size_t cap, const char *s, size_t
         } else if (c < 0x80) {
             tmp[0] = (char)c, outlen = 1;
         } else {
-            adv = log__utf8_len(u + i, n - i);
+            adv = util_utf8_len(u + i, n - i);
             if (adv == 0) {
                 adv = 1, out = "\xEF\xBF\xBD", outlen = 3;
             } else {

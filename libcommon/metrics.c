@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "util.h"
 
 typedef enum { METRICS__COUNTER, METRICS__GAUGE, METRICS__HISTOGRAM } metrics__type;
 
@@ -630,17 +631,7 @@ static void metrics__mhd_log(void *cls, const char *fmt, va_list ap) {
     log_vwrite(LOG_WARN, "metrics.http", fmt, ap);
 }
 
-static int metrics__fail(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int metrics__fail(char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
+#define metrics__fail(err, errlen, ...) util_errf((err), (errlen), -1, __VA_ARGS__)
 
 /* "host:port", ":port" (every interface), "[v6]:port" -> a bound, listening socket. */
 static int metrics__listen(const char *addr, int *port, char *err, size_t errlen) {

@@ -1,5 +1,6 @@
 /* Struct <-> cJSON and Timestamp helpers: see pbjson.h. */
 #include "pbjson.h"
+#include "util.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -57,33 +58,6 @@ static void pbjson__push(pbjson__ctx *c, const char *tok) {
 static void pbjson__pop(pbjson__ctx *c, size_t plen) {
     c->plen = plen;
     c->path[plen] = '\0';
-}
-
-static int pbjson__utf8_valid(const char *str) {
-    const unsigned char *s = (const unsigned char *)str;
-    while (*s) {
-        unsigned c = *s, len, min;
-        if (c < 0x80) {
-            s++;
-            continue;
-        }
-        if ((c & 0xE0) == 0xC0) {
-            len = 2, min = 0x80, c &= 0x1F;
-        } else if ((c & 0xF0) == 0xE0) {
-            len = 3, min = 0x800, c &= 0x0F;
-        } else if ((c & 0xF8) == 0xF0) {
-            len = 4, min = 0x10000, c &= 0x07;
-        } else {
-            return 0;
-        }
-        for (unsigned i = 1; i < len; i++) { /* stops at the NUL: it is not a continuation */
-            if ((s[i] & 0xC0) != 0x80) return 0;
-            c = (c << 6) | (s[i] & 0x3F);
-        }
-        if (c < min || c > 0x10FFFF || (c >= 0xD800 && c <= 0xDFFF)) return 0;
-        s += len;
-    }
-    return 1;
 }
 
 /* ---- freeing heap trees ---- */
@@ -160,7 +134,7 @@ static int pbjson__struct(pbjson__ctx *c, const cJSON *obj, pb_struct **out, int
     for (const cJSON *m = obj->child; m; m = m->next)
         n++;
     for (const cJSON *m = obj->child; m; m = m->next) {
-        if (!m->string || !pbjson__utf8_valid(m->string))
+        if (!m->string || !util_utf8_valid(m->string))
             return pbjson__fail(c, "member name is not valid UTF-8");
     }
     if (pbjson__check_keys(c, obj, n) != 0) return -1;
@@ -236,7 +210,7 @@ static int pbjson__value(pbjson__ctx *c, const cJSON *j, pb_value **out, int dep
             v->number_value = j->valuedouble;
         }
     } else if (cJSON_IsString(j)) {
-        if (!j->valuestring || !pbjson__utf8_valid(j->valuestring)) {
+        if (!j->valuestring || !util_utf8_valid(j->valuestring)) {
             rc = pbjson__fail(c, "string is not valid UTF-8");
         } else if (!(v->string_value = strdup(j->valuestring))) {
             rc = pbjson__fail(c, "out of memory");

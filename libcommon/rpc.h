@@ -51,11 +51,11 @@ enum {
 };
 /* Library return codes (negative; never sent on the wire). */
 enum {
-    RPC_EFULL = -1,      /* stream queue full: the subscriber is slow */
-    RPC_ECLOSED = -2,    /* stream cancelled / finished / client gone */
+    RPC_EFULL = -1,   /* stream queue full: the subscriber is slow */
+    RPC_ECLOSED = -2, /* stream cancelled / finished / client gone */
     RPC_ENOMEM = -3,
     RPC_EINVAL = -4,
-    RPC_EDETACHED = -5,  /* returned by a stream handler that handed its stream to a producer */
+    RPC_EDETACHED = -5, /* returned by a stream handler that handed its stream to a producer */
 };
 
 typedef struct rpc_server rpc_server;
@@ -86,17 +86,17 @@ typedef struct rpc_tls {
 } rpc_tls;
 
 typedef struct rpc_server_opts {
-    const char *addr;          /* "127.0.0.1:50051"; port 0 picks one (rpc_server_port) */
-    int unary_threads;         /* default 2 */
-    int stream_threads;        /* default 0: stream I/O shares the unary queues */
-    int stream_workers;        /* default 16 */
-    int max_streams;           /* default 1024 */
-    int stream_queue;          /* frames per stream, default 256 */
-    int max_recv_bytes;        /* default 4 MiB */
-    int max_send_bytes;        /* default 16 MiB */
+    const char *addr;           /* "127.0.0.1:50051"; port 0 picks one (rpc_server_port) */
+    int unary_threads;          /* default 2 */
+    int stream_threads;         /* default 0: stream I/O shares the unary queues */
+    int stream_workers;         /* default 16 */
+    int max_streams;            /* default 1024 */
+    int stream_queue;           /* frames per stream, default 256 */
+    int max_recv_bytes;         /* default 4 MiB */
+    int max_send_bytes;         /* default 16 MiB */
     int max_concurrent_streams; /* HTTP/2 streams per connection, default 256 */
-    const rpc_tls *tls;        /* NULL: plaintext */
-    const auth_verifier *auth; /* NULL: every RPC_AUTH_REQUIRED method answers UNAUTHENTICATED */
+    const rpc_tls *tls;         /* NULL: plaintext */
+    const auth_verifier *auth;  /* NULL: every RPC_AUTH_REQUIRED method answers UNAUTHENTICATED */
 } rpc_server_opts;
 
 int rpc_server_new(const rpc_server_opts *opts, rpc_server **out, char *err, size_t errlen);
@@ -121,7 +121,7 @@ int rpc_wait_signal(void);
 /* ---- inside a handler ---- */
 const auth_identity *rpc_identity(const rpc_call *call); /* NULL for RPC_AUTH_NONE methods */
 const char *rpc_method_path(const rpc_call *call);
-const char *rpc_trace_id(const rpc_call *call);        /* x-request-id or generated */
+const char *rpc_trace_id(const rpc_call *call); /* x-request-id or generated */
 /* First value of a request metadata key (lowercase), copied; NULL when absent. */
 const char *rpc_metadata(const rpc_call *call, const char *key);
 /* Milliseconds left before the client's deadline; INT64_MAX when none. */
@@ -130,7 +130,7 @@ int64_t rpc_deadline_ms(const rpc_call *call);
 int rpc_cancelled(const rpc_call *call);
 
 /* Call-scoped arena: freed after the reply is sent. */
-void *rpc_alloc(rpc_call *call, size_t n);           /* zeroed */
+void *rpc_alloc(rpc_call *call, size_t n); /* zeroed */
 char *rpc_strdup(rpc_call *call, const char *s);
 char *rpc_strndup(rpc_call *call, const char *s, size_t n);
 char *rpc_sprintf(rpc_call *call, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -44,8 +44,7 @@ void rpc_status_clear(rpc_status *st) {
     memset(st, 0, sizeof *st);
 }
 
-static grpc_channel_credentials *client_creds(const rpc_client_tls *tls, char *err,
-                                              size_t errlen) {
+static grpc_channel_credentials *client_creds(const rpc_client_tls *tls, char *err, size_t errlen) {
     char *ca = NULL, *cert = NULL, *key = NULL;
     grpc_channel_credentials *creds = NULL;
     if ((tls->ca_file && rpc__read_file(tls->ca_file, &ca, err, errlen) != 0) ||
@@ -73,13 +72,16 @@ int rpc_channel_new(const rpc_channel_opts *o, rpc_channel **out, char *err, siz
     }
     rpc__install_log_hook();
     grpc_init();
-    args[n++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+    args[n++] = (grpc_arg){GRPC_ARG_INTEGER,
+                           GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
                            {.integer = o->max_recv_bytes > 0 ? o->max_recv_bytes : 16 << 20}};
     if (o->round_robin)
-        args[n++] = (grpc_arg){GRPC_ARG_STRING, GRPC_ARG_SERVICE_CONFIG,
+        args[n++] = (grpc_arg){GRPC_ARG_STRING,
+                               GRPC_ARG_SERVICE_CONFIG,
                                {.string = "{\"loadBalancingConfig\":[{\"round_robin\":{}}]}"}};
     if (o->tls && o->tls->server_name_override)
-        args[n++] = (grpc_arg){GRPC_ARG_STRING, GRPC_SSL_TARGET_NAME_OVERRIDE_ARG,
+        args[n++] = (grpc_arg){GRPC_ARG_STRING,
+                               GRPC_SSL_TARGET_NAME_OVERRIDE_ARG,
                                {.string = (char *)o->tls->server_name_override}};
     grpc_channel_args ca = {n, args};
     creds = o->tls ? client_creds(o->tls, err, errlen) : grpc_insecure_credentials_create();
@@ -115,7 +117,8 @@ static void md_build(call_md *m, const rpc_call_opts *o) {
     if (o == NULL) return;
     if (o->bearer) md_add(m, "authorization", "Bearer ", o->bearer);
     if (o->trace_id) md_add(m, "x-request-id", "", o->trace_id);
-    for (size_t i = 0; i < o->n_md; i++) md_add(m, o->md[i].key, "", o->md[i].value);
+    for (size_t i = 0; i < o->n_md; i++)
+        md_add(m, o->md[i].key, "", o->md[i].value);
 }
 
 static void md_free(call_md *m) {
@@ -128,14 +131,13 @@ static void md_free(call_md *m) {
 
 static grpc_call *call_create(rpc_channel *ch, grpc_completion_queue *cq, const char *method,
                               const rpc_call_opts *o) {
-    gpr_timespec deadline =
-        (o && o->timeout_ms > 0)
-            ? gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
-                           gpr_time_from_millis(o->timeout_ms, GPR_TIMESPAN))
-            : gpr_inf_future(GPR_CLOCK_MONOTONIC);
+    gpr_timespec deadline = (o && o->timeout_ms > 0)
+                                ? gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                               gpr_time_from_millis(o->timeout_ms, GPR_TIMESPAN))
+                                : gpr_inf_future(GPR_CLOCK_MONOTONIC);
     grpc_slice m = grpc_slice_from_copied_string(method);
-    grpc_call *call =
-        grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, m, NULL, deadline, NULL);
+    grpc_call *call = grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, m, NULL,
+                                               deadline, NULL);
     grpc_slice_unref(m);
     return call;
 }

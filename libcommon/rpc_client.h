@@ -14,16 +14,16 @@ typedef struct rpc_channel rpc_channel;
 typedef struct rpc_reader rpc_reader;
 
 typedef struct rpc_client_tls {
-    const char *ca_file;               /* roots to verify the server with (PEM file) */
-    const char *cert_file, *key_file;  /* client certificate for mTLS; NULL for TLS only */
-    const char *server_name_override;  /* tests: the name the server certificate carries */
+    const char *ca_file;              /* roots to verify the server with (PEM file) */
+    const char *cert_file, *key_file; /* client certificate for mTLS; NULL for TLS only */
+    const char *server_name_override; /* tests: the name the server certificate carries */
 } rpc_client_tls;
 
 typedef struct rpc_channel_opts {
-    const char *target;         /* "127.0.0.1:50051", "ipv4:10.0.0.1:1,10.0.0.2:1", "dns:///w:50051" */
-    int round_robin;            /* spread calls over every resolved address */
-    int max_recv_bytes;         /* default 16 MiB */
-    const rpc_client_tls *tls;  /* NULL: plaintext */
+    const char *target; /* "127.0.0.1:50051", "ipv4:10.0.0.1:1,10.0.0.2:1", "dns:///w:50051" */
+    int round_robin;    /* spread calls over every resolved address */
+    int max_recv_bytes; /* default 16 MiB */
+    const rpc_client_tls *tls; /* NULL: plaintext */
 } rpc_channel_opts;
 
 typedef struct rpc_md {

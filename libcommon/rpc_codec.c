@@ -81,8 +81,8 @@ static int depth_ok(const ProtobufCMessageDescriptor *d, const uint8_t *p, const
 /* Decodes with `alloc` (the call arena on the server, so nothing is freed one by one).
  * A message that arrives in several slices is flattened once. Messages nested deeper than
  * RPC_MAX_NESTING are refused (only a message long enough to be that deep is walked). */
-int rpc__decode(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *d, ProtobufCAllocator *alloc,
-                ProtobufCMessage **out) {
+int rpc__decode(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *d,
+                ProtobufCAllocator *alloc, ProtobufCMessage **out) {
     grpc_byte_buffer_reader r;
     grpc_slice s;
     if (bb == NULL) {
@@ -148,7 +148,8 @@ static void rpc__gpr_log(gpr_log_func_args *args) {
     int lvl = args->severity == GPR_LOG_SEVERITY_ERROR  ? LOG_WARN
               : args->severity == GPR_LOG_SEVERITY_INFO ? LOG_DEBUG
                                                         : LOG_DEBUG;
-    if (log__level <= lvl) log_write(lvl, "grpc.core", "%s:%d %s", args->file, args->line, args->message);
+    if (log__level <= lvl)
+        log_write(lvl, "grpc.core", "%s:%d %s", args->file, args->line, args->message);
 }
 
 void rpc__install_log_hook(void) {

@@ -82,7 +82,8 @@ void rpc__health_set_all(rpc__health *h, int serving) {
     size_t n = h->n;
     memcpy(names, h->names, sizeof names);
     pthread_mutex_unlock(&h->mu);
-    for (size_t i = 0; i < n; i++) rpc__health_set(h, names[i], serving);
+    for (size_t i = 0; i < n; i++)
+        rpc__health_set(h, names[i], serving);
 }
 
 static int health_check(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,

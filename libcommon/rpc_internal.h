@@ -76,13 +76,13 @@ struct rpc_call {
 
     /* outgoing status */
     int code;
-    char *message;                 /* arena */
-    void **details;                /* arena array of packed google.protobuf.Any */
+    char *message;  /* arena */
+    void **details; /* arena array of packed google.protobuf.Any */
     size_t n_details, cap_details;
-    grpc_slice status_slice;       /* kept until the final batch completes */
-    grpc_metadata trailer;         /* grpc-status-details-bin */
+    grpc_slice status_slice; /* kept until the final batch completes */
+    grpc_metadata trailer;   /* grpc-status-details-bin */
     int has_trailer;
-    grpc_byte_buffer *reply;       /* unary reply in flight */
+    grpc_byte_buffer *reply; /* unary reply in flight */
 
     /* server streaming (guarded by mu) */
     pthread_mutex_t mu;
@@ -134,8 +134,8 @@ void rpc__health_set_all(rpc__health *h, int serving);
 /* rpc_codec.c: protobuf-c <-> grpc byte buffers */
 #define RPC_MAX_NESTING 64 /* deepest message nesting a request may have */
 grpc_byte_buffer *rpc__encode(const ProtobufCMessage *msg);
-int rpc__decode(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *d, ProtobufCAllocator *alloc,
-                ProtobufCMessage **out);
+int rpc__decode(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *d,
+                ProtobufCAllocator *alloc, ProtobufCMessage **out);
 grpc_slice rpc__encode_slice(const ProtobufCMessage *msg);
 void rpc__install_log_hook(void);
 int64_t rpc__now_ns(void);

@@ -74,11 +74,10 @@ struct rpc_server {
 };
 
 static const char *const code_names[17] = {
-    "OK",           "CANCELLED",          "UNKNOWN",          "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED", "NOT_FOUND",     "ALREADY_EXISTS",   "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",   "OUT_OF_RANGE",
-    "UNIMPLEMENTED", "INTERNAL",          "UNAVAILABLE",      "DATA_LOSS",
-    "UNAUTHENTICATED"};
+    "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+    "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+    "DATA_LOSS", "UNAUTHENTICATED"};
 
 /* ---------------------------------------------------------------- call lifetime ---- */
 
@@ -271,7 +270,8 @@ static void call_trace(rpc_call *c) {
     static const char hex[] = "0123456789abcdef";
     for (int k = 0; k < 2; k++) {
         rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-        for (int i = 0; i < 16; i++) c->trace[16 * k + i] = hex[(rng >> (4 * i)) & 15];
+        for (int i = 0; i < 16; i++)
+            c->trace[16 * k + i] = hex[(rng >> (4 * i)) & 15];
     }
     c->trace[32] = 0;
 }
@@ -286,8 +286,8 @@ static int call_prepare(rpc_call *c) {
         if (c->srv->o.auth == NULL)
             return rpc_error(c, RPC_UNAUTHENTICATED, "no token verifier configured");
         int arc = auth_verify_bearer(c->srv->o.auth, (const char *)GRPC_SLICE_START_PTR(a->value),
-                                    GRPC_SLICE_LENGTH(a->value), (int64_t)time(NULL), &c->ident_mem,
-                                    err, sizeof err);
+                                     GRPC_SLICE_LENGTH(a->value), (int64_t)time(NULL),
+                                     &c->ident_mem, err, sizeof err);
         if (arc != AUTH_OK) return rpc_error(c, RPC_UNAUTHENTICATED, "invalid token: %s", err);
         c->ident = &c->ident_mem;
     }
@@ -414,7 +414,8 @@ static void *stream_worker(void *arg) {
     rpc_server *s = arg;
     for (;;) {
         pthread_mutex_lock(&s->wmu);
-        while (s->wq_len == 0 && !s->wstop) pthread_cond_wait(&s->wcv, &s->wmu);
+        while (s->wq_len == 0 && !s->wstop)
+            pthread_cond_wait(&s->wcv, &s->wmu);
         if (s->wq_len == 0) {
             pthread_mutex_unlock(&s->wmu);
             break;
@@ -451,8 +452,7 @@ static void listener_arm(rpc__listener *l) {
                                                 &l->md, &l->payload, l->cq, l->cq, &l->t);
     } else {
         grpc_call_details_init(&l->details);
-        e = grpc_server_request_call(l->s->srv, &l->call, &l->details, &l->md, l->cq, l->cq,
-                                     &l->t);
+        e = grpc_server_request_call(l->s->srv, &l->call, &l->details, &l->md, l->cq, l->cq, &l->t);
     }
     if (e != GRPC_CALL_OK) {
         log_warn("rpc.listen", "request for new calls refused: %d", (int)e);
@@ -464,8 +464,9 @@ static void unknown_answer(rpc__listener *l) {
     rpc__unknown *u = calloc(1, sizeof *u);
     grpc_call *call = l->call;
     char buf[300];
-    int n = snprintf(buf, sizeof buf, "unknown method %.*s", (int)GRPC_SLICE_LENGTH(l->details.method),
-                     (const char *)GRPC_SLICE_START_PTR(l->details.method));
+    int n =
+        snprintf(buf, sizeof buf, "unknown method %.*s", (int)GRPC_SLICE_LENGTH(l->details.method),
+                 (const char *)GRPC_SLICE_START_PTR(l->details.method));
     (void)n;
     grpc_call_details_destroy(&l->details);
     grpc_metadata_array_destroy(&l->md);
@@ -555,8 +556,7 @@ static void on_request(rpc__listener *l, int ok) {
 
 static void on_close(rpc_call *c) {
     if (c->recv_close_cancelled) atomic_store(&c->cancelled, 1);
-    if (c->is_stream)
-        rpc__stream_on_close(c);
+    if (c->is_stream) rpc__stream_on_close(c);
     rpc_call_unref(c);
 }
 
@@ -670,8 +670,9 @@ int rpc_server_add(rpc_server *s, const rpc_method *methods, size_t n) {
         if (d->service == NULL) return RPC_ENOMEM;
         char labels[400];
         snprintf(labels, sizeof labels, "method=\"%s\"", m->path);
-        d->latency = metrics_histogram("rpc_server_handling_seconds",
-                                       "RPC handling time, from arrival to status", labels, NULL, 0);
+        d->latency =
+            metrics_histogram("rpc_server_handling_seconds",
+                              "RPC handling time, from arrival to status", labels, NULL, 0);
         s->n_methods++;
     }
     return RPC_OK;
@@ -742,11 +743,12 @@ static void arm_all(rpc_server *s) {
 
 int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
     grpc_arg args[4];
-    args[0] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
-                         {.integer = s->o.max_recv_bytes}};
-    args[1] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
-                         {.integer = s->o.max_send_bytes}};
-    args[2] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONCURRENT_STREAMS,
+    args[0] = (grpc_arg){
+        GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, {.integer = s->o.max_recv_bytes}};
+    args[1] = (grpc_arg){
+        GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, {.integer = s->o.max_send_bytes}};
+    args[2] = (grpc_arg){GRPC_ARG_INTEGER,
+                         GRPC_ARG_MAX_CONCURRENT_STREAMS,
                          {.integer = s->o.max_concurrent_streams}};
     args[3] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, {.integer = 0}};
     grpc_channel_args ca = {4, args};
@@ -775,7 +777,8 @@ int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
             return RPC_EINVAL;
         }
     }
-    creds = s->o.tls ? server_creds(s->o.tls, err, errlen) : grpc_insecure_server_credentials_create();
+    creds =
+        s->o.tls ? server_creds(s->o.tls, err, errlen) : grpc_insecure_server_credentials_create();
     if (creds == NULL) return RPC_EINVAL;
     s->port = grpc_server_add_http2_port(s->srv, s->addr, creds);
     grpc_server_credentials_release(creds);
@@ -787,8 +790,8 @@ int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
     s->started = 1;
     size_t nl = 1;
     for (size_t i = 0; i < s->n_methods; i++)
-        nl += (size_t)(s->methods[i].m.kind == RPC_UNARY ? s->n_ucq : s->n_scq) *
-              LISTENERS_PER_QUEUE;
+        nl +=
+            (size_t)(s->methods[i].m.kind == RPC_UNARY ? s->n_ucq : s->n_scq) * LISTENERS_PER_QUEUE;
     s->listeners = calloc(nl, sizeof *s->listeners);
     if (s->listeners == NULL) goto oom;
     arm_all(s);
@@ -799,7 +802,8 @@ int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
         snprintf(err, errlen, "cannot start threads");
         return RPC_ENOMEM;
     }
-    for (size_t i = 0; i < s->n_methods; i++) rpc__health_set(s->health, s->methods[i].service, 1);
+    for (size_t i = 0; i < s->n_methods; i++)
+        rpc__health_set(s->health, s->methods[i].service, 1);
     rpc__health_set(s->health, "", 1);
     log_info("rpc.listen", "serving %zu methods on %s (port %d, %s)", s->n_methods, s->addr,
              s->port, s->o.tls ? (s->o.tls->client_ca_file ? "mTLS" : "TLS") : "plaintext");
@@ -866,8 +870,8 @@ void rpc_server_shutdown(rpc_server *s, int grace_ms) {
     rpc__health_set_all(s->health, 0);
     grpc_server_shutdown_and_notify(s->srv, s->shutdown_cq, &s->t_shutdown);
     finish_detached(s);
-    gpr_timespec until = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
-                                      gpr_time_from_millis(grace_ms, GPR_TIMESPAN));
+    gpr_timespec until =
+        gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(grace_ms, GPR_TIMESPAN));
     grpc_event ev = grpc_completion_queue_pluck(s->shutdown_cq, &s->t_shutdown, until, NULL);
     if (ev.type == GRPC_QUEUE_TIMEOUT) {
         log_warn("rpc.shutdown", "grace period over: cancelling the calls still running");
@@ -879,27 +883,35 @@ void rpc_server_shutdown(rpc_server *s, int grace_ms) {
     s->wstop = 1;
     pthread_cond_broadcast(&s->wcv);
     pthread_mutex_unlock(&s->wmu);
-    for (int i = 0; i < s->n_workers; i++) pthread_join(s->wthr[i], NULL);
+    for (int i = 0; i < s->n_workers; i++)
+        pthread_join(s->wthr[i], NULL);
     grpc_server_destroy(s->srv);
     s->srv = NULL;
-    for (int i = 0; i < s->n_ucq; i++) grpc_completion_queue_shutdown(s->ucq[i]);
-    for (int i = 0; !s->shared_cq && i < s->n_scq; i++) grpc_completion_queue_shutdown(s->scq[i]);
-    for (int i = 0; i < s->n_ucq; i++) pthread_join(s->uthr[i], NULL);
-    for (int i = 0; !s->shared_cq && i < s->n_scq; i++) pthread_join(s->sthr[i], NULL);
+    for (int i = 0; i < s->n_ucq; i++)
+        grpc_completion_queue_shutdown(s->ucq[i]);
+    for (int i = 0; !s->shared_cq && i < s->n_scq; i++)
+        grpc_completion_queue_shutdown(s->scq[i]);
+    for (int i = 0; i < s->n_ucq; i++)
+        pthread_join(s->uthr[i], NULL);
+    for (int i = 0; !s->shared_cq && i < s->n_scq; i++)
+        pthread_join(s->sthr[i], NULL);
     log_info("rpc.shutdown", "stopped");
 }
 
 void rpc_server_free(rpc_server *s) {
     if (s == NULL) return;
     if (s->started) rpc_server_shutdown(s, 0);
-    for (int i = 0; i < s->n_ucq; i++) grpc_completion_queue_destroy(s->ucq[i]);
-    for (int i = 0; !s->shared_cq && i < s->n_scq; i++) grpc_completion_queue_destroy(s->scq[i]);
+    for (int i = 0; i < s->n_ucq; i++)
+        grpc_completion_queue_destroy(s->ucq[i]);
+    for (int i = 0; !s->shared_cq && i < s->n_scq; i++)
+        grpc_completion_queue_destroy(s->scq[i]);
     if (s->shutdown_cq) {
         grpc_completion_queue_shutdown(s->shutdown_cq);
         grpc_completion_queue_destroy(s->shutdown_cq);
     }
     if (s->srv) grpc_server_destroy(s->srv);
-    for (size_t i = 0; i < s->n_methods; i++) free(s->methods[i].service);
+    for (size_t i = 0; i < s->n_methods; i++)
+        free(s->methods[i].service);
     rpc__health_free(s->health);
     free(s->methods);
     free(s->listeners);

@@ -39,8 +39,7 @@ static const cfg_var common_vars[] = {
     {"UPSQUAD_RPC_UNARY_THREADS", CFG_INT, "2",
      "threads running unary calls inline, one completion queue each (about one per core: "
      "every extra poller costs wake-ups; more only when handlers block on I/O)",
-     &C.unary_threads,
-     1, 256},
+     &C.unary_threads, 1, 256},
     {"UPSQUAD_RPC_STREAM_THREADS", CFG_INT, "0",
      "threads driving streaming I/O; 0 shares the unary threads (best unless unary handlers "
      "block for long)",
@@ -151,8 +150,8 @@ int svc_main(const svc_def *def, int argc, char **argv) {
         goto fail;
     printf("port=%d\nmetrics_port=%d\n", rpc_server_port(srv), metrics_port());
     fflush(stdout);
-    log_info("svc.ready", "%s listening on port %d, metrics on %d", def->name,
-             rpc_server_port(srv), metrics_port());
+    log_info("svc.ready", "%s listening on port %d, metrics on %d", def->name, rpc_server_port(srv),
+             metrics_port());
     for (;;) {
         int sig = rpc_wait_signal();
         if (sig != SIGHUP) {

@@ -27,8 +27,8 @@ typedef struct svc_def {
      * methods with rpc_server_add. Returns 0, or non-zero with err filled (exit 1). */
     int (*init)(void *state, rpc_server *srv, char *err, size_t errlen);
     int (*migrate)(void *state, char *err, size_t errlen); /* optional: --migrate */
-    void (*reload)(void *state);                         /* optional: SIGHUP */
-    void (*fini)(void *state);                           /* optional: after the server stopped */
+    void (*reload)(void *state);                           /* optional: SIGHUP */
+    void (*fini)(void *state);                             /* optional: after the server stopped */
 } svc_def;
 
 /* Runs the service until SIGTERM/SIGINT; returns the process exit code. Prints "port=N" and

@@ -1,5 +1,6 @@
 /* Parsing and validation of the model catalogue data file. */
 #include "catalog.h"
+#include "util.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -12,17 +13,7 @@
 
 #define MR_TEXT_MAX 4096 /* longest free-text field (score_basis, note, url) */
 
-static int fail(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
+#define fail(err, errlen, ...) util_errf((err), (errlen), -1, __VA_ARGS__)
 
 /* ---- dates (proleptic Gregorian, days since 1970-01-01) ---- */
 

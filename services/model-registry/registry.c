@@ -13,6 +13,7 @@
 #include "ids.h"
 #include "log.h"
 #include "store.h"
+#include "util.h"
 
 /* ---- configuration ---- */
 
@@ -55,15 +56,7 @@ mr_config *mr_config_get(void) {
 
 /* ---- helpers ---- */
 
-static int fail(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return -1;
-}
+#define fail(err, errlen, ...) util_errf((err), (errlen), -1, __VA_ARGS__)
 
 /* Set, and not the explicit "none" (an empty variable counts as unset, so it cannot say no). */
 static int set(const char *s) {

@@ -1,5 +1,6 @@
 /* Role x goal scoring, ListModels filtering and CompareModels selection (pure functions). */
 #include "score.h"
+#include "util.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -41,17 +42,7 @@ static const struct {
 };
 
 /* Fills err and returns code (MR_EINVAL, MR_ENONE, MR_ENOTFOUND). */
-static int fail(int code, char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int fail(int code, char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return code;
-}
+#define fail(code, err, errlen, ...) util_errf((err), (errlen), (code), __VA_ARGS__)
 
 /* ---- roles and goals ---- */
 

@@ -1,5 +1,6 @@
 /* The model registry's SQL: loading the data file into model_registry, reading it back. */
 #include "store.h"
+#include "util.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -127,17 +128,7 @@
 #define SQL_LAST_LOAD                                                                              \
     "SELECT load_id, catalog_version FROM " S "catalog_loads ORDER BY load_id DESC LIMIT 1"
 
-static int fail(int code, char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int fail(int code, char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return code;
-}
+#define fail(code, err, errlen, ...) util_errf((err), (errlen), (code), __VA_ARGS__)
 
 /* Adds the rows a data-modifying statement reported (the catalog_changes it wrote). */
 static int exec_count(PGconn *c, const char *sql, int n, const char *const *params, int *count,

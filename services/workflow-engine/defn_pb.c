@@ -7,8 +7,8 @@ typedef Upsquad__Workflow__V1__DefinitionValidationError__FieldViolation defn_pb
 
 int defn_violations_to_pb(const defn_violations *v, defn_pb_error **out) {
     if (!v || !out) return DEFN_ERR_ARG;
-    defn_pb_error *m = malloc(sizeof *m + v->n * (sizeof(defn_pb_violation *) +
-                                                  sizeof(defn_pb_violation)));
+    defn_pb_error *m =
+        malloc(sizeof *m + v->n * (sizeof(defn_pb_violation *) + sizeof(defn_pb_violation)));
     if (!m) return DEFN_ERR_NOMEM;
     upsquad__workflow__v1__definition_validation_error__init(m);
     defn_pb_violation **ptrs = (defn_pb_violation **)(m + 1);

@@ -33,7 +33,8 @@ static char *mint(const char *secret, const char *sub, const char *org) {
     auth_signer *s = NULL;
     char err[200], *tok = NULL;
     assert_int_equal(auth_signer_new("HS256", secret, &s, err, sizeof err), AUTH_OK);
-    auth_claims c = {.sub = sub, .org_id = org, .audience = "upsquad", .clearance = 2, .ttl_s = 600};
+    auth_claims c = {
+        .sub = sub, .org_id = org, .audience = "upsquad", .clearance = 2, .ttl_s = 600};
     assert_int_equal(auth_mint(s, &c, &tok, err, sizeof err), AUTH_OK);
     auth_signer_free(s);
     return tok;
@@ -273,7 +274,8 @@ static void test_mtls(void **state) {
     snprintf(f[0], sizeof f[0], "%s/ca.pem", dir);
     snprintf(f[1], sizeof f[1], "%s/cli.pem", dir);
     snprintf(f[2], sizeof f[2], "%s/cli.key", dir);
-    rpc_client_tls with = {f[0], f[1], f[2], "localhost"}, without = {f[0], NULL, NULL, "localhost"};
+    rpc_client_tls with = {f[0], f[1], f[2], "localhost"},
+                   without = {f[0], NULL, NULL, "localhost"};
     struct {
         const rpc_client_tls *tls;
         int want;

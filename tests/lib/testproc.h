@@ -34,7 +34,8 @@ static int testproc_start(testproc *p, const char *binary, const char *const *en
         setenv("UPSQUAD_GRPC_ADDR", "127.0.0.1:0", 1);
         setenv("UPSQUAD_METRICS_ADDR", "127.0.0.1:0", 1);
         setenv("UPSQUAD_LOG_LEVEL", "warn", 1);
-        for (size_t i = 0; env && env[i]; i++) putenv((char *)env[i]);
+        for (size_t i = 0; env && env[i]; i++)
+            putenv((char *)env[i]);
         execl(binary, binary, (char *)NULL);
         _exit(127);
     }

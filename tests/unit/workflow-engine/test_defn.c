@@ -326,7 +326,8 @@ static void test_encode_round_trip(void **state) {
     assert_non_null(buf);
     assert_int_equal(protobuf_c_message_pack(&m->base, buf), len);
     defn_violations_pb_free(m);
-    defn_pb_error *back = upsquad__workflow__v1__definition_validation_error__unpack(NULL, len, buf);
+    defn_pb_error *back =
+        upsquad__workflow__v1__definition_validation_error__unpack(NULL, len, buf);
     assert_non_null(back);
     assert_int_equal(back->n_violations, 2);
     assert_string_equal(back->violations[0]->instance_location, "");
