@@ -19,6 +19,12 @@ status=0
 echo "== tests (build)"
 tests/run.sh || status=1
 
+if [ "${SKIP_VALGRIND:-0}" != 1 ]; then
+    echo "== unit tests under valgrind (leaks and memory errors fail)"
+    TEST_WRAPPER="valgrind -q --leak-check=full --errors-for-leak-kinds=definite,indirect --error-exitcode=99" \
+        tests/run.sh --unit-only || status=1
+fi
+
 if [ "${SKIP_ASAN:-0}" != 1 ]; then
     echo "== tests (AddressSanitizer + UBSan build)"
     make --no-print-directory -j"$(nproc)" BUILD=build-asan SAN=1 tests-build >build-asan.log 2>&1 ||

@@ -4,13 +4,19 @@
 #   tests/**/test_*.py  with /usr/bin/python3 (Debian's, which has grpcio and protobuf)
 #   tests/**/test_*.sh  with bash                 (skipped with --binaries-only)
 # Each runs with a time limit; a failure prints the tail of its output.
-# Usage: tests/run.sh [--binaries-only] [NAME-FILTER]
+# Usage: tests/run.sh [--binaries-only | --unit-only] [NAME-FILTER]
+#   TEST_WRAPPER   a command put before each test binary (e.g. valgrind ...)
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 export BUILD
 only_bins=0
-if [ "${1:-}" = "--binaries-only" ]; then only_bins=1; shift; fi
+unit_only=0
+case "${1:-}" in
+--binaries-only) only_bins=1; shift ;;
+--unit-only) unit_only=1; shift ;;
+esac
+wrap=(${TEST_WRAPPER:-})
 filter=${1:-}
 limit=${TEST_TIMEOUT:-900}
 logdir=$BUILD/test-logs
@@ -38,13 +44,17 @@ run_one() {
     fi
 }
 
-for t in $(ls "$BUILD"/tests/unit/* "$BUILD"/tests/integration/* 2>/dev/null | grep -v '\.d$' | sort); do
-    [ -x "$t" ] && [ -f "$t" ] && run_one "$t" "$t"
+dirs=("$BUILD"/tests/unit)
+[ $unit_only = 0 ] && dirs+=("$BUILD"/tests/integration)
+for t in $(for d in "${dirs[@]}"; do ls "$d"/* 2>/dev/null; done | grep -v '\.d$' | sort); do
+    [ -x "$t" ] && [ -f "$t" ] && run_one "$t" "${wrap[@]}" "$t"
 done
-for t in $(find tests -name 'test_*.py' | sort); do
-    run_one "$t" /usr/bin/python3 "$t"
-done
-if [ $only_bins = 0 ]; then
+if [ $unit_only = 0 ]; then
+    for t in $(find tests -name 'test_*.py' | sort); do
+        run_one "$t" /usr/bin/python3 "$t"
+    done
+fi
+if [ $only_bins = 0 ] && [ $unit_only = 0 ]; then
     for t in $(find tests -name 'test_*.sh' | sort); do
         run_one "$t" bash "$t"
     done

@@ -13,9 +13,10 @@
 #
 # Environment (all optional):
 #   BUILD                 build folder (default build)
-#   RPC_BENCH_DURATION    measured seconds per run (default 2.5)
-#   RPC_BENCH_WARMUP      warm-up seconds per run, not counted (default 0.5)
-#   RPC_BENCH_ROUNDS      runs per server and scenario (default 3)
+#   RPC_BENCH_DURATION    measured seconds per run (default 1.5)
+#   RPC_BENCH_WARMUP      warm-up seconds per run, not counted (default 0.3)
+#   RPC_BENCH_ROUNDS      runs per server and scenario (default 5: on a shared machine more,
+#                         shorter runs give steadier medians than fewer long ones)
 #   RPC_BENCH_BARE_THREADS  completion-queue threads of the bare server (default 1: with one
 #                         client connection and the client on the other core, its fastest
 #                         setting on a 2-core machine — more pollers only add wake-ups)
@@ -26,9 +27,9 @@ cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
 BIN=$BUILD/bin
 OUT=$BUILD/bench
-DURATION=${RPC_BENCH_DURATION:-2.5}
-WARMUP=${RPC_BENCH_WARMUP:-0.5}
-ROUNDS=${RPC_BENCH_ROUNDS:-3}
+DURATION=${RPC_BENCH_DURATION:-1.5}
+WARMUP=${RPC_BENCH_WARMUP:-0.3}
+ROUNDS=${RPC_BENCH_ROUNDS:-5}
 BARE_THREADS=${RPC_BENCH_BARE_THREADS:-1}
 SELF=${RPC_BENCH_SELF:-0}
 PY=/usr/bin/python3
@@ -44,7 +45,8 @@ fi
 mkdir -p "$OUT"
 TMP=$(mktemp -d)
 SERVERS=(bare lib lib-same)
-declare -A PID PORT LABEL RSS_IDLE CONF
+JWT_SECRET=rpc-bench-secret-not-for-production-0123456789
+declare -A PID PORT LABEL RSS_IDLE ANON_IDLE CONF
 stop_servers() {
     local s
     for s in "${!PID[@]}"; do kill -TERM "${PID[$s]}" 2>/dev/null || true; done
@@ -69,7 +71,7 @@ start() {
             -u UPSQUAD_RPC_STREAM_THREADS \
             -u UPSQUAD_RPC_STREAM_WORKERS ${threads:+UPSQUAD_RPC_UNARY_THREADS=$threads} \
             UPSQUAD_GRPC_ADDR=127.0.0.1:0 \
-            UPSQUAD_JWT_SECRET=rpc-bench-secret-not-for-production-0123456789 \
+            UPSQUAD_JWT_SECRET=$JWT_SECRET \
             "$BIN/echo-server" >"$TMP/$name.out" 2>"$TMP/$name.err" &
     fi
     PID[$name]=$!
@@ -91,6 +93,7 @@ wait_port() {
 
 rss_kb() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 hwm_kb() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status"; }
+anon_kb() { awk '/^RssAnon:/ {print $2}' "/proc/$1/status"; }
 
 if [ "$SELF" = 1 ]; then
     start bare bare "" && start lib "bare (2nd)" "" && start lib-same "bare (3rd)" ""
@@ -102,6 +105,7 @@ for s in "${SERVERS[@]}"; do wait_port "$s"; done
 sleep 0.5
 for s in "${SERVERS[@]}"; do
     RSS_IDLE[$s]=$(rss_kb "${PID[$s]}")
+    ANON_IDLE[$s]=$(anon_kb "${PID[$s]}")
     # the thread settings the library logged at start
     CONF[$s]=$(grep -o 'UPSQUAD_RPC_[A-Z_]*THREADS=[0-9]*' "$TMP/$s.err" |
         sed 's/UPSQUAD_RPC_//' | tr '\n' ' ' || true)
@@ -115,6 +119,18 @@ SCENARIOS=(
     "stream, 1 x 100k msgs|--mode stream --concurrency 1 --count 100000 --payload 64"
     "stream, 4 x 100k msgs|--mode stream --concurrency 4 --count 100000 --payload 64"
 )
+# Authenticated calls: libcommon verifies a bearer token on every call (Echo); the bare server,
+# which verifies nothing, answers PublicEcho, so the ratio includes the whole cost of
+# authentication. Needs build/bin/upsquad-token to mint the token.
+TOKEN=
+if [ "$SELF" != 1 ] && [ -x "$BIN/upsquad-token" ]; then
+    TOKEN=$(UPSQUAD_JWT_SECRET=$JWT_SECRET "$BIN/upsquad-token" --sub rpc-bench --org bench \
+        --ttl 3600 2>"$TMP/token.err") || TOKEN=
+    [ -n "$TOKEN" ] || echo "rpc bench: no token ($(head -c 200 "$TMP/token.err")): skipping" \
+        "the authenticated scenario" >&2
+fi
+[ -z "$TOKEN" ] ||
+    SCENARIOS+=("unary, 16 in flight, bearer token|--mode unary --concurrency 16 --payload 64")
 
 LOADAVG_START=$(cut -d' ' -f1-3 /proc/loadavg)
 : >"$OUT/rpc.jsonl"
@@ -124,7 +140,9 @@ for sc in "${SCENARIOS[@]}"; do
     read -r -a args <<<"${sc#*|}"
     for round in $(seq "$ROUNDS"); do
         for s in "${SERVERS[@]}"; do
-            line=$("$BIN/rpc-load" --target "127.0.0.1:${PORT[$s]}" "${args[@]}" \
+            auth=()
+            [[ $name != *token* || $s = bare ]] || auth=(--token "$TOKEN")
+            line=$("$BIN/rpc-load" --target "127.0.0.1:${PORT[$s]}" "${args[@]}" "${auth[@]}" \
                 --duration "$DURATION" --warmup "$WARMUP" --server-pid "${PID[$s]}" \
                 2>"$TMP/load.err") || {
                 failed=1
@@ -141,8 +159,9 @@ LOADAVG_END=$(cut -d' ' -f1-3 /proc/loadavg)
 # Memory after the runs, then SIGTERM: every server must exit 0.
 : >"$TMP/servers.tsv"
 for s in "${SERVERS[@]}"; do
-    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$s" "${LABEL[$s]}" "${CONF[$s]}" "${RSS_IDLE[$s]}" \
-        "$(rss_kb "${PID[$s]}")" "$(hwm_kb "${PID[$s]}")" >>"$TMP/servers.tsv"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$s" "${LABEL[$s]}" "${CONF[$s]}" \
+        "${RSS_IDLE[$s]}" "${ANON_IDLE[$s]}" "$(rss_kb "${PID[$s]}")" "$(hwm_kb "${PID[$s]}")" \
+        >>"$TMP/servers.tsv"
     kill -TERM "${PID[$s]}"
 done
 for s in "${SERVERS[@]}"; do
@@ -209,7 +228,8 @@ for sc in scenarios:
     row += [fmt(med(sc, s, f"server_cs_per_{per}"), 2) for s in names]
     t3.append(row)
 
-msg_bytes = med(scenarios[-1], "bare", "msg_bytes") if scenarios else None
+streams = [sc for sc in scenarios if sc.startswith("stream")]
+msg_bytes = med(streams[-1], "bare", "msg_bytes") if streams else None
 errors = sum(r["result"].get("errors", 0) for r in runs)
 mib = lambda kb: f"{int(kb) / 1024:.1f} MiB" if kb else "n/a"
 
@@ -219,7 +239,10 @@ md = [f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} on {os.cpu_count()} cores 
 md.append(f"Median of {E['ROUNDS']} alternating runs per server, {E['WARMUP']} s warm-up + "
           f"{E['DURATION']} s measured each, one client connection, 64-byte payload "
           f"({fmt(msg_bytes)} bytes per stream message). Errors over all runs: {errors}. "
-          "Servers:")
+          + ("With a bearer token, libcommon verifies an HS256 token on every call (Echo) and "
+             "bare answers PublicEcho, verifying nothing. "
+             if any("token" in sc for sc in scenarios) else "")
+          + "Servers:")
 for s in servers:
     md.append(f"- {s[1]}: {s[2].strip() or 'defaults'}")
 md += ["", "Throughput (ratio: to bare)", ""]
@@ -233,9 +256,10 @@ md += ["", "Server cost: CPU µs (utime + stime) and context switches per call o
        "over the measured window", ""]
 md += table(["scenario", "CPU µs: bare"] + [label[s] for s in others] +
             ["ctx sw: bare"] + [label[s] for s in others], t3)
-md += ["", "Memory (VmRSS)", ""]
-md += table(["server", "idle after start", "after the runs", "peak (VmHWM)"],
-            [[s[1], mib(s[3]), mib(s[4]), mib(s[5])] for s in servers])
+md += ["", "Memory (VmRSS; RssAnon is the part not shared with other processes: heap, stacks)",
+       ""]
+md += table(["server", "idle after start", "RssAnon idle", "after the runs", "peak (VmHWM)"],
+            [[s[1], mib(s[3]), mib(s[4]), mib(s[5]), mib(s[6])] for s in servers])
 text = "\n".join(md) + "\n"
 open(sys.argv[3], "w").write(text)
 print("RPC layer: libcommon against a bare C-core server\n")
