@@ -9,6 +9,7 @@ $UPSQUAD_TOKEN. Uses Debian's python3-grpcio.
 """
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -22,7 +23,10 @@ from google.protobuf import descriptor_pool, json_format, symbol_database  # noq
 
 
 def load_upsquad_modules():
-    """Imports every generated upsquad module so the descriptor pool knows all services."""
+    """Imports every generated upsquad module, and the health service, so the descriptor pool
+    knows all services (health by file path: `grpc.health` would collide with grpcio)."""
+    spec = importlib.util.spec_from_file_location("health_pb2", os.path.join(PY, "grpc/health/v1/health_pb2.py"))
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
     for dirpath, _, files in os.walk(os.path.join(PY, "upsquad")):
         for f in sorted(files):
             if f.endswith("_pb2.py"):
