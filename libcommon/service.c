@@ -16,6 +16,7 @@ static struct {
     char *jwt_secret, *jwt_pubkey_file, *jwt_audience, *jwt_issuer;
     char *tls_cert, *tls_key, *tls_ca;
     long long unary_threads, stream_threads, stream_workers, max_streams, stream_queue, grace_ms;
+    long long jwt_leeway_ms;
 } C;
 
 static const cfg_var common_vars[] = {
@@ -31,14 +32,16 @@ static const cfg_var common_vars[] = {
      &C.jwt_pubkey_file},
     {"UPSQUAD_JWT_AUDIENCE", CFG_STR, "upsquad", "required `aud` of tokens", &C.jwt_audience},
     {"UPSQUAD_JWT_ISSUER", CFG_STR, NULL, "required `iss` of tokens, when set", &C.jwt_issuer},
+    {"UPSQUAD_JWT_LEEWAY", CFG_MS, "30s", "clock skew allowed on a token's `exp` and `nbf`",
+     &C.jwt_leeway_ms, 0, 300000},
     {"UPSQUAD_TLS_CERT_FILE", CFG_STR, NULL, "server certificate chain (PEM); unset: plaintext",
      &C.tls_cert},
     {"UPSQUAD_TLS_KEY_FILE", CFG_STR, NULL, "server private key (PEM)", &C.tls_key},
     {"UPSQUAD_TLS_CLIENT_CA_FILE", CFG_STR, NULL,
      "CA bundle (PEM); set: mTLS, clients must present a certificate it verifies", &C.tls_ca},
-    {"UPSQUAD_RPC_UNARY_THREADS", CFG_INT, "2",
-     "threads running unary calls inline, one completion queue each (about one per core: "
-     "every extra poller costs wake-ups; more only when handlers block on I/O)",
+    {"UPSQUAD_RPC_UNARY_THREADS", CFG_INT, "1",
+     "threads running unary calls inline, one completion queue each; every thread polls the "
+     "connections, so each one more costs wake-ups: raise it only when handlers block on I/O",
      &C.unary_threads, 1, 256},
     {"UPSQUAD_RPC_STREAM_THREADS", CFG_INT, "0",
      "threads driving streaming I/O; 0 shares the unary threads (best unless unary handlers "
@@ -71,7 +74,8 @@ static int make_verifier(auth_verifier **out, char *err, size_t errlen) {
         snprintf(err, errlen, "UPSQUAD_JWT_SECRET or UPSQUAD_JWT_PUBLIC_KEY_FILE is required");
         return -1;
     }
-    auth_config ac = {pem ? NULL : C.jwt_secret, pem, C.jwt_audience, C.jwt_issuer, 30};
+    auth_config ac = {pem ? NULL : C.jwt_secret, pem, C.jwt_audience, C.jwt_issuer,
+                      (int)(C.jwt_leeway_ms / 1000)};
     rc = auth_verifier_new(&ac, out, err, errlen);
     free(pem);
     return rc == AUTH_OK ? 0 : -1;

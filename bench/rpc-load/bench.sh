@@ -47,6 +47,7 @@ TMP=$(mktemp -d)
 SERVERS=(bare lib lib-same)
 JWT_SECRET=rpc-bench-secret-not-for-production-0123456789
 declare -A PID PORT LABEL RSS_IDLE ANON_IDLE CONF
+# shellcheck disable=SC2317  # called from the EXIT trap
 stop_servers() {
     local s
     for s in "${!PID[@]}"; do kill -TERM "${PID[$s]}" 2>/dev/null || true; done

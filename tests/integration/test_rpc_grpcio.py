@@ -111,6 +111,24 @@ class UnaryTest(EchoBase):
                 self.assertCode(ctx, grpc.StatusCode.UNAUTHENTICATED)
                 self.assertNotIn(tok, ctx.exception.details())
 
+    def test_repeated_token_still_expires(self):
+        # the server remembers verified tokens; a remembered one must still expire on time
+        srv = T.Server("echo-server", env={"UPSQUAD_JWT_LEEWAY": "0s"})
+        try:
+            with grpc.insecure_channel(srv.addr) as ch:
+                echo = stubs(ch)["Echo"]
+                tok = srv.token(sub="short-lived", ttl=2)
+                for _ in range(3):
+                    self.assertEqual(echo(echo_pb2.EchoRequest(text="a"), metadata=auth(tok),
+                                          timeout=5).sub, "short-lived")
+                time.sleep(2.2)
+                with self.assertRaises(grpc.RpcError) as ctx:
+                    echo(echo_pb2.EchoRequest(text="b"), metadata=auth(tok), timeout=5)
+                self.assertCode(ctx, grpc.StatusCode.UNAUTHENTICATED)
+                self.assertIn("expired", ctx.exception.details())
+        finally:
+            srv.stop()
+
     def test_deadline_exceeded(self):
         t0 = time.time()
         with self.assertRaises(grpc.RpcError) as ctx:
