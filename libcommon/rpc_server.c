@@ -295,7 +295,8 @@ static _Thread_local token_slot *token_cache;
 
 static uint64_t token_hash(const char *p, size_t n) {
     uint64_t h = 1469598103934665603ull; /* FNV-1a */
-    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)p[i]) * 1099511628211ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ (unsigned char)p[i]) * 1099511628211ull;
     return h;
 }
 
