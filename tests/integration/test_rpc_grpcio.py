@@ -25,7 +25,7 @@ health_pb2 = T.load_generated("grpc/health/v1/health_pb2.py", "health_pb2")
 SVC = "/upsquad.test.v1.EchoService/"
 
 
-def stubs(channel):
+def methods(channel):
     def unary(name, resp=echo_pb2.EchoResponse):
         return channel.unary_unary(SVC + name, request_serializer=echo_pb2.EchoRequest.SerializeToString,
                                    response_deserializer=resp.FromString)
@@ -65,7 +65,7 @@ class EchoBase(unittest.TestCase):
     def setUpClass(cls):
         cls.srv = T.Server("echo-server", env=cls.env)
         cls.ch = grpc.insecure_channel(cls.srv.addr)
-        cls.s = stubs(cls.ch)
+        cls.s = methods(cls.ch)
         cls.tok = cls.srv.token(sub="member-7", org="org-42", clearance=4)
 
     @classmethod
@@ -116,7 +116,7 @@ class UnaryTest(EchoBase):
         srv = T.Server("echo-server", env={"UPSQUAD_JWT_LEEWAY": "0s"})
         try:
             with grpc.insecure_channel(srv.addr) as ch:
-                echo = stubs(ch)["Echo"]
+                echo = methods(ch)["Echo"]
                 tok = srv.token(sub="short-lived", ttl=2)
                 for _ in range(3):
                     self.assertEqual(echo(echo_pb2.EchoRequest(text="a"), metadata=auth(tok),
@@ -313,7 +313,7 @@ class ShutdownTest(unittest.TestCase):
     def test_graceful_shutdown_finishes_inflight_calls(self):
         srv = T.Server("echo-server", env={"UPSQUAD_SHUTDOWN_GRACE": "5s"})
         ch = grpc.insecure_channel(srv.addr)
-        s = stubs(ch)
+        s = methods(ch)
         try:
             self.assertEqual(s["PublicEcho"](echo_pb2.EchoRequest(text="warm"), timeout=5).text, "warm")
             watch = s["Watch"](health_pb2.HealthCheckRequest(service=""), timeout=30)
@@ -352,7 +352,7 @@ class ShutdownTest(unittest.TestCase):
     def test_grace_period_bounds_shutdown(self):
         srv = T.Server("echo-server", env={"UPSQUAD_SHUTDOWN_GRACE": "300ms"})
         ch = grpc.insecure_channel(srv.addr)
-        s = stubs(ch)
+        s = methods(ch)
         try:
             it = s["PublicStream"](echo_pb2.EchoRequest(count=1000000, delay_ms=5), timeout=60)
             next(it)
@@ -407,7 +407,7 @@ class MutualTLSTest(unittest.TestCase):
         ch = grpc.secure_channel("127.0.0.1:%d" % self.srv.port, creds, options=opts) if creds \
             else grpc.insecure_channel("127.0.0.1:%d" % self.srv.port)
         try:
-            return stubs(ch)["PublicEcho"](echo_pb2.EchoRequest(text="tls"), timeout=3)
+            return methods(ch)["PublicEcho"](echo_pb2.EchoRequest(text="tls"), timeout=3)
         finally:
             ch.close()
 
