@@ -944,18 +944,33 @@ void rpc_server_shutdown(rpc_server *s, int grace_ms) {
     log_info("rpc.shutdown", "stopped");
 }
 
+/* A queue must be shut down and drained before it is destroyed; rpc_server_shutdown did both
+ * for a server that ran. */
+static void queue_free(grpc_completion_queue *q, int drained) {
+    if (!drained) {
+        grpc_completion_queue_shutdown(q);
+        while (grpc_completion_queue_next(q, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
+               GRPC_QUEUE_SHUTDOWN) {
+        }
+    }
+    grpc_completion_queue_destroy(q);
+}
+
 void rpc_server_free(rpc_server *s) {
     if (s == NULL) return;
     if (s->started) rpc_server_shutdown(s, 0);
+    if (s->srv) { /* never started: the server goes before its queues */
+        grpc_server_destroy(s->srv);
+        s->srv = NULL;
+    }
     for (int i = 0; i < s->n_ucq; i++)
-        grpc_completion_queue_destroy(s->ucq[i]);
+        queue_free(s->ucq[i], s->started);
     for (int i = 0; !s->shared_cq && i < s->n_scq; i++)
-        grpc_completion_queue_destroy(s->scq[i]);
+        queue_free(s->scq[i], s->started);
     if (s->shutdown_cq) {
         grpc_completion_queue_shutdown(s->shutdown_cq);
         grpc_completion_queue_destroy(s->shutdown_cq);
     }
-    if (s->srv) grpc_server_destroy(s->srv);
     for (size_t i = 0; i < s->n_methods; i++)
         free(s->methods[i].service);
     rpc__health_free(s->health);

@@ -349,6 +349,22 @@ class ShutdownTest(unittest.TestCase):
             ch.close()
             srv.stop()
 
+    def test_start_failures_exit_1_with_a_reason(self):
+        base = dict(os.environ, UPSQUAD_JWT_SECRET="k" * 32, UPSQUAD_GRPC_ADDR="127.0.0.1:0")
+        cases = {
+            "cannot listen on 256.0.0.1:1": {"UPSQUAD_GRPC_ADDR": "256.0.0.1:1"},
+            "UPSQUAD_JWT_SECRET or UPSQUAD_JWT_PUBLIC_KEY_FILE is required": {"UPSQUAD_JWT_SECRET": ""},
+            "UPSQUAD_RPC_MAX_STREAMS": {"UPSQUAD_RPC_MAX_STREAMS": "lots"},
+            "UPSQUAD_LOG_LEVEL": {"UPSQUAD_LOG_LEVEL": "loud"},
+        }
+        for reason, env in cases.items():
+            with self.subTest(reason):
+                p = subprocess.run([os.path.join(T.BUILD, "bin", "echo-server")], env=dict(base, **env),
+                                   capture_output=True, text=True, timeout=20)
+                self.assertEqual(p.returncode, 1, p.stderr[-500:])
+                self.assertIn(reason, p.stderr)
+                self.assertNotIn("k" * 32, p.stderr)  # the secret is never logged
+
     def test_grace_period_bounds_shutdown(self):
         srv = T.Server("echo-server", env={"UPSQUAD_SHUTDOWN_GRACE": "300ms"})
         ch = grpc.insecure_channel(srv.addr)
