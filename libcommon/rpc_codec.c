@@ -81,27 +81,24 @@ static int depth_ok(const ProtobufCMessageDescriptor *d, const uint8_t *p, const
 /* Decodes with `alloc` (the call arena on the server, so nothing is freed one by one).
  * A message that arrives in several slices is flattened once. Messages nested deeper than
  * RPC_MAX_NESTING are refused (only a message long enough to be that deep is walked). */
+int rpc__decode_bytes(const uint8_t *p, size_t n, const ProtobufCMessageDescriptor *d,
+                      ProtobufCAllocator *alloc, ProtobufCMessage **out) {
+    *out = NULL;
+    if (n > 2 * RPC_MAX_NESTING && !depth_ok(d, p, p + n, 0)) return -2;
+    *out = protobuf_c_message_unpack(d, alloc, n, p);
+    return *out ? 0 : -1;
+}
+
 int rpc__decode(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *d,
                 ProtobufCAllocator *alloc, ProtobufCMessage **out) {
     grpc_byte_buffer_reader r;
-    grpc_slice s;
-    if (bb == NULL) {
-        *out = protobuf_c_message_unpack(d, alloc, 0, (const uint8_t *)"");
-        return *out ? 0 : -1;
-    }
+    if (bb == NULL) return rpc__decode_bytes((const uint8_t *)"", 0, d, alloc, out);
     if (!grpc_byte_buffer_reader_init(&r, bb)) return -1;
-    s = grpc_byte_buffer_reader_readall(&r);
+    grpc_slice s = grpc_byte_buffer_reader_readall(&r);
     grpc_byte_buffer_reader_destroy(&r);
-    const uint8_t *p = GRPC_SLICE_START_PTR(s);
-    size_t n = GRPC_SLICE_LENGTH(s);
-    if (n > 2 * RPC_MAX_NESTING && !depth_ok(d, p, p + n, 0)) {
-        grpc_slice_unref(s);
-        *out = NULL;
-        return -2;
-    }
-    *out = protobuf_c_message_unpack(d, alloc, n, p);
+    int rc = rpc__decode_bytes(GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), d, alloc, out);
     grpc_slice_unref(s);
-    return *out ? 0 : -1;
+    return rc;
 }
 
 void rpc__arena_init(rpc__arena *a, void *inline_mem, size_t inline_cap) {

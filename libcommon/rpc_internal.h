@@ -136,6 +136,10 @@ void rpc__health_set_all(rpc__health *h, int serving);
 grpc_byte_buffer *rpc__encode(const ProtobufCMessage *msg);
 int rpc__decode(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *d,
                 ProtobufCAllocator *alloc, ProtobufCMessage **out);
+/* The same from contiguous bytes: 0, -1 (not a valid message) or -2 (nested deeper than
+ * RPC_MAX_NESTING). */
+int rpc__decode_bytes(const uint8_t *p, size_t n, const ProtobufCMessageDescriptor *d,
+                      ProtobufCAllocator *alloc, ProtobufCMessage **out);
 grpc_slice rpc__encode_slice(const ProtobufCMessage *msg);
 void rpc__install_log_hook(void);
 int64_t rpc__now_ns(void);
