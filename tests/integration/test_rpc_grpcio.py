@@ -160,6 +160,13 @@ class UnaryTest(EchoBase):
         self.assertEqual(st.details[0].type_url, "type.googleapis.com/upsquad.test.v1.EchoError")
         self.assertEqual((detail.field, detail.reason), ("text", "bad-input"))
 
+    def test_message_size_limits(self):
+        ok = self.s["PublicEcho"](echo_pb2.EchoRequest(text="x" * (3 << 20)), timeout=10)
+        self.assertEqual(len(ok.text), 3 << 20)
+        with self.assertRaises(grpc.RpcError) as ctx:  # over the 4 MiB the server accepts
+            self.s["PublicEcho"](echo_pb2.EchoRequest(text="x" * (5 << 20)), timeout=10)
+        self.assertCode(ctx, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
     def test_bad_argument_names_field(self):
         with self.assertRaises(grpc.RpcError) as ctx:
             self.s["PublicEcho"](echo_pb2.EchoRequest(payload_bytes=-1), timeout=5)
