@@ -87,7 +87,7 @@ typedef struct rpc_tls {
 
 typedef struct rpc_server_opts {
     const char *addr;           /* "127.0.0.1:50051"; port 0 picks one (rpc_server_port) */
-    int unary_threads;          /* default 2 */
+    int unary_threads;          /* default 1: one poller (docs/benchmarks.md) */
     int stream_threads;         /* default 0: stream I/O shares the unary queues */
     int stream_workers;         /* default 16 */
     int max_streams;            /* default 1024 */

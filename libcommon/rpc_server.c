@@ -510,10 +510,8 @@ static void unknown_answer(rpc__listener *l) {
     rpc__unknown *u = calloc(1, sizeof *u);
     grpc_call *call = l->call;
     char buf[300];
-    int n =
-        snprintf(buf, sizeof buf, "unknown method %.*s", (int)GRPC_SLICE_LENGTH(l->details.method),
-                 (const char *)GRPC_SLICE_START_PTR(l->details.method));
-    (void)n;
+    snprintf(buf, sizeof buf, "unknown method %.*s", (int)GRPC_SLICE_LENGTH(l->details.method),
+             (const char *)GRPC_SLICE_START_PTR(l->details.method));
     grpc_call_details_destroy(&l->details);
     grpc_metadata_array_destroy(&l->md);
     if (u == NULL) {
@@ -650,7 +648,7 @@ static void *cq_thread(void *arg) {
 /* ---------------------------------------------------------------- server ---- */
 
 static void opts_defaults(rpc_server_opts *o) {
-    if (o->unary_threads <= 0) o->unary_threads = 2;
+    if (o->unary_threads <= 0) o->unary_threads = 1;
     if (o->stream_threads < 0) o->stream_threads = 0;
     if (o->stream_workers <= 0) o->stream_workers = 16;
     if (o->max_streams <= 0) o->max_streams = 1024;

@@ -11,7 +11,7 @@ out="$BUILD/fuzz"
 bin="$out/rpc_decode_fuzz"
 gen="$BUILD/gen"
 [ -f "$gen/upsquad/test/v1/echo.pb-c.c" ] || { echo "run 'make tests-build' first"; exit 1; }
-mkdir -p "$out/rpc-artifacts"
+mkdir -p "$out"
 srcs=(tests/fuzz/rpc_decode_fuzz.c libcommon/rpc_codec.c libcommon/log.c libcommon/util.c
     "$gen"/upsquad/test/v1/echo.pb-c.c "$gen"/upsquad/runtime/v1/*.pb-c.c
     "$gen"/upsquad/workflow/v1/workflow.pb-c.c "$gen"/google/protobuf/*.pb-c.c)
@@ -19,12 +19,4 @@ clang -std=c11 -D_GNU_SOURCE -g -O1 -fno-omit-frame-pointer \
     -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
     -Wall -Wextra -Werror -Wno-missing-field-initializers -Wno-unused-parameter \
     -I"$gen" -Ilibcommon "${srcs[@]}" -o "$bin" -lprotobuf-c -lgrpc -lgpr -lm
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-"$bin" -max_total_time="$seconds" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
-    -artifact_prefix="$out/rpc-artifacts/" "$work" 2>"$work/log" || {
-    tail -n 40 "$work/log"
-    exit 1
-}
-grep -E "stat::number_of_executed_units|Done" "$work/log" | sed 's/^/rpc_decode_fuzz: /'
-echo "rpc_decode_fuzz: OK (${seconds}s, no crash)"
+tests/lib/fuzz_run.sh rpc_decode_fuzz "$bin" "$seconds" "$out/rpc-artifacts" -max_len=65536

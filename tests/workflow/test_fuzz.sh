@@ -12,22 +12,13 @@ out="$BUILD/fuzz"
 bin="$out/defn_fuzz"
 # the validator without its protobuf adapter (defn_pb.c), which the fuzzer does not reach
 srcs=($(ls services/workflow-engine/defn_*.c | grep -v '/defn_pb\.c$') tests/workflow/fuzz/defn_fuzz.c)
-mkdir -p "$out/artifacts"
+mkdir -p "$out"
 if [ ! -x "$bin" ] || [ -n "$(find "${srcs[@]}" services/workflow-engine/*.h -newer "$bin" 2>/dev/null)" ]; then
     clang -std=c11 -D_GNU_SOURCE -g -O1 -fno-omit-frame-pointer \
         -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
         -Wall -Wextra -Werror -Wno-missing-field-initializers \
         -Iservices/workflow-engine "${srcs[@]}" -o "$bin" -lcjson -lm
 fi
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-# New inputs go to the scratch corpus; the committed seeds stay as they are.
-"$bin" -max_total_time="$SECONDS_BUDGET" -max_len=32768 -timeout=10 -rss_limit_mb=2048 \
-    -dict=tests/workflow/fuzz/defn.dict -artifact_prefix="$out/artifacts/" -print_final_stats=1 \
-    "$work" tests/workflow/fuzz-seeds >"$work/log" 2>&1 || {
-    tail -60 "$work/log"
-    echo "test_fuzz: FAILED (artifacts in $out/artifacts)"
-    exit 1
-}
-grep -E 'stat::number_of_executed_units|stat::peak_rss_mb' "$work/log" | sed 's/^/test_fuzz: /'
-echo "test_fuzz: OK (${SECONDS_BUDGET}s, no crash)"
+# New inputs go to a scratch corpus; the committed seeds stay as they are.
+tests/lib/fuzz_run.sh test_fuzz "$bin" "$SECONDS_BUDGET" "$out/artifacts" -max_len=32768 \
+    -dict=tests/workflow/fuzz/defn.dict tests/workflow/fuzz-seeds
