@@ -35,7 +35,9 @@ endif
 LDFLAGS += -Wl,--as-needed
 INCS    := -I$(BUILD)/gen -Ilibcommon -I/usr/include/postgresql
 LIBS    := -lgrpc -lgpr -lprotobuf-c -lpq -lhiredis -lnats -lcjson -lmicrohttpd -lssl -lcrypto -lpthread -lm
-DEPFLAGS = -MMD -MP
+# -MD, not -MMD: system headers are listed too, so tests/scripts/test_deps.py can check that
+# scripts/deps.sh declares the package of every header the build includes.
+DEPFLAGS = -MD -MP
 
 PROTOC   ?= protoc
 PROTOC_C ?= protoc-c
@@ -65,17 +67,26 @@ ALL_TESTS :=
 # Generated sources are intermediate files to make; keep them.
 .SECONDARY:
 
-.PHONY: all asan deps run stop test test-unit bench lint format clean py tests-build
+.PHONY: all asan deps run stop test test-unit bench lint format clean py tests-build preflight
 all:
 
+# ---- system prerequisites ----
+# Fails before anything is built, naming each missing file and the Debian package providing it.
+preflight:
+	@scripts/deps.sh --check
+# A system file some rule needs and the machine lacks: name it and its package rather than
+# make's bare "No rule to make target".
+/usr/include/%:
+	@scripts/deps.sh --missing $@
+
 # ---- generated protobuf-c code (never committed) ----
-$(BUILD)/gen/%.pb-c.c $(BUILD)/gen/%.pb-c.h: proto/%.proto
+$(BUILD)/gen/%.pb-c.c $(BUILD)/gen/%.pb-c.h: proto/%.proto | preflight
 	@mkdir -p $(BUILD)/gen
 	$(PROTOC_C) -Iproto -I/usr/include --c_out=$(BUILD)/gen $<
-$(BUILD)/gen/%.pb-c.c $(BUILD)/gen/%.pb-c.h: tests/proto/%.proto
+$(BUILD)/gen/%.pb-c.c $(BUILD)/gen/%.pb-c.h: tests/proto/%.proto | preflight
 	@mkdir -p $(BUILD)/gen
 	$(PROTOC_C) -Itests/proto -Iproto -I/usr/include --c_out=$(BUILD)/gen $<
-$(BUILD)/gen/google/protobuf/%.pb-c.c $(BUILD)/gen/google/protobuf/%.pb-c.h: /usr/include/google/protobuf/%.proto
+$(BUILD)/gen/google/protobuf/%.pb-c.c $(BUILD)/gen/google/protobuf/%.pb-c.h: /usr/include/google/protobuf/%.proto | preflight
 	@mkdir -p $(BUILD)/gen
 	$(PROTOC_C) -I/usr/include --c_out=$(BUILD)/gen $<
 
@@ -87,7 +98,14 @@ $(BUILD)/py/.stamp: $(PROTOS) $(TPROTOS)
 	@touch $@
 
 # ---- objects ----
-$(BUILD)/obj/%.o: %.c | $(GEN_H)
+# Objects are rebuilt when the compiler command changes: a stamp file holds it.
+FLAGS_STAMP := $(BUILD)/.cflags
+FLAGS_LINE   = $(CC) $(CFLAGS) $(INCS) $(DEPFLAGS)
+$(FLAGS_STAMP): FORCE
+	@mkdir -p $(BUILD); echo '$(FLAGS_LINE)' | cmp -s - $@ || echo '$(FLAGS_LINE)' >$@
+.PHONY: FORCE
+FORCE:
+$(BUILD)/obj/%.o: %.c $(FLAGS_STAMP) | preflight $(GEN_H)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(INCS) $(DEPFLAGS) -c $< -o $@
 # Generated code is not ours to lint: compile it without -Werror.

@@ -190,6 +190,13 @@ int rpc_error_detail(rpc_call *c, const ProtobufCMessage *detail) {
 /* google.rpc.Status goes in the grpc-status-details-bin trailer (the core base64-encodes
  * -bin values); its code and message repeat the call's status, as the gRPC spec requires. */
 void rpc__prepare_status(rpc_call *c, grpc_op *op) {
+    /* A call that ends CANCELLED after its deadline passed was ended by the deadline (handlers
+     * see both as rpc_cancelled()). The client must read DEADLINE_EXCEEDED whichever arrives
+     * first, its own timer or this status: on a loaded machine (a sanitizer build) ours can. */
+    if (c->code == RPC_CANCELLED && rpc_deadline_ms(c) <= 0) {
+        c->code = RPC_DEADLINE_EXCEEDED;
+        c->message = "deadline exceeded";
+    }
     memset(op, 0, sizeof *op);
     op->op = GRPC_OP_SEND_STATUS_FROM_SERVER;
     op->data.send_status_from_server.status = (grpc_status_code)c->code;

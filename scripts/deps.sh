@@ -16,15 +16,87 @@ PACKAGES=(
     libpq-dev libhiredis-dev libnats-dev libcjson-dev libssl-dev libmicrohttpd-dev
     # servers for local runs and tests
     postgresql redis-server nats-server openssl
-    # tests
-    libcmocka-dev python3-grpcio python3-protobuf libclang-rt-14-dev valgrind
+    # the well-known .proto files (google/protobuf/*.proto) protoc-c compiles
+    libprotobuf-dev
+    # tests: the workflow-definition conformance test runs ajv with Node.js
+    libcmocka-dev python3-grpcio python3-protobuf libclang-rt-14-dev valgrind nodejs npm
+    # benchmarks
+    bc
 )
 
-# One dpkg-query for all: unknown packages are simply absent from its output.
+# What the build reads from the system, each with its package, so that a missing package is
+# named before anything compiles (`--check`, run by the Makefile) instead of surfacing as
+# make's bare "No rule to make target" or a compiler's "No such file". A path ending in '/'
+# covers everything under it (`--missing FILE` names the package of any such file).
+REQUIRED_FILES=(
+    /usr/bin/cc:gcc
+    /usr/bin/protoc:protobuf-compiler
+    /usr/bin/protoc-c:protobuf-c-compiler
+    /usr/include/google/protobuf/:libprotobuf-dev
+    /usr/include/protobuf-c/:libprotobuf-c-dev
+    /usr/include/grpc/:libgrpc-dev
+    /usr/include/postgresql/libpq-fe.h:libpq-dev
+    /usr/include/hiredis/:libhiredis-dev
+    /usr/include/nats/:libnats-dev
+    /usr/include/cjson/:libcjson-dev
+    /usr/include/openssl/:libssl-dev
+    /usr/include/microhttpd.h:libmicrohttpd-dev
+    /usr/include/cmocka.h:libcmocka-dev
+)
+# Extra entries (tests): DEPS_EXTRA_REQUIRED="path:package ..."
+# shellcheck disable=SC2206
+REQUIRED_FILES+=(${DEPS_EXTRA_REQUIRED:-})
+
+hint() {
+    echo "deps: run 'make deps' (installs every package scripts/deps.sh declares), or:" \
+        "apt-get install $*" >&2
+}
+
+case "${1:-}" in
+--list) # the declared packages, one a line (tests/scripts/test_deps.py checks them)
+    printf '%s\n' "${PACKAGES[@]}"
+    exit 0
+    ;;
+--check) # every required file present, or name each missing one with its package
+    pkgs=()
+    for entry in "${REQUIRED_FILES[@]}"; do
+        path=${entry%%:*} pkg=${entry##*:}
+        [[ -e "$path" ]] && continue
+        echo "deps: missing $path (Debian package $pkg)" >&2
+        pkgs+=("$pkg")
+    done
+    [[ ${#pkgs[@]} -eq 0 ]] && exit 0
+    hint "${pkgs[@]}"
+    exit 1
+    ;;
+--missing) # FILE: a file the build needs is absent; name its package
+    file=${2:?usage: deps.sh --missing FILE}
+    for entry in "${REQUIRED_FILES[@]}"; do
+        path=${entry%%:*} pkg=${entry##*:}
+        if [[ "$file" == "$path" || ("$path" == */ && "$file" == "$path"*) ]]; then
+            echo "deps: missing $file (Debian package $pkg)" >&2
+            hint "$pkg"
+            exit 1
+        fi
+    done
+    echo "deps: missing $file, which no package declared in scripts/deps.sh provides" >&2
+    exit 1
+    ;;
+esac
+
+# One dpkg-query for all. A package counts as present when it is installed or when an
+# installed package provides it (a nodejs build that bundles npm provides and conflicts
+# with npm: installing npm there would fail).
 declare -A installed=()
-while read -r name status; do
-    [[ "$status" == installed ]] && installed[${name%%:*}]=1
-done < <(dpkg-query -W -f='${Package} ${db:Status-Status}\n' "${PACKAGES[@]}" 2>/dev/null || true)
+while IFS=$'\t' read -r name status provides; do
+    [[ "$status" == installed ]] || continue
+    installed[${name%%:*}]=1
+    IFS=',' read -ra prov <<<"$provides"
+    for p in "${prov[@]}"; do
+        p=${p# }
+        installed[${p%% *}]=1
+    done
+done < <(dpkg-query -W -f='${Package}\t${db:Status-Status}\t${Provides}\n' 2>/dev/null || true)
 missing=()
 for pkg in "${PACKAGES[@]}"; do
     [[ -n "${installed[$pkg]:-}" ]] || missing+=("$pkg")
