@@ -6,4 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
+# The limit has no setting to tune: the same cJSON build, the same document, best of rounds.
+echo "baseline: cJSON parse of the same document (the library's only parser, no knob), best" \
+    "of the same rounds as the validator"
 "$BUILD/bin/defn" --steps 200 --iterations "${DEFN_BENCH_ITERATIONS:-2000}"
