@@ -269,8 +269,10 @@ def module_origins(mods):
         "        s = None\n"
         "    o = (s.origin or (list(s.submodule_search_locations or [''])[0])) if s else ''\n"
         "    print(m, o if o not in (None, 'built-in', 'frozen') else 'builtin:' + sys.executable)\n"
-    ) % ([os.path.join(ROOT, "tests", "lib"), os.path.join(BUILD, "py"),
-          os.path.join(ROOT, "scripts")], sorted(mods))
+    ) % ([os.path.join(ROOT, "tests", "lib"), os.path.join(BUILD, "py")] +
+         # a test's own folder comes first on its sys.path (helpers next to the tests)
+         sorted({os.path.dirname(f) for f in repo_files("tests/**/*.py", "scripts/*.py",
+                                                        "bench/**/*.py")}), sorted(mods))
     out = run(["/usr/bin/python3", "-c", code], check=True).stdout
     res = {}
     for line in out.splitlines():
