@@ -8,8 +8,10 @@ cd "$(dirname "$0")/../.."
 fail=0 n=0
 for b in bench/*/bench.sh; do
     n=$((n + 1))
-    # a quoted string, outside a comment, that starts the "baseline:" line of the output
-    if ! grep -vE '^[[:space:]]*#' "$b" | grep -qE "[\"'][^\"']*baseline: [^\"']+"; then
+    # a quoted string, outside a comment, that starts the "baseline:" line of the output (read
+    # whole: a `grep -q` after a pipe exits early, and pipefail reports the writer's SIGPIPE)
+    text=$(grep -vE '^[[:space:]]*#' "$b" || true)
+    if ! grep -E "[\"'][^\"']*baseline: [^\"']+" <<<"$text" >/dev/null; then
         echo "FAIL: $b prints no \"baseline: <what and which configuration>\" line"
         fail=1
     fi
