@@ -265,7 +265,7 @@ md.append(f"Median of {E['ROUNDS']} alternating runs per server, {E['WARMUP']} s
 for s in servers:
     md.append(f"- {s[1]}: {s[2].strip() or 'defaults'}")
 md += ["", "baseline: per scenario, the bare C-core server at its best of "
-       + " and ".join(label[b] for b in bares) + " (column 'baseline')", ""]
+       + " and ".join(label[b] for b in bares) + " (the 'baseline' column)", ""]
 md += ["Throughput and p99 latency as ratios to the baseline", ""]
 head = ["scenario", "baseline", "rate"]
 for s in others:

@@ -130,7 +130,15 @@ def shell_commands(text, variables=None):
                          text, re.M):
         variables.setdefault(m.group(1), m.group(2))
     cmds = set()
+    heredoc = None  # the delimiter while inside a here-document: its body is data, not commands
     for raw in text.replace("\\\n", " ").splitlines():
+        if heredoc is not None:
+            if raw.strip() == heredoc:
+                heredoc = None
+            continue
+        m = re.search(r"<<-?\s*['\"]?([A-Za-z_]\w*)['\"]?", raw)
+        if m:
+            heredoc = m.group(1)
         line = strip_comment(raw)
         for seg in re.split(r"\|\||&&|[|;&`(){}]|\$\(|\bthen\b|\bdo\b|\belse\b|\bif\b|\bwhile\b"
                             r"|\buntil\b|\btime\b|!", line):
