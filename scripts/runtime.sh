@@ -57,6 +57,12 @@ REDIS_MAXMEMORY=256mb
 NATS_MAX_MEMORY_STORE=256MB
 NATS_MAX_FILE_STORE=4GB
 PG_MAX_CONNECTIONS=200
+# The development tenant: org, member and team ids are UUIDs as in the API; .run/env exports
+# them (UPSQUAD_DEV_ORG_ID, UPSQUAD_DEV_USER_ID, UPSQUAD_DEV_TEAM_ID) and the development
+# token carries them.
+DEV_ORG_ID=0d5e0000-0000-0000-0000-000000000001
+DEV_USER_ID=0d5e0000-0000-0000-0000-0000000000a1
+DEV_TEAM_ID=0d5e0000-0000-0000-0000-0000000000e1
 # One-line example call printed by `up` when $BUILD/bin/upsquad-call exists (args: address,
 # token file).
 example_call() {
@@ -417,6 +423,9 @@ write_env() {
         echo "export UPSQUAD_JWT_SECRET=$(secret jwt_secret 32)"
         echo "export UPSQUAD_JWT_AUDIENCE=upsquad"
         echo "export UPSQUAD_LOG_LEVEL=\${UPSQUAD_LOG_LEVEL:-info}"
+        echo "export UPSQUAD_DEV_ORG_ID=$DEV_ORG_ID"
+        echo "export UPSQUAD_DEV_USER_ID=$DEV_USER_ID"
+        echo "export UPSQUAD_DEV_TEAM_ID=$DEV_TEAM_ID"
         while read -r name idx role; do
             [[ -z "$name" ]] && continue
             echo "export UPSQUAD_$(env_name "$name")_ADDR=127.0.0.1:$((PORT_BASE + GRPC_OFFSET + idx))"
@@ -514,10 +523,11 @@ print_access() {
     echo "env: source $RUN_DIR/env"
     if [[ -x "$BUILD/bin/upsquad-token" ]]; then
         if (source "$RUN_DIR/env" && umask 077 &&
-            timeout 10 "$BUILD/bin/upsquad-token" --sub dev-user --org dev-org --clearance 5 \
+            timeout 10 "$BUILD/bin/upsquad-token" --sub "$DEV_USER_ID" --org "$DEV_ORG_ID" \
+                --team "$DEV_TEAM_ID" --clearance 5 \
                 >"$tok.tmp") 2>/dev/null; then
             mv "$tok.tmp" "$tok"
-            echo "development token (sub dev-user, org dev-org, clearance 5), kept in $tok:"
+            echo "development token (member $DEV_USER_ID, org $DEV_ORG_ID, team $DEV_TEAM_ID, clearance 5), kept in $tok:"
             echo "  $(cat "$tok")"
         else
             rm -f "$tok.tmp"
