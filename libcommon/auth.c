@@ -7,6 +7,7 @@
  * The signature is checked before the payload is parsed: unauthenticated claims are never
  * interpreted. */
 #include "auth.h"
+#include "ids.h"
 #include "util.h"
 
 #include <cjson/cJSON.h>
@@ -19,7 +20,6 @@
 #include <openssl/hmac.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,16 +59,8 @@ struct auth_signer {
 
 #define auth__fail util_errf
 
-/* EVP_sha256() triggers an implicit provider fetch on every use in OpenSSL 3; fetch once. */
-static pthread_once_t auth__md_once = PTHREAD_ONCE_INIT;
-static EVP_MD *auth__md_fetched;
-static void auth__md_init(void) {
-    auth__md_fetched = EVP_MD_fetch(NULL, "SHA256", NULL);
-}
-static const EVP_MD *auth__sha256(void) {
-    pthread_once(&auth__md_once, auth__md_init);
-    return auth__md_fetched ? auth__md_fetched : EVP_sha256();
-}
+/* SHA-256 is ids.h's one fetched EVP_MD. */
+#define auth__sha256 ids_sha256_md
 
 /* ---- base64url without padding (RFC 7515 section 2) ---- */
 
@@ -327,10 +319,34 @@ static int auth__has_duplicates(const cJSON *obj) {
     return 0;
 }
 
+/* A JOSE segment's JSON, strictly: the JSON text must end where the segment ends (nothing
+ * smuggled after it), and no string may hold a NUL (raw, or escaped as \u0000): claims are
+ * compared as C strings, so "HS256\u0000x" would read as "HS256". NULL when refused. */
+static cJSON *auth__parse_segment(const unsigned char *json, size_t n) {
+    const char *end = NULL;
+    for (size_t i = 0; i < n; i++) {
+        if (json[i] == 0) return NULL;
+        if (json[i] != '\\') continue;
+        /* backslashes occur only inside strings: look at the escape */
+        if (i + 5 < n && json[i + 1] == 'u' && memcmp(json + i + 2, "0000", 4) == 0) return NULL;
+        i++; /* skip the escaped character ("\\" included) */
+    }
+    cJSON *j = cJSON_ParseWithLengthOpts((const char *)json, n, &end, 0);
+    if (j == NULL) return NULL;
+    while (end < (const char *)json + n &&
+           (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r'))
+        end++;
+    if (end != (const char *)json + n) {
+        cJSON_Delete(j);
+        return NULL;
+    }
+    return j;
+}
+
 static int auth__check_header(const auth_verifier *v, const unsigned char *json, size_t n,
                               char *err, size_t errlen) {
     int rc = AUTH_EMALFORMED, members = 0;
-    cJSON *h = cJSON_ParseWithLength((const char *)json, n);
+    cJSON *h = auth__parse_segment(json, n);
     const cJSON *alg;
     if (!cJSON_IsObject(h)) {
         auth__fail(err, errlen, rc, "header is not a JSON object");
@@ -395,6 +411,9 @@ static int auth__check_times(const auth_verifier *v, const cJSON *p, int64_t now
     id->iat = 0;
     if (iat && auth__numeric_date(iat, &id->iat) != 0)
         return auth__fail(err, errlen, AUTH_EMALFORMED, "iat is not a NumericDate");
+    /* a token issued in the future (beyond the clock skew) was not issued by a sane issuer */
+    if (iat && id->iat > now + v->leeway_s)
+        return auth__fail(err, errlen, AUTH_ENOTYET, "issued in the future (iat)");
     return AUTH_OK;
 }
 
@@ -502,7 +521,7 @@ int auth_verify(const auth_verifier *v, const char *token, size_t len, int64_t n
         return auth__fail(err, errlen, AUTH_ESIG, "signature does not verify");
     if (auth__b64u_decode(token + d1 + 1, d2 - d1 - 1, buf, sizeof buf, &plen) != 0)
         return auth__fail(err, errlen, AUTH_EMALFORMED, "payload is not base64url");
-    payload = cJSON_ParseWithLength((const char *)buf, plen);
+    payload = auth__parse_segment(buf, plen);
     if (!cJSON_IsObject(payload) || auth__has_duplicates(payload)) {
         rc = auth__fail(err, errlen, AUTH_EMALFORMED,
                         "payload is not a JSON object with unique members");

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "util.h"
 
 #define CFG__NAME_MAX 128 /* longest variable name, "_FILE" suffix included */
 #define CFG__QUOTE_MAX 64 /* bytes of a bad value quoted back in an error */
@@ -83,45 +84,21 @@ int cfg_parse_ms(const char *s, long long *out) {
 
 /* Reads NAME_FILE's file: at most CFG_FILE_MAX bytes, no NUL, trailing CR/LF removed. */
 static char *cfg__read_file(const char *path, const char *name, char *err, size_t errlen) {
-    char *buf = NULL;
+    char *buf = NULL, why[512];
     size_t len = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        cfg__err(err, errlen, "%s_FILE: cannot open %s: %s", name, path, strerror(errno));
+    if (util_read_file(path, CFG_FILE_MAX, &buf, &len, why, sizeof why) != 0) {
+        cfg__err(err, errlen, "%s_FILE: %s", name, why);
         return NULL;
-    }
-    buf = malloc(CFG_FILE_MAX + 1);
-    if (!buf) {
-        cfg__err(err, errlen, "%s_FILE: out of memory", name);
-        goto fail;
-    }
-    for (;;) {
-        ssize_t r = read(fd, buf + len, CFG_FILE_MAX + 1 - len);
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0) {
-            cfg__err(err, errlen, "%s_FILE: cannot read %s: %s", name, path, strerror(errno));
-            goto fail;
-        }
-        if (r == 0) break;
-        len += (size_t)r;
-        if (len > CFG_FILE_MAX) {
-            cfg__err(err, errlen, "%s_FILE: %s is larger than %d bytes", name, path, CFG_FILE_MAX);
-            goto fail;
-        }
     }
     if (memchr(buf, '\0', len)) {
         cfg__err(err, errlen, "%s_FILE: %s contains a NUL byte", name, path);
-        goto fail;
+        free(buf);
+        return NULL;
     }
     while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r'))
         len--;
     buf[len] = '\0';
-    close(fd);
     return buf;
-fail:
-    free(buf);
-    close(fd);
-    return NULL;
 }
 
 /* Where a variable's value comes from. *heap is set when the value was read from a file

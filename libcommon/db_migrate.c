@@ -4,12 +4,13 @@
 #include <dirent.h>
 #include <errno.h>
 #include <limits.h>
-#include <openssl/evp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "ids.h"
 #include "log.h"
+#include "util.h"
 
 #define MIG_MAX_FILES 4096
 #define MIG_MAX_BYTES (8L << 20) /* one migration file; larger ones are refused */
@@ -56,52 +57,15 @@ static int mig_parse_name(const char *fn, int *version) {
 }
 
 static int mig_read(const char *path, char **out, size_t *len, char *err, size_t errlen) {
-    int rc = DB_EIO;
     char *buf = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        snprintf(err, errlen, "%s: %s", path, strerror(errno));
+    if (util_read_file(path, MIG_MAX_BYTES, &buf, len, err, errlen) != 0) return DB_EIO;
+    if (memchr(buf, '\0', *len)) {
+        snprintf(err, errlen, "%s: contains a NUL byte", path);
+        free(buf);
         return DB_EIO;
     }
-    if (fseek(f, 0, SEEK_END) != 0) goto io;
-    long size = ftell(f);
-    if (size < 0 || fseek(f, 0, SEEK_SET) != 0) goto io;
-    if (size > MIG_MAX_BYTES) {
-        snprintf(err, errlen, "%s: larger than %ld bytes", path, MIG_MAX_BYTES);
-        goto done;
-    }
-    buf = malloc((size_t)size + 1);
-    if (!buf) {
-        snprintf(err, errlen, "out of memory");
-        rc = DB_ENOMEM;
-        goto done;
-    }
-    if (fread(buf, 1, (size_t)size, f) != (size_t)size) goto io;
-    buf[size] = '\0';
-    if (memchr(buf, '\0', (size_t)size)) {
-        snprintf(err, errlen, "%s: contains a NUL byte", path);
-        goto done;
-    }
     *out = buf;
-    *len = (size_t)size;
-    buf = NULL;
-    rc = DB_OK;
-    goto done;
-io:
-    snprintf(err, errlen, "%s: %s", path, errno ? strerror(errno) : "read error");
-done:
-    free(buf);
-    fclose(f);
-    return rc;
-}
-
-static int mig_sha256_hex(const char *data, size_t len, char out[65]) {
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned int mdlen = 0;
-    if (!EVP_Digest(data, len, md, &mdlen, EVP_sha256(), NULL) || mdlen != 32) return -1;
-    for (unsigned i = 0; i < mdlen; i++)
-        snprintf(out + 2 * i, 3, "%02x", md[i]);
-    return 0;
+    return DB_OK;
 }
 
 static int mig_cmp(const void *a, const void *b) {
@@ -142,7 +106,8 @@ static int mig_load_dir(const char *dir, mig_file **out, int *nout, char *err, s
         size_t len = 0;
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         rc = mig_read(path, &f->sql, &len, err, errlen);
-        if (rc == DB_OK && mig_sha256_hex(f->sql, len, f->sum) != 0) {
+        if (rc == DB_OK) ids_sha256_hex(f->sql, len, f->sum);
+        if (rc == DB_OK && f->sum[0] == 0) {
             snprintf(err, errlen, "sha256 failed");
             rc = DB_ENOMEM;
         }

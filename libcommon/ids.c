@@ -14,9 +14,15 @@ static EVP_MD *ids__md_fetched;
 static void ids__md_init(void) {
     ids__md_fetched = EVP_MD_fetch(NULL, "SHA256", NULL);
 }
-static const EVP_MD *ids__sha256(void) {
+const EVP_MD *ids_sha256_md(void) {
     pthread_once(&ids__md_once, ids__md_init);
     return ids__md_fetched ? ids__md_fetched : EVP_sha256();
+}
+#define ids__sha256 ids_sha256_md
+
+int ids_sha256_raw(const void *data, size_t len, unsigned char out[32]) {
+    unsigned int mdlen = 0;
+    return EVP_Digest(data, len, out, &mdlen, ids__sha256(), NULL) == 1 && mdlen == 32 ? 0 : -1;
 }
 
 void ids_hex(const unsigned char *in, size_t n, char *out) {

@@ -20,7 +20,13 @@ int ids_uuid_v7(char out[37]);
 /* 1 when s is a canonical 8-4-4-4-12 hex UUID (either case), else 0. */
 int ids_uuid_valid(const char *s);
 
-void ids_sha256_hex(const void *data, size_t len, char out[65]);
+/* The one SHA-256 of libcommon (OpenSSL's, fetched once): every module that hashes or MACs
+ * uses these rather than a wrapper of its own. */
+void ids_sha256_hex(const void *data, size_t len, char out[65]);         /* out "" on failure */
+int ids_sha256_raw(const void *data, size_t len, unsigned char out[32]); /* 0, or -1 */
+/* The fetched EVP_MD (for HMAC and signatures): OpenSSL 3 fetches EVP_sha256() on every use. */
+struct evp_md_st;
+const struct evp_md_st *ids_sha256_md(void);
 
 /* Streaming SHA-256 over several fields. init allocates; final_* and free release it, so
  * every init is followed by exactly one final_hex, final_raw or free. */

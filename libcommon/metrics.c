@@ -668,7 +668,7 @@ static int metrics__listen(const char *addr, int *port, char *err, size_t errlen
             continue;
         }
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 64) == 0) break;
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 256) == 0) break;
         last = errno;
         close(fd);
         fd = -1;
@@ -684,6 +684,14 @@ static int metrics__listen(const char *addr, int *port, char *err, size_t errlen
 }
 
 int metrics_serve(const char *addr, char *err, size_t errlen) {
+    return metrics_serve_with(addr, NULL, err, errlen);
+}
+
+int metrics_serve_with(const char *addr, const metrics_serve_opts *opts, char *err, size_t errlen) {
+    metrics_serve_opts o = {256, 8, 3};
+    if (opts && opts->max_connections > 0) o.max_connections = opts->max_connections;
+    if (opts && opts->per_ip > 0) o.per_ip = opts->per_ip;
+    if (opts && opts->idle_timeout_s > 0) o.idle_timeout_s = opts->idle_timeout_s;
     int fd, port = 0, rc = -1;
     pthread_mutex_lock(&metrics__srv_mu);
     if (metrics__daemon) {
@@ -696,7 +704,9 @@ int metrics_serve(const char *addr, char *err, size_t errlen) {
     metrics__daemon = MHD_start_daemon(
         MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL, metrics__handle, NULL,
         MHD_OPTION_EXTERNAL_LOGGER, metrics__mhd_log, NULL, MHD_OPTION_LISTEN_SOCKET, fd,
-        MHD_OPTION_CONNECTION_LIMIT, 16u, MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+        MHD_OPTION_CONNECTION_LIMIT, (unsigned)o.max_connections,
+        MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)o.per_ip, MHD_OPTION_CONNECTION_TIMEOUT,
+        (unsigned)o.idle_timeout_s, MHD_OPTION_END);
     if (!metrics__daemon) {
         close(fd);
         metrics__fail(err, errlen, "metrics HTTP server did not start on %s", addr);

@@ -45,6 +45,14 @@ int metrics_render(char **out, size_t *len);
  * interface, "[::1]:9101"; port 0 picks a free one) from one internal thread, at most
  * 16 connections, 10 s idle timeout. 0 on success, -1 with err filled. */
 int metrics_serve(const char *addr, char *err, size_t errlen);
+/* The same with the connection budget of the metrics port, so idle or slow clients cannot
+ * stop Prometheus from scraping: at most max_connections open (default 256), at most per_ip
+ * from one address (default 8), each closed after idle_timeout_s silent seconds (default 3).
+ * Zero fields take the defaults; metrics_serve uses them all. */
+typedef struct metrics_serve_opts {
+    int max_connections, per_ip, idle_timeout_s;
+} metrics_serve_opts;
+int metrics_serve_with(const char *addr, const metrics_serve_opts *o, char *err, size_t errlen);
 void metrics_stop(void);
 int metrics_port(void); /* the bound port, 0 when not serving */
 

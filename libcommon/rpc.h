@@ -69,6 +69,16 @@ typedef int (*rpc_stream_fn)(rpc_call *call, const ProtobufCMessage *req, void *
 enum { RPC_UNARY = 0, RPC_SERVER_STREAM = 1 };
 enum { RPC_AUTH_REQUIRED = 0, RPC_AUTH_NONE = 1 };
 
+/* A bound on a repeated field of a request, enforced on the wire bytes before the request is
+ * decoded (so a 4 MB message of two million empty strings costs a scan, not 100 MB): a request
+ * with more elements is refused with INVALID_ARGUMENT naming the field. `field` is the path of
+ * the field from the request message, nested fields dotted ("model_ids", "filter.tags"); the
+ * bound applies to each message the field appears in. */
+typedef struct rpc_field_limit {
+    const char *field;
+    uint32_t max_count;
+} rpc_field_limit;
+
 typedef struct rpc_method {
     const char *path; /* "/upsquad.runtime.v1.ModelRegistryService/ListModels" */
     int kind;         /* RPC_UNARY | RPC_SERVER_STREAM */
@@ -78,6 +88,10 @@ typedef struct rpc_method {
     rpc_unary_fn unary;
     rpc_stream_fn stream;
     void *ud;
+    /* Request limits (docs/rpc.md, "Hardening"), checked before decoding: */
+    const rpc_field_limit *limits; /* n_limits bounds on repeated fields (borrowed, static) */
+    size_t n_limits;
+    size_t max_decoded_bytes; /* estimated decoded size; 0: the server's max_decoded_bytes */
 } rpc_method;
 
 typedef struct rpc_tls {
@@ -97,6 +111,13 @@ typedef struct rpc_server_opts {
     int max_concurrent_streams; /* HTTP/2 streams per connection, default 256 */
     const rpc_tls *tls;         /* NULL: plaintext */
     const auth_verifier *auth;  /* NULL: every RPC_AUTH_REQUIRED method answers UNAUTHENTICATED */
+    /* Hardening (docs/rpc.md): */
+    size_t max_decoded_bytes;   /* a request's estimated decoded size, default 16 MiB */
+    int max_connection_idle_ms; /* close a connection without calls after this, default 5 min */
+    int keepalive_time_ms;      /* ping an idle connection after this, default 2 min */
+    int keepalive_timeout_ms;   /* and close it when the ping is not answered, default 20 s */
+    int handshake_timeout_ms;   /* a connection must finish its HTTP/2 (TLS) set-up, default 10 s */
+    int max_health_watches;     /* concurrent grpc.health.v1.Health/Watch streams, default 64 */
 } rpc_server_opts;
 
 int rpc_server_new(const rpc_server_opts *opts, rpc_server **out, char *err, size_t errlen);

@@ -10,6 +10,7 @@
 
 #include "log.h"
 #include "rpc_internal.h"
+#include "util.h"
 
 int64_t rpc__now_ns(void) {
     struct timespec ts;
@@ -55,10 +56,12 @@ static int depth_ok(const ProtobufCMessageDescriptor *d, const uint8_t *p, const
         case 0:
             if (varint(&p, end, &len) != 0) return 1;
             break;
-        case 1:
+        case 1: /* the length is checked before the pointer moves: never past `end` */
+            if (end - p < 8) return 1;
             p += 8;
             break;
         case 5:
+            if (end - p < 4) return 1;
             p += 4;
             break;
         case 2: {
@@ -153,21 +156,9 @@ void rpc__install_log_hook(void) {
     gpr_set_log_function(rpc__gpr_log);
 }
 
+/* PEM files: certificates, keys, CA bundles. */
+#define RPC__PEM_MAX (1 << 20)
+
 int rpc__read_file(const char *path, char **out, char *err, size_t errlen) {
-    FILE *f = fopen(path, "rb");
-    char *buf = NULL;
-    long n;
-    if (f == NULL) goto fail;
-    if (fseek(f, 0, SEEK_END) != 0 || (n = ftell(f)) < 0 || fseek(f, 0, SEEK_SET) != 0) goto fail;
-    buf = malloc((size_t)n + 1);
-    if (buf == NULL || fread(buf, 1, (size_t)n, f) != (size_t)n) goto fail;
-    buf[n] = 0;
-    fclose(f);
-    *out = buf;
-    return 0;
-fail:
-    snprintf(err, errlen, "cannot read %s: %s", path, strerror(errno));
-    free(buf);
-    if (f) fclose(f);
-    return -1;
+    return util_read_file(path, RPC__PEM_MAX, out, NULL, err, errlen);
 }

@@ -24,6 +24,7 @@ struct rpc__health {
     char names[HEALTH_MAX_SERVICES][HEALTH_NAME_MAX];
     int status[HEALTH_MAX_SERVICES]; /* ServingStatus values */
     watcher *watchers;
+    int n_watchers; /* bounded by the server's max_health_watches */
 };
 
 int rpc__health_new(rpc__health **out) {
@@ -107,11 +108,18 @@ static void watch_closed(rpc_call *call, void *ud) {
     for (watcher **p = &h->watchers; *p; p = &(*p)->next)
         if (*p == w) {
             *p = w->next;
+            h->n_watchers--;
             break;
         }
     pthread_mutex_unlock(&h->mu);
     rpc_call_unref(w->call);
     free(w);
+}
+
+static void watch_unreserve(rpc__health *h) {
+    pthread_mutex_lock(&h->mu);
+    h->n_watchers--;
+    pthread_mutex_unlock(&h->mu);
 }
 
 static int health_watch(rpc_call *call, const ProtobufCMessage *req, void *ud) {
@@ -120,14 +128,28 @@ static int health_watch(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     if (strlen(r->service) >= HEALTH_NAME_MAX)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "service: longer than %d bytes",
                          HEALTH_NAME_MAX - 1);
+    /* Watches need no token: their own small budget keeps anonymous clients from holding the
+     * stream slots authenticated streams need (docs/rpc.md, "Hardening"). */
+    int budget = rpc__server_opts(call->srv)->max_health_watches;
+    pthread_mutex_lock(&h->mu);
+    int full = h->n_watchers >= budget;
+    if (!full) h->n_watchers++; /* reserved; released below or by watch_closed */
+    pthread_mutex_unlock(&h->mu);
+    if (full)
+        return rpc_error(call, RPC_RESOURCE_EXHAUSTED, "too many health watches (limit %d)",
+                         budget);
     watcher *w = calloc(1, sizeof *w);
-    if (w == NULL) return rpc_error(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    if (w == NULL) {
+        watch_unreserve(h);
+        return rpc_error(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    }
     strcpy(w->service, r->service);
     /* Registered under h->mu before detaching, so watch_closed (which takes h->mu) can never
      * run before the watcher is in the list. */
     pthread_mutex_lock(&h->mu);
     w->call = rpc_stream_detach(call, watch_closed, w);
     if (w->call == NULL) {
+        h->n_watchers--;
         pthread_mutex_unlock(&h->mu);
         free(w);
         return RPC_CANCELLED;

@@ -21,6 +21,8 @@ enum {
     RPC__TAG_SHUTDOWN,    /* the server finished shutting down */
     RPC__TAG_UNKNOWN,     /* a call to a method nobody registered arrived */
     RPC__TAG_UNKNOWN_END, /* ... and was answered UNIMPLEMENTED */
+    RPC__TAG_UNARY_RECV,  /* a unary call's read past its request: end of stream, or a second
+                             message (a protocol error) */
 };
 
 typedef struct rpc__tag {
@@ -103,6 +105,10 @@ struct rpc_call {
     void *close_ud;
     struct rpc_call *dnext, *dprev; /* the server's list of detached streams */
 
+    /* unary: the read after the request message (rpc_limits.c) */
+    rpc__tag t_recv;
+    grpc_byte_buffer *extra; /* a second request message: refused */
+
     rpc__arena arena;
     _Alignas(16) unsigned char arena_inline[2048];
 };
@@ -121,6 +127,28 @@ void rpc__stream_on_send(rpc_call *c, int ok);
 void rpc__stream_on_end(rpc_call *c);
 void rpc__stream_on_close(rpc_call *c);
 void rpc__stream_destroy(rpc_call *c);
+
+/* rpc_limits.c: requests and responses checked against the rules of docs/rpc.md
+ * ("Hardening"). The request walk returns 0, -1 (not a valid message) or a status code, with
+ * msg naming the field. */
+int rpc__check_request(const uint8_t *p, size_t n, const ProtobufCMessageDescriptor *d,
+                       const rpc_field_limit *limits, size_t n_limits, size_t max_decoded,
+                       char *msg, size_t msglen);
+/* Walks, then decodes c->payload into c->req with alloc (the call arena); RPC_OK or the
+ * status set. */
+int rpc__decode_request(rpc_call *c, ProtobufCAllocator *alloc);
+/* RPC_INTERNAL (status set) when a string field of resp is not valid UTF-8; not NDEBUG only. */
+int rpc__check_response(rpc_call *c, const ProtobufCMessage *resp);
+int rpc__md_count(const grpc_metadata_array *md, const char *key);
+/* Starts the read that must find the end of a unary call's request stream; false when the
+ * core refused the batch (the call is then run at once). */
+int rpc__unary_expect_end(rpc_call *c);
+const rpc_server_opts *rpc__server_opts(const struct rpc_server *s);
+/* Defaults of the hardening options, and the channel arguments they become (at most
+ * RPC__HARDENING_ARGS of them, written to args; returns how many). */
+#define RPC__HARDENING_ARGS 6
+void rpc__opts_hardening_defaults(rpc_server_opts *o);
+size_t rpc__hardening_args(const rpc_server_opts *o, grpc_arg *args);
 
 /* rpc_health.c */
 typedef struct rpc__health rpc__health;

@@ -94,6 +94,7 @@ static void call_free(rpc_call *c) {
     grpc_metadata_array_destroy(&c->md);
     if (c->payload) grpc_byte_buffer_destroy(c->payload);
     if (c->reply) grpc_byte_buffer_destroy(c->reply);
+    if (c->extra) grpc_byte_buffer_destroy(c->extra);
     grpc_slice_unref(c->status_slice);
     if (c->has_trailer) grpc_slice_unref(c->trailer.value);
     grpc_call_unref(c->call);
@@ -337,6 +338,8 @@ static int call_prepare(rpc_call *c) {
         const grpc_metadata *a = md_find(&c->md, "authorization");
         char err[160];
         if (a == NULL) return rpc_error(c, RPC_UNAUTHENTICATED, "missing bearer token");
+        if (rpc__md_count(&c->md, "authorization") > 1)
+            return rpc_error(c, RPC_UNAUTHENTICATED, "more than one authorization header");
         if (c->srv->o.auth == NULL)
             return rpc_error(c, RPC_UNAUTHENTICATED, "no token verifier configured");
         if (authenticate(c, (const char *)GRPC_SLICE_START_PTR(a->value),
@@ -346,13 +349,7 @@ static int call_prepare(rpc_call *c) {
     }
     if (rpc_deadline_ms(c) <= 0) return rpc_error(c, RPC_DEADLINE_EXCEEDED, "deadline exceeded");
     ProtobufCAllocator alloc = {arena_pb_alloc, arena_pb_free, c};
-    int rc = rpc__decode(c->payload, m->m.req_desc, &alloc, &c->req);
-    if (rc == -2)
-        return rpc_error(c, RPC_INVALID_ARGUMENT, "request nests messages deeper than %d levels",
-                         RPC_MAX_NESTING);
-    if (rc != 0)
-        return rpc_error(c, RPC_INVALID_ARGUMENT, "request is not a valid %s", m->m.req_desc->name);
-    return RPC_OK;
+    return rpc__decode_request(c, &alloc);
 }
 
 void rpc__account(rpc_call *c) {
@@ -419,8 +416,21 @@ static void unary_run(rpc_call *c) {
             code = rpc_error(c, RPC_INTERNAL, "handler returned %d", code);
         else if (code != RPC_OK && c->code == RPC_OK)
             c->code = code;
+        if (code == RPC_OK) code = rpc__check_response(c, resp);
     }
     unary_reply(c, code == RPC_OK ? resp : NULL);
+}
+
+/* The request stream of a unary call ended (or carried a second message: refused). */
+static void unary_recv_done(rpc_call *c) {
+    log_set_trace(c->trace);
+    if (c->extra) {
+        rpc_error(c, RPC_INTERNAL, "protocol error: more than one request message");
+        unary_reply(c, NULL);
+    } else {
+        unary_run(c);
+    }
+    log_set_trace(NULL);
 }
 
 /* Bounded hand-off to the stream workers; a full ring refuses the call. */
@@ -598,9 +608,9 @@ static void on_request(rpc__listener *l, int ok) {
     }
     call_trace(c);
     log_set_trace(c->trace);
-    if (l->m->m.kind == RPC_UNARY)
-        unary_run(c);
-    else
+    if (l->m->m.kind == RPC_UNARY) {
+        if (!rpc__unary_expect_end(c)) unary_run(c);
+    } else
         stream_dispatch(c);
     log_set_trace(NULL);
 }
@@ -638,6 +648,9 @@ static void *cq_thread(void *arg) {
         case RPC__TAG_STREAM_END:
             rpc__stream_on_end(container_of(t, rpc_call, t_end));
             break;
+        case RPC__TAG_UNARY_RECV:
+            unary_recv_done(container_of(t, rpc_call, t_recv));
+            break;
         case RPC__TAG_UNKNOWN_END: {
             rpc__unknown *u = (rpc__unknown *)t;
             grpc_slice_unref(u->msg);
@@ -663,6 +676,7 @@ static void opts_defaults(rpc_server_opts *o) {
     if (o->max_recv_bytes <= 0) o->max_recv_bytes = 4 << 20;
     if (o->max_send_bytes <= 0) o->max_send_bytes = 16 << 20;
     if (o->max_concurrent_streams <= 0) o->max_concurrent_streams = 256;
+    rpc__opts_hardening_defaults(o);
 }
 
 int rpc_server_new(const rpc_server_opts *opts, rpc_server **out, char *err, size_t errlen) {
@@ -793,7 +807,7 @@ static void arm_all(rpc_server *s) {
 }
 
 int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
-    grpc_arg args[4];
+    grpc_arg args[4 + RPC__HARDENING_ARGS];
     args[0] = (grpc_arg){
         GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, {.integer = s->o.max_recv_bytes}};
     args[1] = (grpc_arg){
@@ -802,7 +816,7 @@ int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
                          GRPC_ARG_MAX_CONCURRENT_STREAMS,
                          {.integer = s->o.max_concurrent_streams}};
     args[3] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, {.integer = 0}};
-    grpc_channel_args ca = {4, args};
+    grpc_channel_args ca = {4 + rpc__hardening_args(&s->o, args + 4), args};
     grpc_server_credentials *creds = NULL;
 
     if (rpc__health_register(s) != 0) goto oom;
@@ -862,6 +876,10 @@ int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
 oom:
     snprintf(err, errlen, "out of memory");
     return RPC_ENOMEM;
+}
+
+const rpc_server_opts *rpc__server_opts(const rpc_server *s) {
+    return &s->o;
 }
 
 rpc__health *rpc__server_health(rpc_server *s) {

@@ -17,6 +17,9 @@ static struct {
     char *tls_cert, *tls_key, *tls_ca;
     long long unary_threads, stream_threads, stream_workers, max_streams, stream_queue, grace_ms;
     long long jwt_leeway_ms;
+    /* hardening (docs/rpc.md) */
+    long long max_decoded, conn_idle_ms, keepalive_ms, keepalive_timeout_ms, handshake_ms;
+    long long max_health_watches, metrics_conns, metrics_per_ip, metrics_idle_ms;
 } C;
 
 static const cfg_var common_vars[] = {
@@ -59,6 +62,33 @@ static const cfg_var common_vars[] = {
     {"UPSQUAD_SHUTDOWN_GRACE", CFG_MS, "10s",
      "on SIGTERM, how long in-flight calls may finish before they are cancelled", &C.grace_ms, 0,
      3600000},
+    /* hardening (docs/rpc.md, "Hardening") */
+    {"UPSQUAD_RPC_MAX_DECODED_BYTES", CFG_INT, "16777216",
+     "a request's estimated decoded size, checked on the wire bytes before decoding; larger "
+     "requests are refused with INVALID_ARGUMENT",
+     &C.max_decoded, 65536, 1LL << 32},
+    {"UPSQUAD_RPC_MAX_CONNECTION_IDLE", CFG_MS, "5m",
+     "a connection without calls for this long is closed (GOAWAY; clients reconnect on demand)",
+     &C.conn_idle_ms, 1000, 86400000},
+    {"UPSQUAD_RPC_KEEPALIVE_TIME", CFG_MS, "2m",
+     "a silent connection is pinged after this long ...", &C.keepalive_ms, 1000, 86400000},
+    {"UPSQUAD_RPC_KEEPALIVE_TIMEOUT", CFG_MS, "20s",
+     "... and closed when the ping is not answered within this", &C.keepalive_timeout_ms, 1000,
+     600000},
+    {"UPSQUAD_RPC_HANDSHAKE_TIMEOUT", CFG_MS, "10s",
+     "a new connection must complete its HTTP/2 (and TLS) set-up within this", &C.handshake_ms, 100,
+     600000},
+    {"UPSQUAD_RPC_MAX_HEALTH_WATCHES", CFG_INT, "64",
+     "concurrent grpc.health.v1.Health/Watch streams (no token needed); more are refused with "
+     "RESOURCE_EXHAUSTED, so they cannot take the slots of authenticated streams",
+     &C.max_health_watches, 1, 100000},
+    {"UPSQUAD_METRICS_MAX_CONNECTIONS", CFG_INT, "256",
+     "open connections to the metrics port; more are closed at once", &C.metrics_conns, 2, 4096},
+    {"UPSQUAD_METRICS_MAX_PER_IP", CFG_INT, "8",
+     "open connections to the metrics port from one address", &C.metrics_per_ip, 1, 4096},
+    {"UPSQUAD_METRICS_IDLE_TIMEOUT", CFG_MS, "3s",
+     "a metrics connection silent for this long is closed (whole seconds, at least 1 s)",
+     &C.metrics_idle_ms, 1000, 600000},
 };
 
 const cfg_var *svc_common_vars(size_t *n) {
@@ -146,11 +176,20 @@ int svc_main(const svc_def *def, int argc, char **argv) {
         .stream_queue = (int)C.stream_queue,
         .tls = C.tls_cert ? &tls : NULL,
         .auth = verifier,
+        .max_decoded_bytes = (size_t)C.max_decoded,
+        .max_connection_idle_ms = (int)C.conn_idle_ms,
+        .keepalive_time_ms = (int)C.keepalive_ms,
+        .keepalive_timeout_ms = (int)C.keepalive_timeout_ms,
+        .handshake_timeout_ms = (int)C.handshake_ms,
+        .max_health_watches = (int)C.max_health_watches,
     };
     if (rpc_server_new(&o, &srv, err, sizeof err) != 0) goto fail;
     if (def->init && def->init(def->state, srv, err, sizeof err) != 0) goto fail;
     if (rpc_server_start(srv, err, sizeof err) != 0) goto fail;
-    if (C.metrics_addr && C.metrics_addr[0] && metrics_serve(C.metrics_addr, err, sizeof err) != 0)
+    metrics_serve_opts mo = {(int)C.metrics_conns, (int)C.metrics_per_ip,
+                             (int)((C.metrics_idle_ms + 999) / 1000)};
+    if (C.metrics_addr && C.metrics_addr[0] &&
+        metrics_serve_with(C.metrics_addr, &mo, err, sizeof err) != 0)
         goto fail;
     printf("port=%d\nmetrics_port=%d\n", rpc_server_port(srv), metrics_port());
     fflush(stdout);

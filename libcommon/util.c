@@ -1,16 +1,22 @@
 /* See util.h. */
 #include "util.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 int util_errf(char *err, size_t errlen, int code, const char *fmt, ...) {
     if (err && errlen) {
         va_list ap;
         va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
+        int n = vsnprintf(err, errlen, fmt, ap);
         va_end(ap);
+        /* a message cut short ends on a character boundary: it may become a gRPC status */
+        if (n >= 0 && (size_t)n >= errlen) err[util_utf8_cut(err, errlen - 1)] = '\0';
     }
     return code;
 }
@@ -37,14 +43,83 @@ size_t util_utf8_len(const unsigned char *s, size_t n) {
     return len;
 }
 
-int util_utf8_valid(const char *str) {
-    const unsigned char *s = (const unsigned char *)str;
-    size_t n = strlen(str);
-    while (n > 0) {
-        size_t len = util_utf8_len(s, n);
-        if (len == 0) return 0;
-        s += len;
-        n -= len;
+size_t util_utf8_check(const void *str, size_t n) {
+    const unsigned char *s = str;
+    size_t i = 0;
+    while (i < n) {
+        if (s[i] < 0x80) { /* the common case: ASCII runs */
+            i++;
+            continue;
+        }
+        size_t len = util_utf8_len(s + i, n - i);
+        if (len == 0) return i;
+        i += len;
     }
-    return 1;
+    return n;
+}
+
+int util_utf8_valid(const char *s) {
+    size_t n = strlen(s);
+    return util_utf8_check(s, n) == n;
+}
+
+size_t util_utf8_cut(const char *str, size_t maxbytes) {
+    const unsigned char *s = (const unsigned char *)str;
+    size_t n = strnlen(str, maxbytes), lead = n;
+    /* the last character must be whole: find its lead byte (at most 3 continuation bytes back)
+     * and cut before it when its sequence runs past n (cut by maxbytes, or by a buffer) */
+    while (lead > 0 && n - lead < 4 && (s[lead - 1] & 0xC0) == 0x80)
+        lead--;
+    if (lead == 0 || n - lead >= 4) return n; /* not UTF-8 there: nothing to keep whole */
+    lead--;
+    unsigned c = s[lead];
+    size_t len = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : 4;
+    return lead + len > n ? lead : n;
+}
+
+int util_read_file(const char *path, size_t max, char **out, size_t *len, char *err,
+                   size_t errlen) {
+    char *buf = NULL;
+    size_t n = 0, cap = 0;
+    int fd = open(path ? path : "", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return util_errf(err, errlen, -1, "cannot read %s: %s", path, strerror(errno));
+    for (;;) {
+        if (n == cap) { /* grow; one byte more than max tells a file that is too large */
+            size_t ncap = cap ? cap * 2 : 4096;
+            if (ncap > max + 1) ncap = max + 1;
+            if (ncap <= n) {
+                util_errf(err, errlen, -1, "%s: larger than %zu bytes", path, max);
+                goto fail;
+            }
+            char *nb = realloc(buf, ncap + 1);
+            if (nb == NULL) {
+                util_errf(err, errlen, -1, "%s: out of memory", path);
+                goto fail;
+            }
+            buf = nb, cap = ncap;
+        }
+        ssize_t r = read(fd, buf + n, cap - n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) {
+            util_errf(err, errlen, -1, "cannot read %s: %s", path, strerror(errno));
+            goto fail;
+        }
+        if (r == 0) break;
+        n += (size_t)r;
+        if (n > max) {
+            util_errf(err, errlen, -1, "%s: larger than %zu bytes", path, max);
+            goto fail;
+        }
+    }
+    close(fd);
+    if (buf == NULL && (buf = malloc(1)) == NULL)
+        return util_errf(err, errlen, -1, "%s: out of memory", path);
+    buf[n] = 0;
+    *out = buf;
+    if (len) *len = n;
+    return 0;
+fail:
+    close(fd);
+    free(buf);
+    return -1;
 }

@@ -13,7 +13,21 @@ int util_errf(char *err, size_t errlen, int code, const char *fmt, ...)
  * valid UTF-8 (overlongs, surrogates and code points above U+10FFFF included). */
 size_t util_utf8_len(const unsigned char *s, size_t n);
 
-/* 1 when the NUL-terminated string is valid UTF-8. */
+/* Offset of the first byte of s[0..n) that does not start a well-formed UTF-8 sequence, or n
+ * when all of it is valid UTF-8 (NUL bytes are valid UTF-8; callers that refuse them check). */
+size_t util_utf8_check(const void *s, size_t n);
+
+/* 1 when the NUL-terminated string is valid UTF-8 (util_utf8_check over its bytes). */
 int util_utf8_valid(const char *s);
+
+/* The longest prefix of the NUL-terminated string s that is at most maxbytes long and does not
+ * split a UTF-8 character: every string a service truncates is cut here, so what it sends stays
+ * valid UTF-8 (proto3 `string` fields must be; clients refuse the response otherwise). */
+size_t util_utf8_cut(const char *s, size_t maxbytes);
+
+/* Reads the whole file at path into a NUL-terminated buffer (*out, caller frees; *len its length
+ * without the NUL, len may be NULL). A file larger than max bytes is refused. 0, or -1 with err
+ * naming the path and the reason. */
+int util_read_file(const char *path, size_t max, char **out, size_t *len, char *err, size_t errlen);
 
 #endif

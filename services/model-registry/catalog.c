@@ -1,11 +1,10 @@
 /* Parsing and validation of the model catalogue data file. */
 #include "catalog.h"
+#include "ids.h"
 #include "util.h"
 
 #include <cjson/cJSON.h>
-#include <errno.h>
 #include <math.h>
-#include <openssl/evp.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -588,24 +587,9 @@ int mr_catalog_load_file(const char *path, mr_catalog *out, unsigned char *sha25
     int rc = -1;
     char *buf = NULL;
     size_t len = 0;
-    FILE *f = fopen(path, "rb");
     memset(out, 0, sizeof *out);
-    if (!f) return fail(err, errlen, "%s: %s", path, strerror(errno));
-    buf = malloc(MR_MAX_FILE_BYTES + 1);
-    if (!buf) {
-        fail(err, errlen, "out of memory");
-        goto done;
-    }
-    len = fread(buf, 1, MR_MAX_FILE_BYTES + 1, f);
-    if (ferror(f)) {
-        fail(err, errlen, "%s: read error", path);
-        goto done;
-    }
-    if (len > MR_MAX_FILE_BYTES) {
-        fail(err, errlen, "%s: larger than %d bytes", path, MR_MAX_FILE_BYTES);
-        goto done;
-    }
-    if (sha256_out && !EVP_Digest(buf, len, sha256_out, NULL, EVP_sha256(), NULL)) {
+    if (util_read_file(path, MR_MAX_FILE_BYTES, &buf, &len, err, errlen) != 0) return -1;
+    if (sha256_out && ids_sha256_raw(buf, len, sha256_out) != 0) {
         fail(err, errlen, "sha256 failed");
         goto done;
     }
@@ -617,6 +601,5 @@ int mr_catalog_load_file(const char *path, mr_catalog *out, unsigned char *sha25
     rc = 0;
 done:
     free(buf);
-    fclose(f);
     return rc;
 }

@@ -164,15 +164,19 @@ done:
 #define SVC "/upsquad.runtime.v1.ModelRegistryService/"
 #define DESC(x) &upsquad__runtime__v1__##x##__descriptor
 
+/* Checked on the wire before decoding: a request of millions of ids costs a scan, not memory. */
+static const rpc_field_limit rec_limits[] = {{"connected_providers", MR_MAX_PROVIDERS_REQ}};
+static const rpc_field_limit compare_limits[] = {{"model_ids", MR_COMPARE_MAX}};
+
 int mr_handlers_register(rpc_server *srv, mr_registry *r) {
     const rpc_method methods[] = {
         {SVC "ListModels", RPC_UNARY, RPC_AUTH_REQUIRED, DESC(list_models_request),
          DESC(list_models_response), list_models, NULL, r},
         {SVC "GetModelRecommendation", RPC_UNARY, RPC_AUTH_REQUIRED,
          DESC(get_model_recommendation_request), DESC(get_model_recommendation_response), recommend,
-         NULL, r},
+         NULL, r, rec_limits, 1},
         {SVC "CompareModels", RPC_UNARY, RPC_AUTH_REQUIRED, DESC(compare_models_request),
-         DESC(compare_models_response), compare, NULL, r},
+         DESC(compare_models_response), compare, NULL, r, compare_limits, 1},
     };
     return rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
 }

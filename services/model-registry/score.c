@@ -139,13 +139,21 @@ static void sb_add(sbuf *b, const char *fmt, ...) {
     int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
     va_end(ap);
     if (n < 0) return;
-    b->len += (size_t)n < b->cap - b->len ? (size_t)n : b->cap - b->len - 1;
+    if ((size_t)n < b->cap - b->len) {
+        b->len += (size_t)n;
+        return;
+    }
+    /* truncated: end on a character boundary, so the text stays valid UTF-8 */
+    size_t keep = util_utf8_cut(b->p + b->len, b->cap - b->len - 1);
+    b->len += keep;
+    b->p[b->len] = '\0';
 }
 
-/* A request string quoted for a message: at most 48 bytes, control bytes and quotes as '?'. */
+/* A request string quoted for a message: at most 48 bytes, cut on a character boundary,
+ * control bytes and quotes as '?'. */
 static void sb_quoted(sbuf *b, const char *s, size_t len) {
     char tmp[52];
-    size_t n = len < 48 ? len : 48, j = 0;
+    size_t n = util_utf8_cut(s, len < 48 ? len : 48), j = 0;
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
         tmp[j++] = (c < 0x20 || c == '"' || c == '\\' || c == 0x7f) ? '?' : (char)c;

@@ -925,6 +925,102 @@ static void test_concurrent_verify(void **state) {
     auth_verifier_free(ev);
 }
 
+/* ---- strictness (issue: a signed token must mean exactly one thing) ---- */
+
+/* Tokens correctly signed, each with one defect the verifier used to overlook: a NUL inside a
+ * string compared as a C string, bytes after the JSON, an `iat` in the future. */
+static void test_strict_segments(void **state) {
+    (void)state;
+    auth_verifier *v = hs_verifier("gw"), *plain = hs_verifier(NULL);
+    long long n = (long long)now;
+    struct {
+        const char *header, *payload_fmt;
+        int want;
+    } cases[] = {
+        /* the reference: accepted */
+        {HDR_HS,
+         "{\"sub\":\"m\",\"org_id\":\"o\",\"clearance\":1,\"aud\":\"upsquad\",\"iss\":\"gw\","
+         "\"iat\":%lld,\"exp\":%lld}",
+         AUTH_OK},
+        /* trailing whitespace is still JSON */
+        {HDR_HS,
+         "{\"sub\":\"m\",\"org_id\":\"o\",\"clearance\":1,\"aud\":\"upsquad\",\"iss\":\"gw\","
+         "\"iat\":%lld,\"exp\":%lld} \n",
+         AUTH_OK},
+        /* NUL in alg, aud, iss, sub, org_id, teams */
+        {"{\"alg\":\"HS256\\u0000x\",\"typ\":\"JWT\"}",
+         "{\"sub\":\"m\",\"org_id\":\"o\",\"clearance\":1,\"aud\":\"upsquad\",\"iss\":\"gw\","
+         "\"iat\":%lld,\"exp\":%lld}",
+         AUTH_EMALFORMED},
+        {HDR_HS,
+         "{\"sub\":\"m\",\"org_id\":\"o\",\"clearance\":1,\"aud\":\"upsquad\\u0000evil\","
+         "\"iss\":\"gw\",\"iat\":%lld,\"exp\":%lld}",
+         AUTH_EMALFORMED},
+        {HDR_HS,
+         "{\"sub\":\"m\",\"org_id\":\"o\",\"clearance\":1,\"aud\":[\"upsquad\\u0000x\"],"
+         "\"iss\":\"gw\",\"iat\":%lld,\"exp\":%lld}",
+         AUTH_EMALFORMED},
+        {HDR_HS,
+         "{\"sub\":\"m\",\"org_id\":\"o\",\"clearance\":1,\"aud\":\"upsquad\","
+         "\"iss\":\"gw\\u0000x\",\"iat\":%lld,\"exp\":%lld}",
+         AUTH_EMALFORMED},
+        {HDR_HS,
+         "{\"sub\":\"m\\u0000admin\",\"org_id\":\"o\",\"clearance\":1,\"aud\":\"upsquad\","
+         "\"iss\":\"gw\",\"iat\":%lld,\"exp\":%lld}",
+         AUTH_EMALFORMED},
+        {HDR_HS,
+         "{\"sub\":\"m\",\"org_id\":\"o\\u0000other\",\"clearance\":1,\"aud\":\"upsquad\","
+         "\"iss\":\"gw\",\"iat\":%lld,\"exp\":%lld}",
+         AUTH_EMALFORMED},
+        {HDR_HS,
+         "{\"sub\":\"m\",\"org_id\":\"o\",\"clearance\":1,\"teams\":[\"t\\u0000x\"],"
+         "\"aud\":\"upsquad\",\"iss\":\"gw\",\"iat\":%lld,\"exp\":%lld}",
+         AUTH_EMALFORMED},
+        /* an escaped backslash followed by u0000 is text, not a NUL */
+        {HDR_HS,
+         "{\"sub\":\"m\\\\u0000\",\"org_id\":\"o\",\"clearance\":1,\"aud\":\"upsquad\","
+         "\"iss\":\"gw\",\"iat\":%lld,\"exp\":%lld}",
+         AUTH_OK},
+        /* characters after the JSON, in the payload and in the header */
+        {HDR_HS,
+         "{\"sub\":\"m\",\"org_id\":\"o\",\"clearance\":1,\"aud\":\"upsquad\",\"iss\":\"gw\","
+         "\"iat\":%lld,\"exp\":%lld}{\"org_id\":\"other\"}",
+         AUTH_EMALFORMED},
+        {HDR_HS,
+         "{\"sub\":\"m\",\"org_id\":\"o\",\"clearance\":1,\"aud\":\"upsquad\",\"iss\":\"gw\","
+         "\"iat\":%lld,\"exp\":%lld}x",
+         AUTH_EMALFORMED},
+        {HDR_HS "x",
+         "{\"sub\":\"m\",\"org_id\":\"o\",\"clearance\":1,\"aud\":\"upsquad\",\"iss\":\"gw\","
+         "\"iat\":%lld,\"exp\":%lld}",
+         AUTH_EMALFORMED},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *p = fmt(cases[i].payload_fmt, n, n + 600);
+        char *t = make_token(SIGN_HS, SECRET, cases[i].header, p);
+        expect_verify(v, t, cases[i].want);
+        free(t);
+        free(p);
+    }
+    /* iat: within the leeway accepted, beyond it refused; absent is fine */
+    struct {
+        long long iat_off;
+        int want;
+    } times[] = {
+        {0, AUTH_OK}, {-3600, AUTH_OK}, {20, AUTH_OK}, {31, AUTH_ENOTYET}, {86400, AUTH_ENOTYET}};
+    for (size_t i = 0; i < sizeof times / sizeof times[0]; i++) {
+        char *p = fmt("{\"sub\":\"m\",\"org_id\":\"o\",\"clearance\":1,\"aud\":\"upsquad\","
+                      "\"iat\":%lld,\"exp\":%lld}",
+                      n + times[i].iat_off, n + 100000);
+        char *t = make_token(SIGN_HS, SECRET, HDR_HS, p);
+        expect_verify(plain, t, times[i].want);
+        free(t);
+        free(p);
+    }
+    auth_verifier_free(v);
+    auth_verifier_free(plain);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_hs256_roundtrip), cmocka_unit_test(test_rs256_roundtrip),
@@ -937,6 +1033,7 @@ int main(void) {
         cmocka_unit_test(test_issuer),          cmocka_unit_test(test_identity_claims),
         cmocka_unit_test(test_team_count),      cmocka_unit_test(test_verifier_config),
         cmocka_unit_test(test_signer_rules),    cmocka_unit_test(test_concurrent_verify),
+        cmocka_unit_test(test_strict_segments),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

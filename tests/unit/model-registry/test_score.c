@@ -12,6 +12,7 @@
 
 #include "mr_fixture.h"
 #include "../../../services/model-registry/score.h"
+#include "util.h"
 
 /* Prices chosen so cost efficiencies are round: blended 1 -> 2/3, blended 10 -> 1/3,
  * blended 0.1 -> 1. */
@@ -332,6 +333,46 @@ static void test_compare(void **state) {
     assert_non_null(strstr(err, "...\""));
 }
 
+/* Every text quoted back is cut on a character boundary: 47 x 'a' + 'é' (2 bytes) straddles the
+ * 48-byte quote, and multi-byte provider names overflow the 255-byte ignored-provider list. */
+static void test_truncation_keeps_utf8(void **state) {
+    const mr_snapshot *s = *state;
+    mr_rec_result r;
+    char err[768];
+    char role[64];
+    memset(role, 'a', 47);
+    memcpy(role + 47, "\xC3\xA9", 3);
+    assert_int_equal(recommend(s, role, "quality", NULL, 0, 3, &r, err, sizeof err), MR_OK);
+    assert_true(util_utf8_valid(r.reasoning));
+    assert_non_null(strstr(r.reasoning, "aaaa...\""));
+
+    const char *prov[16];
+    char names[16][40];
+    for (size_t i = 0; i < 16; i++) {
+        /* 9 x U+20AC (3 bytes each) + a distinct suffix: none is a catalogued provider */
+        size_t o = 0;
+        for (int k = 0; k < 9; k++) {
+            memcpy(names[i] + o, "\xE2\x82\xAC", 3);
+            o += 3;
+        }
+        snprintf(names[i] + o, sizeof names[i] - o, "%zu", i);
+        prov[i] = names[i];
+    }
+    prov[15] = "openai";
+    assert_int_equal(recommend(s, "planner", "quality", prov, 16, 3, &r, err, sizeof err), MR_OK);
+    assert_true(util_utf8_valid(r.reasoning));
+    prov[15] = names[15];
+    assert_int_equal(recommend(s, "planner", "quality", prov, 16, 3, &r, err, sizeof err),
+                     MR_ENONE);
+    assert_true(util_utf8_valid(err));
+
+    /* a status message cut by its buffer stays UTF-8 too */
+    char small[40];
+    assert_int_equal(recommend(s, "planner", "quality", prov, 16, 3, &r, small, sizeof small),
+                     MR_ENONE);
+    assert_true(util_utf8_valid(small));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_role_table),
@@ -345,6 +386,7 @@ int main(void) {
         cmocka_unit_test(test_alternatives_bounded_and_deterministic),
         cmocka_unit_test_setup_teardown(test_list_order_and_filter, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compare, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_truncation_keeps_utf8, setup, teardown),
     };
     return cmocka_run_group_tests_name("model-registry scoring", tests, NULL, NULL);
 }

@@ -1,0 +1,125 @@
+/* libcommon/util.c: UTF-8 checking and cutting, the one file reader, the one error formatter. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ids.h"
+#include "util.h"
+
+static void test_utf8_check(void **state) {
+    (void)state;
+    struct {
+        const char *s;
+        size_t n, bad;
+    } cases[] = {
+        {"plain ascii", 11, 11},
+        {"caf\xC3\xA9", 5, 5},
+        {"\xE2\x82\xAC\xF0\x9F\x98\x80", 7, 7},
+        {"a\0b", 3, 3},           /* NUL is UTF-8 (callers refuse it themselves) */
+        {"ab\xC3", 3, 2},         /* truncated sequence */
+        {"ab\x80", 3, 2},         /* lone continuation */
+        {"\xC0\xAF", 2, 0},       /* overlong '/' */
+        {"x\xED\xA0\x80", 4, 1},  /* surrogate U+D800 */
+        {"\xF4\x90\x80\x80", 4, 0}, /* above U+10FFFF */
+        {"ok\xFF", 3, 2},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        assert_int_equal(util_utf8_check(cases[i].s, cases[i].n), cases[i].bad);
+    assert_true(util_utf8_valid("caf\xC3\xA9"));
+    assert_false(util_utf8_valid("caf\xC3"));
+}
+
+static void test_utf8_cut(void **state) {
+    (void)state;
+    char role[64];
+    memset(role, 'a', 47);
+    memcpy(role + 47, "\xC3\xA9", 3); /* 47 x a + é: the 48th and 49th bytes are one character */
+    assert_int_equal(util_utf8_cut(role, 48), 47);
+    assert_int_equal(util_utf8_cut(role, 49), 49);
+    assert_int_equal(util_utf8_cut(role, 100), 49);
+    assert_int_equal(util_utf8_cut("\xF0\x9F\x98\x80", 3), 0);
+    assert_int_equal(util_utf8_cut("\xF0\x9F\x98\x80x", 4), 4);
+    assert_int_equal(util_utf8_cut("abc", 0), 0);
+    assert_int_equal(util_utf8_cut("", 5), 0);
+    /* every cut of a valid string is valid */
+    const char *mixed = "a\xC3\xA9\xE2\x82\xAC\xF0\x9F\x98\x80z";
+    for (size_t max = 0; max <= strlen(mixed); max++) {
+        char buf[32];
+        size_t n = util_utf8_cut(mixed, max);
+        assert_true(n <= max);
+        memcpy(buf, mixed, n);
+        buf[n] = 0;
+        assert_true(util_utf8_valid(buf));
+    }
+}
+
+static void test_errf_cuts_on_a_boundary(void **state) {
+    (void)state;
+    char err[6];
+    assert_int_equal(util_errf(err, sizeof err, -7, "%s", "abcd\xC3\xA9xyz"), -7);
+    assert_string_equal(err, "abcd"); /* not "abcd\xC3" */
+    assert_true(util_utf8_valid(err));
+}
+
+static void test_read_file(void **state) {
+    (void)state;
+    char path[] = "/tmp/upsquad-util-XXXXXX", err[256];
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    char big[10000];
+    memset(big, 'x', sizeof big);
+    assert_int_equal(write(fd, big, sizeof big), (ssize_t)sizeof big);
+    close(fd);
+    char *buf = NULL;
+    size_t len = 0;
+    assert_int_equal(util_read_file(path, sizeof big, &buf, &len, err, sizeof err), 0);
+    assert_int_equal(len, sizeof big);
+    assert_int_equal(buf[len], 0);
+    free(buf);
+    buf = NULL;
+    assert_int_equal(util_read_file(path, sizeof big - 1, &buf, &len, err, sizeof err), -1);
+    assert_null(buf);
+    assert_non_null(strstr(err, "larger than 9999 bytes"));
+    unlink(path);
+    assert_int_equal(util_read_file(path, 100, &buf, NULL, err, sizeof err), -1);
+    assert_non_null(strstr(err, path));
+    /* an empty file is an empty string */
+    strcpy(path, "/tmp/upsquad-util-XXXXXX");
+    fd = mkstemp(path);
+    close(fd);
+    assert_int_equal(util_read_file(path, 100, &buf, &len, err, sizeof err), 0);
+    assert_int_equal(len, 0);
+    assert_string_equal(buf, "");
+    free(buf);
+    unlink(path);
+}
+
+static void test_sha256(void **state) {
+    (void)state;
+    unsigned char raw[32];
+    char hex[65], hex2[65];
+    assert_int_equal(ids_sha256_raw("abc", 3, raw), 0);
+    ids_hex(raw, 32, hex);
+    assert_string_equal(hex, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    ids_sha256_hex("abc", 3, hex2);
+    assert_string_equal(hex, hex2);
+    assert_non_null(ids_sha256_md());
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_utf8_check),
+        cmocka_unit_test(test_utf8_cut),
+        cmocka_unit_test(test_errf_cuts_on_a_boundary),
+        cmocka_unit_test(test_read_file),
+        cmocka_unit_test(test_sha256),
+    };
+    return cmocka_run_group_tests_name("util", tests, NULL, NULL);
+}
