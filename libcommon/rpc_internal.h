@@ -128,12 +128,15 @@ void rpc__stream_on_end(rpc_call *c);
 void rpc__stream_on_close(rpc_call *c);
 void rpc__stream_destroy(rpc_call *c);
 
-/* rpc_limits.c: requests and responses checked against the rules of docs/rpc.md
+/* rpc_walk.c, rpc_limits.c: requests and responses checked against the rules of docs/rpc.md
  * ("Hardening"). The request walk returns 0, -1 (not a valid message) or a status code, with
  * msg naming the field. */
 int rpc__check_request(const uint8_t *p, size_t n, const ProtobufCMessageDescriptor *d,
                        const rpc_field_limit *limits, size_t n_limits, size_t max_decoded,
                        char *msg, size_t msglen);
+/* rpc_walk.c: 1 when a string field of msg (recursively) is not valid UTF-8; path names it. */
+int rpc__response_bad_string(const ProtobufCMessage *msg, char *path, size_t plen, size_t cap,
+                             int depth);
 /* Walks, then decodes c->payload into c->req with alloc (the call arena); RPC_OK or the
  * status set. */
 int rpc__decode_request(rpc_call *c, ProtobufCAllocator *alloc);

@@ -20,6 +20,8 @@ PACKAGES=(
     libprotobuf-dev
     # tests: the workflow-definition conformance test runs ajv with Node.js
     libcmocka-dev python3-grpcio python3-protobuf libclang-rt-14-dev valgrind nodejs npm
+    # tests: raw HTTP/2 clients of the adversarial suite (tests/adversarial)
+    python3-h2
     # benchmarks
     bc
 )

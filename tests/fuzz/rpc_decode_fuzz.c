@@ -24,6 +24,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size == 0) return 0;
     const ProtobufCMessageDescriptor *d = types[data[0] % (sizeof types / sizeof types[0])];
     ProtobufCMessage *m = NULL;
+    /* the request walk (limits, UTF-8, decoded size) runs first on the server: it must never
+     * crash, and what it accepts under no bound must be what the unpacker accepts */
+    static const rpc_field_limit lim[] = {{"model_ids", 3}, {"meta.fields", 4}};
+    char msg[512];
+    int wrc = rpc__check_request(data + 1, size - 1, d, lim, 2, 1 << 20, msg, sizeof msg);
+    if (wrc != 0 && wrc != -1 && wrc != RPC_INVALID_ARGUMENT) __builtin_trap();
     int rc = rpc__decode_bytes(data + 1, size - 1, d, NULL, &m);
     if ((rc == 0) != (m != NULL)) __builtin_trap();
     if (m) {

@@ -12,7 +12,7 @@ bin="$out/rpc_decode_fuzz"
 gen="$BUILD/gen"
 [ -f "$gen/upsquad/test/v1/echo.pb-c.c" ] || { echo "run 'make tests-build' first"; exit 1; }
 mkdir -p "$out"
-srcs=(tests/fuzz/rpc_decode_fuzz.c libcommon/rpc_codec.c libcommon/log.c libcommon/util.c
+srcs=(tests/fuzz/rpc_decode_fuzz.c libcommon/rpc_codec.c libcommon/rpc_walk.c libcommon/log.c libcommon/util.c
     "$gen"/upsquad/test/v1/echo.pb-c.c "$gen"/upsquad/runtime/v1/*.pb-c.c
     "$gen"/upsquad/workflow/v1/workflow.pb-c.c "$gen"/google/protobuf/*.pb-c.c)
 clang -std=c11 -D_GNU_SOURCE -g -O1 -fno-omit-frame-pointer \

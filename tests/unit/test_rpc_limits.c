@@ -56,9 +56,9 @@ static void test_strings_utf8_and_nul(void **state) {
 
     /* a NUL can't be put in a C string: write the wire bytes by hand (field 1, "ab\0c") */
     const uint8_t nul[] = {0x0a, 4, 'a', 'b', 0, 'c'};
-    assert_int_equal(rpc__check_request(nul, sizeof nul, r.base.descriptor, NULL, 0, 0, msg,
-                                        sizeof msg),
-                     RPC_INVALID_ARGUMENT);
+    assert_int_equal(
+        rpc__check_request(nul, sizeof nul, r.base.descriptor, NULL, 0, 0, msg, sizeof msg),
+        RPC_INVALID_ARGUMENT);
     assert_string_equal(msg, "agent_role: contains a NUL character");
 
     /* nested: a Struct's string value inside EchoRequest.meta */
@@ -103,9 +103,9 @@ static void test_repeated_limit(void **state) {
                      RPC_INVALID_ARGUMENT);
     assert_string_equal(msg, "model_ids: at most 10 entries per request");
     /* without a declared limit, the decoded-size bound refuses it, naming where it overflowed */
-    assert_int_equal(rpc__check_request(b, n, c.base.descriptor, NULL, 0, 16u << 20, msg,
-                                        sizeof msg),
-                     RPC_INVALID_ARGUMENT);
+    assert_int_equal(
+        rpc__check_request(b, n, c.base.descriptor, NULL, 0, 16u << 20, msg, sizeof msg),
+        RPC_INVALID_ARGUMENT);
     assert_string_equal(msg, "request: the request would decode to more than 16777216 bytes");
     /* ... and with no bound at all it is a valid message */
     assert_int_equal(rpc__check_request(b, n, c.base.descriptor, NULL, 0, 0, msg, sizeof msg), 0);
@@ -144,13 +144,13 @@ static void test_malformed(void **state) {
     char msg[300];
     const ProtobufCMessageDescriptor *d = &upsquad__runtime__v1__compare_models_request__descriptor;
     const uint8_t cases[][6] = {
-        {0x0a, 5, 'a'},                  /* length beyond the end */
-        {0x09, 1, 2, 3},                 /* fixed64 cut short */
-        {0x0d, 1},                       /* fixed32 cut short */
-        {0x0b, 0},                       /* group start */
-        {0x00, 0},                       /* field number 0 */
-        {0x08, 0x80, 0x80, 0x80, 0x80},  /* varint that never ends */
-        {0x08, 0x01},                    /* a varint where a string is declared */
+        {0x0a, 5, 'a'},                 /* length beyond the end */
+        {0x09, 1, 2, 3},                /* fixed64 cut short */
+        {0x0d, 1},                      /* fixed32 cut short */
+        {0x0b, 0},                      /* group start */
+        {0x00, 0},                      /* field number 0 */
+        {0x08, 0x80, 0x80, 0x80, 0x80}, /* varint that never ends */
+        {0x08, 0x01},                   /* a varint where a string is declared */
     };
     const size_t lens[] = {3, 4, 2, 2, 2, 5, 2};
     for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
@@ -201,22 +201,24 @@ static void test_nesting(void **state) {
     char msg[300];
     size_t n;
     uint8_t *b = deep_value(RPC_MAX_NESTING / 2 - 1, &n);
-    assert_int_equal(rpc__check_request(b, n, &google__protobuf__value__descriptor, NULL, 0, 0, msg,
-                                        sizeof msg),
-                     0);
+    assert_int_equal(
+        rpc__check_request(b, n, &google__protobuf__value__descriptor, NULL, 0, 0, msg, sizeof msg),
+        0);
     free(b);
     b = deep_value(RPC_MAX_NESTING, &n);
-    assert_int_equal(rpc__check_request(b, n, &google__protobuf__value__descriptor, NULL, 0, 0, msg,
-                                        sizeof msg),
-                     RPC_INVALID_ARGUMENT);
+    assert_int_equal(
+        rpc__check_request(b, n, &google__protobuf__value__descriptor, NULL, 0, 0, msg, sizeof msg),
+        RPC_INVALID_ARGUMENT);
     assert_non_null(strstr(msg, "nests messages deeper than 64 levels"));
     free(b);
 }
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_strings_utf8_and_nul), cmocka_unit_test(test_repeated_limit),
-        cmocka_unit_test(test_nested_limit_path),    cmocka_unit_test(test_malformed),
+        cmocka_unit_test(test_strings_utf8_and_nul),
+        cmocka_unit_test(test_repeated_limit),
+        cmocka_unit_test(test_nested_limit_path),
+        cmocka_unit_test(test_malformed),
         cmocka_unit_test(test_nesting),
     };
     return cmocka_run_group_tests_name("rpc request limits", tests, NULL, NULL);

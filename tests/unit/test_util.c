@@ -22,11 +22,11 @@ static void test_utf8_check(void **state) {
         {"plain ascii", 11, 11},
         {"caf\xC3\xA9", 5, 5},
         {"\xE2\x82\xAC\xF0\x9F\x98\x80", 7, 7},
-        {"a\0b", 3, 3},           /* NUL is UTF-8 (callers refuse it themselves) */
-        {"ab\xC3", 3, 2},         /* truncated sequence */
-        {"ab\x80", 3, 2},         /* lone continuation */
-        {"\xC0\xAF", 2, 0},       /* overlong '/' */
-        {"x\xED\xA0\x80", 4, 1},  /* surrogate U+D800 */
+        {"a\0b", 3, 3},             /* NUL is UTF-8 (callers refuse it themselves) */
+        {"ab\xC3", 3, 2},           /* truncated sequence */
+        {"ab\x80", 3, 2},           /* lone continuation */
+        {"\xC0\xAF", 2, 0},         /* overlong '/' */
+        {"x\xED\xA0\x80", 4, 1},    /* surrogate U+D800 */
         {"\xF4\x90\x80\x80", 4, 0}, /* above U+10FFFF */
         {"ok\xFF", 3, 2},
     };

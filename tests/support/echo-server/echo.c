@@ -44,6 +44,8 @@ static void fill(rpc_call *call, const EchoRequest *r, EchoResponse *out, int se
     out->sub = id ? (char *)id->sub : "";
     out->org_id = id ? (char *)id->org_id : "";
     out->meta = r->meta; /* borrowed: both live in the call arena */
+    if (r->cut_text_bytes > 0 && r->text && strlen(r->text) > (size_t)r->cut_text_bytes)
+        out->text = rpc_strndup(call, r->text, (size_t)r->cut_text_bytes);
     if (r->payload_bytes > 0) {
         out->payload.data = rpc_alloc(call, (size_t)r->payload_bytes);
         out->payload.len = out->payload.data ? (size_t)r->payload_bytes : 0;
@@ -84,13 +86,17 @@ static int echo_stream(rpc_call *call, const ProtobufCMessage *req, void *ud) {
 #define DESC(x) &upsquad__test__v1__echo_##x##__descriptor
 #define PATH(m) "/upsquad.test.v1.EchoService/" m
 
+static const rpc_field_limit limits[] = {{"tags", 10}};
+
 static const rpc_method methods[] = {
-    {PATH("Echo"), RPC_UNARY, RPC_AUTH_REQUIRED, DESC(request), DESC(response), echo_unary},
+    {PATH("Echo"), RPC_UNARY, RPC_AUTH_REQUIRED, DESC(request), DESC(response), echo_unary, NULL,
+     NULL, limits, 1},
     {PATH("Stream"), RPC_SERVER_STREAM, RPC_AUTH_REQUIRED, DESC(request), DESC(response), NULL,
-     echo_stream},
-    {PATH("PublicEcho"), RPC_UNARY, RPC_AUTH_NONE, DESC(request), DESC(response), echo_unary},
+     echo_stream, NULL, limits, 1},
+    {PATH("PublicEcho"), RPC_UNARY, RPC_AUTH_NONE, DESC(request), DESC(response), echo_unary, NULL,
+     NULL, limits, 1},
     {PATH("PublicStream"), RPC_SERVER_STREAM, RPC_AUTH_NONE, DESC(request), DESC(response), NULL,
-     echo_stream},
+     echo_stream, NULL, limits, 1},
 };
 
 int echo_register(rpc_server *srv) {
