@@ -34,13 +34,13 @@
 
 enum {
     BUS_OK = 0,
-    BUS_ERR = -1,      /* server or library error (message in err) */
-    BUS_ETIMEOUT = -2, /* no reply / ack in time */
-    BUS_ENORESP = -3,  /* request: nobody subscribes to the subject */
-    BUS_EFULL = -4,    /* reconnect buffer full while disconnected */
-    BUS_EINVAL = -5,   /* bad argument (subject token, sizes) */
-    BUS_ECLOSED = -6,  /* connection closed */
-    BUS_ENOMEM = -7,
+    BUS_ERR = -201,      /* server or library error (message in err) */
+    BUS_ETIMEOUT = -202, /* no reply / ack in time */
+    BUS_ENORESP = -203,  /* request: nobody subscribes to the subject */
+    BUS_EFULL = -204,    /* reconnect buffer full while disconnected */
+    BUS_EINVAL = -205,   /* bad argument (subject token, sizes) */
+    BUS_ECLOSED = -206,  /* connection closed */
+    BUS_ENOMEM = -207,
 };
 
 typedef struct bus bus;

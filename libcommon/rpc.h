@@ -68,6 +68,13 @@ typedef int (*rpc_stream_fn)(rpc_call *call, const ProtobufCMessage *req, void *
 
 enum { RPC_UNARY = 0, RPC_SERVER_STREAM = 1 };
 enum { RPC_AUTH_REQUIRED = 0, RPC_AUTH_NONE = 1 };
+/* rpc_method.flags. RPC_BLOCKING: the unary handler may block (Postgres, another service): it
+ * runs on the blocking pool (blocking_workers threads, blocking_queue more calls waiting; a
+ * call beyond that is answered RESOURCE_EXHAUSTED) instead of inline on a completion-queue
+ * thread, so Health/Check and the non-blocking methods stay responsive. The handler sees
+ * rpc_cancelled() as soon as the client goes, and its thread carries the call's deadline
+ * (ctx.h), which `db` turns into the transaction's statement_timeout. */
+enum { RPC_BLOCKING = 1 << 0 };
 
 typedef struct rpc_method {
     const char *path; /* "/upsquad.runtime.v1.ModelRegistryService/ListModels" */
@@ -78,6 +85,7 @@ typedef struct rpc_method {
     rpc_unary_fn unary;
     rpc_stream_fn stream;
     void *ud;
+    int flags; /* RPC_BLOCKING */
 } rpc_method;
 
 typedef struct rpc_tls {
@@ -97,6 +105,10 @@ typedef struct rpc_server_opts {
     int max_concurrent_streams; /* HTTP/2 streams per connection, default 256 */
     const rpc_tls *tls;         /* NULL: plaintext */
     const auth_verifier *auth;  /* NULL: every RPC_AUTH_REQUIRED method answers UNAUTHENTICATED */
+    int blocking_workers;       /* threads running RPC_BLOCKING handlers, default 8 (started
+                                   only when a method is RPC_BLOCKING) */
+    int blocking_queue;         /* blocking calls waiting for a thread, default 64; more are
+                                   refused with RESOURCE_EXHAUSTED */
 } rpc_server_opts;
 
 int rpc_server_new(const rpc_server_opts *opts, rpc_server **out, char *err, size_t errlen);
@@ -137,7 +149,10 @@ char *rpc_sprintf(rpc_call *call, const char *fmt, ...) __attribute__((format(pr
 /* A zero-initialised message of `desc` in the arena. */
 ProtobufCMessage *rpc_new_msg(rpc_call *call, const ProtobufCMessageDescriptor *desc);
 
-/* Sets the status to send and returns `code`: `return rpc_error(c, RPC_NOT_FOUND, "...")`. */
+/* Sets the status to send and returns `code`: `return rpc_error(c, RPC_NOT_FOUND, "...")`.
+ * A status set with rpc_error() is final: the call fails with it even when the handler then
+ * returns RPC_OK (no response is sent with a non-OK status). A unary handler that returns
+ * RPC_OK after the deadline passed answers DEADLINE_EXCEEDED: nobody waits for the reply. */
 int rpc_error(rpc_call *call, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* Adds a detail (packed into google.protobuf.Any, type URL
  * "type.googleapis.com/<full name>") to the google.rpc.Status sent in grpc-status-details-bin. */

@@ -73,6 +73,7 @@ struct rpc_call {
     int64_t start_ns;
     atomic_int cancelled; /* set by the CLOSE completion (client gone, deadline, shutdown) */
     int recv_close_cancelled;
+    int early_close; /* RECV_CLOSE_ON_SERVER posted at arrival (blocking unary calls) */
 
     /* outgoing status */
     int code;
@@ -121,6 +122,16 @@ void rpc__stream_on_send(rpc_call *c, int ok);
 void rpc__stream_on_end(rpc_call *c);
 void rpc__stream_on_close(rpc_call *c);
 void rpc__stream_destroy(rpc_call *c);
+
+/* rpc_pool.c: the bounded pool running RPC_BLOCKING unary handlers */
+typedef struct rpc__pool rpc__pool;
+int rpc__pool_new(int threads, int cap, void (*run)(rpc_call *c), rpc__pool **out);
+int rpc__pool_start(rpc__pool *p);
+/* 0: queued (the call's reference moves to the pool); -1: full or stopping. */
+int rpc__pool_submit(rpc__pool *p, rpc_call *c);
+/* Drains the queue (each call is still run) and joins the threads. */
+void rpc__pool_stop(rpc__pool *p);
+void rpc__pool_free(rpc__pool *p);
 
 /* rpc_health.c */
 typedef struct rpc__health rpc__health;

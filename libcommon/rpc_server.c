@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ctx.h"
 #include "google/protobuf/any.pb-c.h"
 #include "google/rpc/status.pb-c.h"
 #include "log.h"
@@ -71,6 +72,8 @@ struct rpc_server {
     int started;
     atomic_int stopping;
     metric *m_inflight, *m_refused;
+    rpc__pool *bpool; /* RPC_BLOCKING handlers; NULL when no method blocks */
+    metric *m_blocking_refused;
 };
 
 static const char *const code_names[17] = {
@@ -390,8 +393,10 @@ static void unary_reply(rpc_call *c, ProtobufCMessage *resp) {
     grpc_op ops[4];
     memset(ops, 0, sizeof ops);
     size_t n = 0;
-    ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-    ops[n++].data.recv_close_on_server.cancelled = &c->recv_close_cancelled;
+    if (!c->early_close) {
+        ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+        ops[n++].data.recv_close_on_server.cancelled = &c->recv_close_cancelled;
+    }
     ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
     if (resp) {
         c->reply = rpc__encode(resp);
@@ -408,19 +413,76 @@ static void unary_reply(rpc_call *c, ProtobufCMessage *resp) {
     }
 }
 
-static void unary_run(rpc_call *c) {
-    ProtobufCMessage *resp = NULL;
-    int code = call_prepare(c);
-    if (code == RPC_OK) {
-        resp = rpc_new_msg(c, c->method->m.resp_desc);
-        code = resp ? c->method->m.unary(c, c->req, resp, c->method->m.ud)
-                    : rpc_error(c, RPC_RESOURCE_EXHAUSTED, "out of memory");
-        if (code < 0 || code > 16)
-            code = rpc_error(c, RPC_INTERNAL, "handler returned %d", code);
-        else if (code != RPC_OK && c->code == RPC_OK)
-            c->code = code;
-    }
+/* Runs the handler of a prepared call and replies. The thread carries the call's deadline
+ * meanwhile (ctx.h), so what the handler does (db) is bounded by it. */
+static void unary_handle(rpc_call *c) {
+    ProtobufCMessage *resp = rpc_new_msg(c, c->method->m.resp_desc);
+    int code;
+    ctx_set_deadline_ms(rpc_deadline_ms(c));
+    code = resp ? c->method->m.unary(c, c->req, resp, c->method->m.ud)
+                : rpc_error(c, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    ctx_clear();
+    if (code < 0 || code > 16)
+        code = rpc_error(c, RPC_INTERNAL, "handler returned %d", code);
+    else if (code != RPC_OK && c->code == RPC_OK)
+        c->code = code;
+    else if (code == RPC_OK && c->code != RPC_OK)
+        code = c->code; /* the rule: a status set with rpc_error() is final (rpc.h) */
+    else if (code == RPC_OK && rpc_deadline_ms(c) <= 0)
+        code = rpc_error(c, RPC_DEADLINE_EXCEEDED, "deadline exceeded"); /* nobody waits */
     unary_reply(c, code == RPC_OK ? resp : NULL);
+}
+
+static void unary_run(rpc_call *c) {
+    int code = call_prepare(c);
+    if (code == RPC_OK)
+        unary_handle(c);
+    else
+        unary_reply(c, NULL);
+}
+
+/* On a pool thread: the client may have gone while the call waited in the queue. */
+static void blocking_run(rpc_call *c) {
+    log_set_trace(c->trace);
+    if (rpc_cancelled(c)) {
+        rpc_error(c, rpc_deadline_ms(c) <= 0 ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED,
+                  "call ended while it waited for a handler thread");
+        unary_reply(c, NULL);
+    } else {
+        unary_handle(c);
+    }
+    log_set_trace(NULL);
+}
+
+/* RPC_BLOCKING: authentication and decoding stay here (cheap, and a bad call is answered
+ * without taking a pool slot); the handler goes to the pool, or the call is refused. */
+static void blocking_dispatch(rpc_call *c) {
+    rpc_server *s = c->srv;
+    if (call_prepare(c) != RPC_OK) {
+        unary_reply(c, NULL);
+        return;
+    }
+    /* RECV_CLOSE_ON_SERVER now, not with the reply: the handler runs on another thread and
+     * may wait long, and this completion is how rpc_cancelled() learns the client left. */
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    op.data.recv_close_on_server.cancelled = &c->recv_close_cancelled;
+    rpc__call_ref(c);
+    c->early_close = 1;
+    if (grpc_call_start_batch(c->call, &op, 1, &c->t_close, NULL) != GRPC_CALL_OK) {
+        atomic_fetch_sub(&c->refs, 1);
+        c->early_close = 0;
+    }
+    if (rpc__pool_submit(s->bpool, c) == 0) return;
+    metric_inc(s->m_blocking_refused);
+    if (atomic_load(&s->stopping))
+        rpc_error(c, RPC_UNAVAILABLE, "server is shutting down");
+    else
+        rpc_error(c, RPC_RESOURCE_EXHAUSTED,
+                  "server overloaded: %d blocking calls running and %d waiting",
+                  s->o.blocking_workers, s->o.blocking_queue);
+    unary_reply(c, NULL);
 }
 
 /* Bounded hand-off to the stream workers; a full ring refuses the call. */
@@ -485,6 +547,8 @@ static void *stream_worker(void *arg) {
                 rc = rpc_error(c, RPC_INTERNAL, "handler returned %d", rc);
             else if (rc != RPC_OK && c->code == RPC_OK)
                 c->code = rc;
+            else if (rc == RPC_OK && c->code != RPC_OK)
+                rc = c->code; /* a status set with rpc_error() is final (rpc.h) */
             rpc_stream_finish(c, rc, NULL);
         }
         log_set_trace(NULL);
@@ -598,7 +662,9 @@ static void on_request(rpc__listener *l, int ok) {
     }
     call_trace(c);
     log_set_trace(c->trace);
-    if (l->m->m.kind == RPC_UNARY)
+    if (l->m->m.kind == RPC_UNARY && (l->m->m.flags & RPC_BLOCKING) && s->bpool)
+        blocking_dispatch(c);
+    else if (l->m->m.kind == RPC_UNARY)
         unary_run(c);
     else
         stream_dispatch(c);
@@ -627,7 +693,8 @@ static void *cq_thread(void *arg) {
             break;
         case RPC__TAG_UNARY_SEND: {
             rpc_call *c = container_of(t, rpc_call, t_send);
-            if (c->recv_close_cancelled) atomic_store(&c->cancelled, 1);
+            /* an early close reports on its own completion (on_close) */
+            if (!c->early_close && c->recv_close_cancelled) atomic_store(&c->cancelled, 1);
             rpc__account(c);
             rpc_call_unref(c);
             break;
@@ -663,6 +730,8 @@ static void opts_defaults(rpc_server_opts *o) {
     if (o->max_recv_bytes <= 0) o->max_recv_bytes = 4 << 20;
     if (o->max_send_bytes <= 0) o->max_send_bytes = 16 << 20;
     if (o->max_concurrent_streams <= 0) o->max_concurrent_streams = 256;
+    if (o->blocking_workers <= 0) o->blocking_workers = 8;
+    if (o->blocking_queue <= 0) o->blocking_queue = 64;
 }
 
 int rpc_server_new(const rpc_server_opts *opts, rpc_server **out, char *err, size_t errlen) {
@@ -687,6 +756,9 @@ int rpc_server_new(const rpc_server_opts *opts, rpc_server **out, char *err, siz
     s->m_inflight = metrics_gauge("rpc_server_inflight_calls", "RPCs being handled", NULL);
     s->m_refused = metrics_counter("rpc_server_refused_streams_total",
                                    "streams refused because of limits", NULL);
+    s->m_blocking_refused =
+        metrics_counter("rpc_server_blocking_refused_total",
+                        "blocking calls refused because the pool and its queue were full", NULL);
     *out = s;
     return 0;
 oom:
@@ -828,6 +900,14 @@ int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
             return RPC_EINVAL;
         }
     }
+    for (size_t i = 0; i < s->n_methods && s->bpool == NULL; i++)
+        if (s->methods[i].m.kind == RPC_UNARY && (s->methods[i].m.flags & RPC_BLOCKING) &&
+            (rpc__pool_new(s->o.blocking_workers, s->o.blocking_queue, blocking_run, &s->bpool) !=
+                 0 ||
+             rpc__pool_start(s->bpool) != 0)) {
+            snprintf(err, errlen, "cannot start the blocking handler pool");
+            return RPC_ENOMEM;
+        }
     creds =
         s->o.tls ? server_creds(s->o.tls, err, errlen) : grpc_insecure_server_credentials_create();
     if (creds == NULL) return RPC_EINVAL;
@@ -936,6 +1016,7 @@ void rpc_server_shutdown(rpc_server *s, int grace_ms) {
     pthread_mutex_unlock(&s->wmu);
     for (int i = 0; i < s->n_workers; i++)
         pthread_join(s->wthr[i], NULL);
+    rpc__pool_stop(s->bpool); /* before the server goes: queued calls still reply */
     grpc_server_destroy(s->srv);
     s->srv = NULL;
     for (int i = 0; i < s->n_ucq; i++)
@@ -979,6 +1060,7 @@ void rpc_server_free(rpc_server *s) {
     for (size_t i = 0; i < s->n_methods; i++)
         free(s->methods[i].service);
     rpc__health_free(s->health);
+    rpc__pool_free(s->bpool);
     free(s->methods);
     free(s->listeners);
     free(s->ucq);

@@ -17,6 +17,7 @@ static struct {
     char *tls_cert, *tls_key, *tls_ca;
     long long unary_threads, stream_threads, stream_workers, max_streams, stream_queue, grace_ms;
     long long jwt_leeway_ms;
+    long long blocking_workers, blocking_queue;
 } C;
 
 static const cfg_var common_vars[] = {
@@ -56,6 +57,14 @@ static const cfg_var common_vars[] = {
      "frames queued per stream; a producer pushing into a full queue is told the subscriber "
      "is slow",
      &C.stream_queue, 1, 65536},
+    {"UPSQUAD_RPC_BLOCKING_WORKERS", CFG_INT, "8",
+     "threads running the handlers of methods that block (Postgres, other services), so they "
+     "never delay health checks or non-blocking calls; started only when a method blocks",
+     &C.blocking_workers, 1, 1024},
+    {"UPSQUAD_RPC_BLOCKING_QUEUE", CFG_INT, "64",
+     "blocking calls waiting for a free handler thread; more are refused with "
+     "RESOURCE_EXHAUSTED (metric rpc_server_blocking_refused_total)",
+     &C.blocking_queue, 1, 1000000},
     {"UPSQUAD_SHUTDOWN_GRACE", CFG_MS, "10s",
      "on SIGTERM, how long in-flight calls may finish before they are cancelled", &C.grace_ms, 0,
      3600000},
@@ -144,6 +153,8 @@ int svc_main(const svc_def *def, int argc, char **argv) {
         .stream_workers = (int)C.stream_workers,
         .max_streams = (int)C.max_streams,
         .stream_queue = (int)C.stream_queue,
+        .blocking_workers = (int)C.blocking_workers,
+        .blocking_queue = (int)C.blocking_queue,
         .tls = C.tls_cert ? &tls : NULL,
         .auth = verifier,
     };
