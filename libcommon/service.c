@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "auth.h"
+#include "bus.h"
 #include "log.h"
 #include "metrics.h"
 #include "rpc_internal.h"
@@ -17,7 +18,7 @@ static struct {
     char *tls_cert, *tls_key, *tls_ca;
     long long unary_threads, stream_threads, stream_workers, max_streams, stream_queue, grace_ms;
     long long jwt_leeway_ms;
-    long long blocking_workers, blocking_queue;
+    long long blocking_workers, blocking_queue, bus_delivery_threads;
 } C;
 
 static const cfg_var common_vars[] = {
@@ -65,6 +66,10 @@ static const cfg_var common_vars[] = {
      "blocking calls waiting for a free handler thread; more are refused with "
      "RESOURCE_EXHAUSTED (metric rpc_server_blocking_refused_total)",
      &C.blocking_queue, 1, 1000000},
+    {"UPSQUAD_BUS_DELIVERY_THREADS", CFG_INT, "2",
+     "threads delivering NATS messages to every subscription of the process (each "
+     "subscription keeps its order on one of them); 0: a thread per subscription",
+     &C.bus_delivery_threads, 0, 1024},
     {"UPSQUAD_SHUTDOWN_GRACE", CFG_MS, "10s",
      "on SIGTERM, how long in-flight calls may finish before they are cancelled", &C.grace_ms, 0,
      3600000},
@@ -132,6 +137,7 @@ int svc_main(const svc_def *def, int argc, char **argv) {
     }
     log_init(def->name, lvl);
     cfg_log(common_vars, sizeof common_vars / sizeof common_vars[0]);
+    bus_set_delivery_threads((int)C.bus_delivery_threads);
     if (def->n_vars) cfg_log(def->vars, def->n_vars);
     if (migrate_only) {
         if (def->migrate == NULL) {
