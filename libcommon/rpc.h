@@ -148,6 +148,19 @@ char *rpc_strndup(rpc_call *call, const char *s, size_t n);
 char *rpc_sprintf(rpc_call *call, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* A zero-initialised message of `desc` in the arena. */
 ProtobufCMessage *rpc_new_msg(rpc_call *call, const ProtobufCMessageDescriptor *desc);
+/* The arena as a protobuf-c allocator (itself in the arena): for pbjson_*_from_json_a and
+ * protobuf_c_message_unpack, so a tree built for the response needs no copy and no free.
+ * NULL on ENOMEM. */
+ProtobufCAllocator *rpc_call_allocator(rpc_call *call);
+
+/* Runs fn(arg) when the call is freed: after its reply was sent or it ended any other way,
+ * once nothing reads the response any more; hooks run in reverse order of registration. For
+ * memory the response borrows (a PGresult its strings point into: a
+ * two-line function calling PQclear, registered with the result as arg). RPC_OK, or
+ * RPC_ENOMEM/RPC_EINVAL and nothing is registered (the caller still owns arg). Called from the
+ * thread running the handler. */
+typedef void (*rpc_defer_fn)(void *arg);
+int rpc_call_defer(rpc_call *call, rpc_defer_fn fn, void *arg);
 
 /* Sets the status to send and returns `code`: `return rpc_error(c, RPC_NOT_FOUND, "...")`.
  * A status set with rpc_error() is final: the call fails with it even when the handler then

@@ -103,6 +103,7 @@ struct rpc_call {
     rpc_close_fn on_close;
     void *close_ud;
     struct rpc_call *dnext, *dprev; /* the server's list of detached streams */
+    struct rpc__defer *defers;      /* rpc_call_defer hooks, newest first (arena) */
 
     rpc__arena arena;
     _Alignas(16) unsigned char arena_inline[2048];
@@ -115,6 +116,9 @@ void rpc__prepare_status(rpc_call *c, grpc_op *op);
 void rpc__account(rpc_call *c);
 void rpc__server_detached_add(struct rpc_server *s, rpc_call *c);
 void rpc__server_detached_remove(struct rpc_server *s, rpc_call *c);
+
+/* rpc_call.c */
+void rpc__call_run_defers(rpc_call *c);
 
 /* rpc_stream.c */
 int rpc__stream_init(rpc_call *c, int queue_cap);

@@ -100,6 +100,7 @@ static void call_free(rpc_call *c) {
     grpc_slice_unref(c->status_slice);
     if (c->has_trailer) grpc_slice_unref(c->trailer.value);
     grpc_call_unref(c->call);
+    rpc__call_run_defers(c); /* after the last use of the response, before its arena goes */
     rpc__arena_release(&c->arena);
     free(c);
 }

@@ -22,8 +22,8 @@
 static const char *g_url;
 
 typedef struct sub_state {
-    atomic_int next;      /* the sequence number expected next */
-    atomic_int disorder;  /* messages that arrived out of order */
+    atomic_int next;     /* the sequence number expected next */
+    atomic_int disorder; /* messages that arrived out of order */
     atomic_int received;
 } sub_state;
 
@@ -64,9 +64,8 @@ static void test_many_subscriptions_few_threads_order_kept(void **state) {
     for (int i = 0; i < NSUBS; i++) {
         char subj[128];
         snprintf(subj, sizeof subj, "%s.%d", prefix, i);
-        assert_int_equal(bus_subscribe(b, subj, NULL, on_msg, &subs[i], &handles[i], err,
-                                       sizeof err),
-                         BUS_OK);
+        assert_int_equal(
+            bus_subscribe(b, subj, NULL, on_msg, &subs[i], &handles[i], err, sizeof err), BUS_OK);
     }
     assert_int_equal(bus_flush(b, 5000), BUS_OK);
     /* interleaved across subscriptions, in order within each */
