@@ -16,9 +16,31 @@
  *     rpc_stream_push() never blocks and returns RPC_EFULL, so a producer on another thread
  *     (a NATS callback) learns that its subscriber is slow.
  *
+ *   - Methods flagged RPC_BLOCKING run their unary handler on the blocking pool instead
+ *     (blocking_workers threads, blocking_queue waiting, then RESOURCE_EXHAUSTED).
+ *
  * Handlers receive the decoded request and the verified identity, fill the response (all its
  * memory from the call arena: rpc_alloc/rpc_strdup) and return RPC_OK or a status set with
- * rpc_error(). The library encodes, replies and frees. */
+ * rpc_error(). The library encodes, replies and frees.
+ *
+ * Contract: who owns what in a call
+ *   - The arena (rpc_alloc, rpc_strdup, rpc_sprintf, rpc_new_msg, rpc_error, rpc_metadata,
+ *     rpc_call_defer, rpc_call_allocator) is single-threaded: only the thread running the
+ *     handler uses it, until the handler returns (a detached stream's producers never do).
+ *     Nothing in the library allocates from it on another thread.
+ *   - The request, identity, method, trace id and deadline are written before the handler
+ *     runs and only read afterwards: any thread holding a reference may read them.
+ *   - The outgoing status (code, message, details) belongs to the handler's thread for a
+ *     unary call. For a stream it is guarded by the stream's lock: rpc_error, rpc_stream_finish
+ *     (any thread) and the close completion (a queue thread) all take it.
+ *   - The stream queue and its flags are guarded by the same lock; frames are refcounted and
+ *     immutable once encoded.
+ *   - The call itself is refcounted: the dispatch, the close completion, each batch in flight
+ *     and each rpc_stream_detach hold a reference; the last rpc_call_unref frees it, after
+ *     running the rpc_call_defer hooks.
+ *   - Thread-safe from anywhere: rpc_cancelled, rpc_deadline_ms, rpc_identity, rpc_trace_id,
+ *     rpc_method_path, rpc_metadata_copy, rpc_stream_push, rpc_stream_queued,
+ *     rpc_stream_finish, rpc_call_unref. */
 #ifndef UPSQUAD_RPC_H
 #define UPSQUAD_RPC_H
 
@@ -134,8 +156,12 @@ int rpc_wait_signal(void);
 const auth_identity *rpc_identity(const rpc_call *call); /* NULL for RPC_AUTH_NONE methods */
 const char *rpc_method_path(const rpc_call *call);
 const char *rpc_trace_id(const rpc_call *call); /* x-request-id or generated */
-/* First value of a request metadata key (lowercase), copied; NULL when absent. */
+/* First value of a request metadata key (lowercase), copied into the arena (the handler's
+ * thread only); NULL when absent. */
 const char *rpc_metadata(const rpc_call *call, const char *key);
+/* The same into buf (NUL-terminated, truncated to len - 1), from any thread: the value's
+ * full length, or -1 when absent. */
+int rpc_metadata_copy(const rpc_call *call, const char *key, char *buf, size_t len);
 /* Milliseconds left before the client's deadline; INT64_MAX when none. */
 int64_t rpc_deadline_ms(const rpc_call *call);
 /* Non-zero once the client cancelled, the deadline passed or the connection broke. */

@@ -100,6 +100,7 @@ struct rpc_call {
     int writer_waiting;
     grpc_byte_buffer *inflight;
     int detached;
+    char *final_msg; /* heap copy of rpc_stream_finish's message (freed with the stream) */
     rpc_close_fn on_close;
     void *close_ud;
     struct rpc_call *dnext, *dprev; /* the server's list of detached streams */

@@ -161,7 +161,8 @@ int svc_main(const svc_def *def, int argc, char **argv) {
         .stream_queue = (int)C.stream_queue,
         .blocking_workers = (int)C.blocking_workers,
         .blocking_queue = (int)C.blocking_queue,
-        .tls = C.tls_cert ? &tls : NULL,
+        /* any of the three set: rpc_server_start refuses an incomplete set */
+        .tls = (C.tls_cert || C.tls_key || C.tls_ca) ? &tls : NULL,
         .auth = verifier,
     };
     if (rpc_server_new(&o, &srv, err, sizeof err) != 0) goto fail;
