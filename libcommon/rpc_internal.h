@@ -138,6 +138,17 @@ int rpc__pool_submit(rpc__pool *p, rpc_call *c);
 void rpc__pool_stop(rpc__pool *p);
 void rpc__pool_free(rpc__pool *p);
 
+/* rpc_client.c: for rpc_astream.c */
+#include "rpc_client.h"
+typedef struct rpc__call_md rpc__call_md; /* outgoing metadata of one call (heap) */
+rpc__call_md *rpc__md_new(const rpc_call_opts *o);
+grpc_metadata *rpc__md_items(rpc__call_md *m, size_t *n);
+void rpc__md_delete(rpc__call_md *m);
+grpc_call *rpc__client_call(rpc_channel *ch, grpc_completion_queue *cq, const char *method,
+                            const rpc_call_opts *o);
+void rpc__status_fill(rpc_status *st, grpc_status_code code, grpc_slice details,
+                      const grpc_metadata_array *trailing);
+
 /* rpc_health.c */
 typedef struct rpc__health rpc__health;
 int rpc__health_new(rpc__health **out);
