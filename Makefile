@@ -2,6 +2,7 @@
 #
 #   make            build every executable into build/bin/
 #   make asan       the same with AddressSanitizer + UBSan into build-asan/
+#   make tsan       the test programs with ThreadSanitizer into build-tsan/
 #   make run        bring the local runtime up (servers, migrations, services)
 #   make stop       stop what `make run` started, by pid
 #   make test       every test, on a throw-away runtime (also the sanitizer build)
@@ -31,6 +32,11 @@ CFLAGS  := -std=c11 -D_GNU_SOURCE -g $(OPT) -pthread -fno-omit-frame-pointer $(C
 ifeq ($(SAN),1)
 CFLAGS  += -fsanitize=address,undefined -fno-sanitize-recover=undefined
 LDFLAGS += -fsanitize=address,undefined
+endif
+# ThreadSanitizer (make tsan): the test programs, for data races between our threads
+ifeq ($(SAN),thread)
+CFLAGS  += -fsanitize=thread
+LDFLAGS += -fsanitize=thread
 endif
 LDFLAGS += -Wl,--as-needed
 INCS    := -I$(BUILD)/gen -Ilibcommon -I/usr/include/postgresql
@@ -67,7 +73,7 @@ ALL_TESTS :=
 # Generated sources are intermediate files to make; keep them.
 .SECONDARY:
 
-.PHONY: all asan deps run stop test test-unit bench lint format clean py tests-build preflight
+.PHONY: all asan tsan deps run stop test test-unit bench lint format clean py tests-build preflight
 all:
 
 # ---- system prerequisites ----
@@ -178,6 +184,10 @@ tests-build: all $(ALL_TESTS) py
 
 asan:
 	$(MAKE) BUILD=build-asan SAN=1 all
+
+# ThreadSanitizer build of every test program into build-tsan/ (scripts/test.sh runs them)
+tsan:
+	$(MAKE) BUILD=build-tsan SAN=thread tests-build
 
 deps:
 	@scripts/deps.sh

@@ -84,8 +84,15 @@ static int bus__fail(char *err, size_t errlen, const char *what, natsStatus s, j
 
 /* ---- connection ---- */
 
+static atomic_int bus__delivery_threads = 2;
+
+void bus_set_delivery_threads(int n) {
+    if (n >= 0) atomic_store(&bus__delivery_threads, n);
+}
+
 void bus_opts_default(bus_opts *o) {
     memset(o, 0, sizeof *o);
+    o->delivery_threads = atomic_load(&bus__delivery_threads);
     o->reconnect_wait_ms = 500;
     o->reconnect_buf_bytes = 8 << 20;
     o->sub_pending_msgs = 8192;
@@ -164,6 +171,12 @@ static int bus__options(const char *url, bus *b, natsOptions **out, char *err, s
     if (s == NATS_OK) s = natsOptions_SetReconnectedCB(o, bus__on_reconnected, b);
     if (s == NATS_OK) s = natsOptions_SetClosedCB(o, bus__on_closed, b);
     if (s == NATS_OK) s = natsOptions_SetErrorHandler(o, bus__on_error, b);
+    /* callbacks on the shared pool: a few threads for any number of subscriptions, order kept
+     * per subscription (bus.h) */
+    if (s == NATS_OK && b->o.delivery_threads > 0)
+        s = nats_SetMessageDeliveryPoolSize(b->o.delivery_threads);
+    if (s == NATS_OK && b->o.delivery_threads > 0)
+        s = natsOptions_UseGlobalMessageDelivery(o, true);
     if (s == NATS_OK && b->o.connect_retry)
         s = natsOptions_SetRetryOnFailedConnect(o, true, bus__on_connected, b);
     if (s != NATS_OK) {
@@ -184,7 +197,8 @@ int bus_connect_ex(const char *url, const char *name, const bus_opts *opts, bus 
         bus_opts_default(&o);
     }
     if (!url || !*url || o.reconnect_wait_ms < 1 || o.reconnect_buf_bytes < 0 ||
-        o.sub_pending_msgs < 1 || o.sub_pending_bytes < 1 || o.js_timeout_ms < 1) {
+        o.sub_pending_msgs < 1 || o.sub_pending_bytes < 1 || o.js_timeout_ms < 1 ||
+        o.delivery_threads < 0 || o.delivery_threads > 1024) {
         snprintf(err, errlen, "bus_connect: bad url or options");
         return BUS_EINVAL;
     }

@@ -22,8 +22,16 @@
  *     streams drop their oldest messages, "workqueue" streams refuse new ones (the publisher
  *     sees an error and retries; work is never lost silently).
  *
- * Callbacks run on nats.c threads (one per subscription); messages passed to them are
- * borrowed and freed when the callback returns. All functions are thread-safe.
+ * Delivery threads and ordering
+ *   Subscription callbacks run on nats.c's shared delivery pool (delivery_threads, default 2,
+ *   UPSQUAD_BUS_DELIVERY_THREADS for services), not on a thread per subscription, so ten
+ *   thousand subscriptions cost a few threads. Each subscription is bound to one pool thread:
+ *   its messages are delivered one at a time, in the order the server sent them. There is no
+ *   order between subscriptions, and callbacks of subscriptions that share a thread wait for
+ *   each other, so a callback must not block: hand the message on (rpc_stream_push, a
+ *   bounded queue) and return. delivery_threads 0 gives each subscription its own thread.
+ *   Messages passed to callbacks are borrowed and freed when the callback returns. All
+ *   functions are thread-safe.
  * Return codes: BUS_OK (0) or a negative BUS_E*; err receives a message when given. */
 #ifndef UPSQUAD_BUS_H
 #define UPSQUAD_BUS_H
@@ -34,13 +42,13 @@
 
 enum {
     BUS_OK = 0,
-    BUS_ERR = -1,      /* server or library error (message in err) */
-    BUS_ETIMEOUT = -2, /* no reply / ack in time */
-    BUS_ENORESP = -3,  /* request: nobody subscribes to the subject */
-    BUS_EFULL = -4,    /* reconnect buffer full while disconnected */
-    BUS_EINVAL = -5,   /* bad argument (subject token, sizes) */
-    BUS_ECLOSED = -6,  /* connection closed */
-    BUS_ENOMEM = -7,
+    BUS_ERR = -201,      /* server or library error (message in err) */
+    BUS_ETIMEOUT = -202, /* no reply / ack in time */
+    BUS_ENORESP = -203,  /* request: nobody subscribes to the subject */
+    BUS_EFULL = -204,    /* reconnect buffer full while disconnected */
+    BUS_EINVAL = -205,   /* bad argument (subject token, sizes) */
+    BUS_ECLOSED = -206,  /* connection closed */
+    BUS_ENOMEM = -207,
 };
 
 typedef struct bus bus;
@@ -55,9 +63,15 @@ typedef struct bus_opts {
     int js_timeout_ms;       /* JetStream API calls and publish acks (default 5000) */
     int connect_retry;       /* 1: bus_connect succeeds while the server is down and the
                                 connection is made in the background (default 0: fail) */
+    int delivery_threads;    /* nats.c's shared delivery pool, process-wide (it grows to the
+                                largest value asked, never shrinks); 0: a thread per
+                                subscription (default: bus_set_delivery_threads, 2) */
 } bus_opts;
 
 void bus_opts_default(bus_opts *o);
+/* The delivery_threads bus_opts_default gives (svc_main sets it from
+ * UPSQUAD_BUS_DELIVERY_THREADS); n < 0 is ignored. */
+void bus_set_delivery_threads(int n);
 
 /* url: "nats://host:port" (comma-separated list accepted). name: shown by the server
  * (copied). On success the caller owns *out: bus_close. */

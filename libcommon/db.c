@@ -9,9 +9,12 @@
 #include <string.h>
 #include <time.h>
 
+#include "ctx.h"
 #include "log.h"
 
 #define DB__SIZE_MAX 1000
+/* statement_timeout fires on the server's clock a little before or after ours */
+#define DB__DEADLINE_SLACK_MS 5
 
 typedef struct db__slot {
     PGconn *conn; /* NULL until first use, or after it was found broken */
@@ -69,6 +72,8 @@ const char *db_strerror(int code) {
         return "applied migration was modified";
     case DB_EIO:
         return "migration file unreadable";
+    case DB_EDEADLINE:
+        return "deadline exceeded";
     default:
         return "unknown database error";
     }
@@ -126,7 +131,11 @@ int db__status_of(PGresult *res, PGconn *c, char *err, size_t errlen) {
                  state ? state : "none");
         db__msg(err, errlen, "", buf);
     }
-    return state ? db__code_of_state(state) : DB_ERR;
+    int rc = state ? db__code_of_state(state) : DB_ERR;
+    /* query_canceled once the caller's deadline has (all but) passed: our SET LOCAL
+     * statement_timeout from that deadline cut it, not the pool's own timeout */
+    if (rc == DB_ECANCELED && ctx_deadline_ms() <= DB__DEADLINE_SLACK_MS) rc = DB_EDEADLINE;
+    return rc;
 }
 
 int db__ident_ok(const char *s) {
@@ -145,6 +154,11 @@ int db_exec_bin(PGconn *c, const char *sql, int nparams, const char *const *valu
         db__set_state("");
         db__msg(err, errlen, "", "db_exec: bad argument");
         return DB_EINVAL;
+    }
+    if (ctx_expired()) { /* nobody waits for this statement's result any more */
+        db__set_state("57014");
+        db__msg(err, errlen, "", "deadline exceeded before the statement ran");
+        return DB_EDEADLINE;
     }
     PGresult *res =
         PQexecParams(c, sql, nparams, NULL, values, lengths, formats, result_format ? 1 : 0);
@@ -468,6 +482,33 @@ static const char *db__begin_sql(int flags) {
     return sql[flags];
 }
 
+/* The transaction-local settings, in one round trip: the tenant, and the statement_timeout the
+ * caller's deadline leaves when it is shorter than the pool's. */
+static int db__tx_scope(db_pool *p, PGconn *c, const char *org_id, char *err, size_t errlen) {
+    int64_t left = ctx_deadline_ms();
+    char ms[24];
+    const char *params[2];
+    int n = 0;
+    int cut = left != CTX_NO_DEADLINE &&
+              (p->o.statement_timeout_ms == 0 || left < p->o.statement_timeout_ms);
+    if (cut) {
+        if (left <= 0) {
+            db__set_state("57014");
+            db__msg(err, errlen, "", "deadline exceeded before the transaction began");
+            return DB_EDEADLINE;
+        }
+        snprintf(ms, sizeof ms, "%lld", (long long)left);
+    }
+    if (org_id) params[n++] = org_id;
+    if (cut) params[n++] = ms;
+    if (n == 0) return DB_OK;
+    const char *sql = !cut     ? "SELECT set_config('app.org_id', $1, true)"
+                      : org_id ? "SELECT set_config('app.org_id', $1, true), "
+                                 "set_config('statement_timeout', $2, true)"
+                               : "SELECT set_config('statement_timeout', $1, true)";
+    return db_exec(c, sql, n, params, NULL, err, errlen);
+}
+
 int db_tx_begin_ex(db_pool *p, const char *org_id, int flags, db_tx **out, char *err,
                    size_t errlen) {
     *out = NULL;
@@ -478,7 +519,19 @@ int db_tx_begin_ex(db_pool *p, const char *org_id, int flags, db_tx **out, char 
         return DB_EINVAL;
     }
     PGconn *c = NULL;
-    int rc = db__acquire(p, -1, &c, err, errlen);
+    int64_t left = ctx_deadline_ms();
+    int wait = p->o.acquire_timeout_ms;
+    if (left <= 0) {
+        db__set_state("");
+        db__msg(err, errlen, "", "deadline exceeded before the transaction began");
+        return DB_EDEADLINE;
+    }
+    if (left < wait) wait = (int)left;
+    int rc = db__acquire(p, wait, &c, err, errlen);
+    if (rc == DB_ETIMEOUT && wait < p->o.acquire_timeout_ms) {
+        db__msg(err, errlen, "", "deadline exceeded waiting for a database connection");
+        rc = DB_EDEADLINE;
+    }
     if (rc != DB_OK) {
         db__set_state("");
         return rc;
@@ -489,10 +542,7 @@ int db_tx_begin_ex(db_pool *p, const char *org_id, int flags, db_tx **out, char 
         if (rc != DB_OK) return rc; /* the slot was freed */
         rc = db_exec(c, begin, 0, NULL, NULL, err, errlen);
     }
-    if (rc == DB_OK && org_id) {
-        const char *params[] = {org_id};
-        rc = db_exec(c, "SELECT set_config('app.org_id', $1, true)", 1, params, NULL, err, errlen);
-    }
+    if (rc == DB_OK) rc = db__tx_scope(p, c, org_id, err, errlen);
     db_tx *tx = NULL;
     if (rc == DB_OK && !(tx = malloc(sizeof *tx))) {
         db__msg(err, errlen, "", "out of memory");
@@ -517,6 +567,11 @@ PGconn *db_tx_conn(db_tx *tx) {
 }
 
 int db_tx_commit(db_tx *tx, char *err, size_t errlen) {
+    if (!tx) { /* like db_tx_rollback(NULL): a caller's error path must not crash */
+        db__set_state("");
+        db__msg(err, errlen, "", "db_tx_commit: no transaction");
+        return DB_EINVAL;
+    }
     PGresult *res = PQexec(tx->c, "COMMIT");
     int rc = db__status_of(res, tx->c, err, errlen);
     /* COMMIT of a transaction that saw an error succeeds as "ROLLBACK". */

@@ -27,6 +27,15 @@
  *   with db_sqlstate(); the common classes get their own codes (DB_EUNIQUE for 23505, ...) so
  *   that callers map them to gRPC statuses without string compares.
  *
+ * Deadlines
+ *   When the calling thread carries a deadline (ctx.h; the RPC server sets it for the handler
+ *   of every unary call), db_tx_begin waits for a connection no longer than the time left, and
+ *   sets the transaction's statement_timeout (SET LOCAL, so it ends with the transaction) to
+ *   the time left when that is shorter than the pool's: a query never outlives its caller.
+ *   A statement cut that way, a statement started after the deadline, and a begin that could
+ *   not get a connection before it return DB_EDEADLINE (mapped to DEADLINE_EXCEEDED), distinct
+ *   from DB_ECANCELED (the pool's own statement_timeout, lock_timeout).
+ *
  * Thread safety: a pool may be shared by any number of threads; a PGconn or db_tx belongs to
  * the thread that acquired it until it is released. */
 #ifndef UPSQUAD_DB_H
@@ -37,19 +46,20 @@
 
 enum {
     DB_OK = 0,
-    DB_ERR = -1,         /* statement failed; SQLSTATE in db_sqlstate() */
-    DB_ETIMEOUT = -2,    /* no free pooled connection within the timeout */
-    DB_ECONN = -3,       /* could not connect, or the connection was lost */
-    DB_EINVAL = -4,      /* bad argument */
-    DB_ENOMEM = -5,      /* allocation failed */
-    DB_EUNIQUE = -6,     /* 23505 unique_violation */
-    DB_EFOREIGN = -7,    /* 23503 foreign_key_violation */
-    DB_ECHECK = -8,      /* 23514 check_violation, 23502 not_null_violation */
-    DB_ESERIALIZE = -9,  /* 40001 serialization_failure, 40P01 deadlock_detected: retry */
-    DB_EPRIVILEGE = -10, /* 42501 insufficient_privilege, including RLS WITH CHECK refusals */
-    DB_ECANCELED = -11,  /* 57014 query_canceled (statement_timeout, lock_timeout 55P03) */
-    DB_ECHECKSUM = -12,  /* migrations: an applied file was edited */
-    DB_EIO = -13,        /* migrations: a file or folder could not be read */
+    DB_ERR = -101,        /* statement failed; SQLSTATE in db_sqlstate() */
+    DB_ETIMEOUT = -102,   /* no free pooled connection within the timeout */
+    DB_ECONN = -103,      /* could not connect, or the connection was lost */
+    DB_EINVAL = -104,     /* bad argument */
+    DB_ENOMEM = -105,     /* allocation failed */
+    DB_EUNIQUE = -106,    /* 23505 unique_violation */
+    DB_EFOREIGN = -107,   /* 23503 foreign_key_violation */
+    DB_ECHECK = -108,     /* 23514 check_violation, 23502 not_null_violation */
+    DB_ESERIALIZE = -109, /* 40001 serialization_failure, 40P01 deadlock_detected: retry */
+    DB_EPRIVILEGE = -110, /* 42501 insufficient_privilege, including RLS WITH CHECK refusals */
+    DB_ECANCELED = -111,  /* 57014 query_canceled (statement_timeout, lock_timeout 55P03) */
+    DB_ECHECKSUM = -112,  /* migrations: an applied file was edited */
+    DB_EIO = -113,        /* migrations: a file or folder could not be read */
+    DB_EDEADLINE = -114,  /* the caller's deadline (ctx.h) passed: statement cut or not run */
 };
 
 /* Short constant text of a DB_* code. */

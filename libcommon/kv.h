@@ -26,11 +26,11 @@
 
 enum {
     KV_OK = 0,
-    KV_EIO = -1,    /* connection failed, lost or timed out */
-    KV_EREPLY = -2, /* Redis answered with an error reply */
-    KV_EINVAL = -3, /* bad argument, or call out of order (pipeline) */
-    KV_ENOMEM = -4,
-    KV_EFULL = -5, /* pipeline bound reached */
+    KV_EIO = -301,    /* connection failed, lost or timed out */
+    KV_EREPLY = -302, /* Redis answered with an error reply */
+    KV_EINVAL = -303, /* bad argument, or call out of order (pipeline) */
+    KV_ENOMEM = -304,
+    KV_EFULL = -305, /* pipeline bound reached */
 };
 
 #define KV_PIPELINE_MAX 65536

@@ -24,7 +24,29 @@ typedef struct pbjson__ctx {
     size_t plen;
     char *err;
     size_t errlen;
+    ProtobufCAllocator *a; /* NULL: malloc/free */
 } pbjson__ctx;
+
+/* Every node of a tree comes from the context's allocator (zeroed), or the heap. */
+static void *pbjson__alloc(ProtobufCAllocator *a, size_t n) {
+    void *p = a ? a->alloc(a->allocator_data, n) : malloc(n);
+    if (p) memset(p, 0, n);
+    return p;
+}
+
+static char *pbjson__strdup(ProtobufCAllocator *a, const char *s) {
+    size_t n = strlen(s) + 1;
+    char *p = pbjson__alloc(a, n);
+    if (p) memcpy(p, s, n);
+    return p;
+}
+
+static void pbjson__pfree(ProtobufCAllocator *a, void *p) {
+    if (!a)
+        free(p);
+    else if (p)
+        a->free(a->allocator_data, p);
+}
 
 static int pbjson__fail(pbjson__ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int pbjson__fail(pbjson__ctx *c, const char *fmt, ...) {
@@ -62,44 +84,53 @@ static void pbjson__pop(pbjson__ctx *c, size_t plen) {
 
 /* ---- freeing heap trees ---- */
 
-static void pbjson__free_list(pb_list *l);
+static void pbjson__free_list(ProtobufCAllocator *a, pb_list *l);
+static void pbjson__free_struct(ProtobufCAllocator *a, pb_struct *s);
 
-void pbjson_value_free(pb_value *v) {
+static void pbjson__free_value(ProtobufCAllocator *a, pb_value *v) {
     if (!v) return;
     switch (v->kind_case) {
     case GOOGLE__PROTOBUF__VALUE__KIND_STRING_VALUE:
-        free(v->string_value);
+        pbjson__pfree(a, v->string_value);
         break;
     case GOOGLE__PROTOBUF__VALUE__KIND_STRUCT_VALUE:
-        pbjson_struct_free(v->struct_value);
+        pbjson__free_struct(a, v->struct_value);
         break;
     case GOOGLE__PROTOBUF__VALUE__KIND_LIST_VALUE:
-        pbjson__free_list(v->list_value);
+        pbjson__free_list(a, v->list_value);
         break;
     default:
         break;
     }
-    free(v);
+    pbjson__pfree(a, v);
 }
 
-void pbjson_struct_free(pb_struct *s) {
+static void pbjson__free_struct(ProtobufCAllocator *a, pb_struct *s) {
     if (!s) return;
     for (size_t i = 0; i < s->n_fields; i++) {
         if (!s->fields[i]) continue;
-        free(s->fields[i]->key);
-        pbjson_value_free(s->fields[i]->value);
-        free(s->fields[i]);
+        pbjson__pfree(a, s->fields[i]->key);
+        pbjson__free_value(a, s->fields[i]->value);
+        pbjson__pfree(a, s->fields[i]);
     }
-    free(s->fields);
-    free(s);
+    pbjson__pfree(a, s->fields);
+    pbjson__pfree(a, s);
 }
 
-static void pbjson__free_list(pb_list *l) {
+static void pbjson__free_list(ProtobufCAllocator *a, pb_list *l) {
     if (!l) return;
     for (size_t i = 0; i < l->n_values; i++)
-        pbjson_value_free(l->values[i]);
-    free(l->values);
-    free(l);
+        pbjson__free_value(a, l->values[i]);
+    pbjson__pfree(a, l->values);
+    pbjson__pfree(a, l);
+}
+
+void pbjson_value_free(pb_value *v) {
+    pbjson__free_value(NULL, v);
+}
+
+void pbjson_struct_free(pb_struct *s) {
+    pbjson__free_struct(NULL, s);
 }
 
 /* ---- JSON -> protobuf ---- */
@@ -138,16 +169,16 @@ static int pbjson__struct(pbjson__ctx *c, const cJSON *obj, pb_struct **out, int
             return pbjson__fail(c, "member name is not valid UTF-8");
     }
     if (pbjson__check_keys(c, obj, n) != 0) return -1;
-    s = calloc(1, sizeof *s);
+    s = pbjson__alloc(c->a, sizeof *s);
     if (!s) return pbjson__fail(c, "out of memory");
     google__protobuf__struct__init(s);
-    if (n && !(s->fields = calloc(n, sizeof *s->fields))) goto oom;
+    if (n && !(s->fields = pbjson__alloc(c->a, n * sizeof *s->fields))) goto oom;
     for (const cJSON *m = obj->child; m; m = m->next) {
-        pb_entry *e = calloc(1, sizeof *e);
+        pb_entry *e = pbjson__alloc(c->a, sizeof *e);
         if (!e) goto oom;
         google__protobuf__struct__fields_entry__init(e);
         s->fields[s->n_fields++] = e; /* linked first: a failure below frees it with s */
-        if (!(e->key = strdup(m->string))) goto oom;
+        if (!(e->key = pbjson__strdup(c->a, m->string))) goto oom;
         pbjson__push(c, m->string);
         int rc = pbjson__value(c, m, &e->value, depth);
         pbjson__pop(c, plen);
@@ -158,7 +189,7 @@ static int pbjson__struct(pbjson__ctx *c, const cJSON *obj, pb_struct **out, int
 oom:
     pbjson__fail(c, "out of memory");
 fail:
-    pbjson_struct_free(s);
+    pbjson__free_struct(c->a, s);
     return -1;
 }
 
@@ -168,10 +199,10 @@ static int pbjson__list(pbjson__ctx *c, const cJSON *arr, pb_list **out, int dep
     if (depth > PBJSON_MAX_DEPTH) return pbjson__fail(c, "nested deeper than %d", PBJSON_MAX_DEPTH);
     for (const cJSON *m = arr->child; m; m = m->next)
         n++;
-    l = calloc(1, sizeof *l);
+    l = pbjson__alloc(c->a, sizeof *l);
     if (!l) return pbjson__fail(c, "out of memory");
     google__protobuf__list_value__init(l);
-    if (n && !(l->values = calloc(n, sizeof *l->values))) goto oom;
+    if (n && !(l->values = pbjson__alloc(c->a, n * sizeof *l->values))) goto oom;
     for (const cJSON *m = arr->child; m; m = m->next, i++) {
         char idx[24];
         snprintf(idx, sizeof idx, "%zu", i);
@@ -186,13 +217,13 @@ static int pbjson__list(pbjson__ctx *c, const cJSON *arr, pb_list **out, int dep
 oom:
     pbjson__fail(c, "out of memory");
 fail:
-    pbjson__free_list(l);
+    pbjson__free_list(c->a, l);
     return -1;
 }
 
 /* depth: containers already open above j. */
 static int pbjson__value(pbjson__ctx *c, const cJSON *j, pb_value **out, int depth) {
-    pb_value *v = calloc(1, sizeof *v);
+    pb_value *v = pbjson__alloc(c->a, sizeof *v);
     int rc = 0;
     if (!v) return pbjson__fail(c, "out of memory");
     google__protobuf__value__init(v);
@@ -212,7 +243,7 @@ static int pbjson__value(pbjson__ctx *c, const cJSON *j, pb_value **out, int dep
     } else if (cJSON_IsString(j)) {
         if (!j->valuestring || !util_utf8_valid(j->valuestring)) {
             rc = pbjson__fail(c, "string is not valid UTF-8");
-        } else if (!(v->string_value = strdup(j->valuestring))) {
+        } else if (!(v->string_value = pbjson__strdup(c->a, j->valuestring))) {
             rc = pbjson__fail(c, "out of memory");
         } else {
             v->kind_case = GOOGLE__PROTOBUF__VALUE__KIND_STRING_VALUE;
@@ -227,7 +258,7 @@ static int pbjson__value(pbjson__ctx *c, const cJSON *j, pb_value **out, int dep
         rc = pbjson__fail(c, "not a JSON value");
     }
     if (rc != 0) {
-        pbjson_value_free(v);
+        pbjson__free_value(c->a, v);
         return -1;
     }
     *out = v;
@@ -235,14 +266,24 @@ static int pbjson__value(pbjson__ctx *c, const cJSON *j, pb_value **out, int dep
 }
 
 int pbjson_struct_from_json(const cJSON *obj, pb_struct **out, char *err, size_t errlen) {
-    pbjson__ctx c = {.err = err, .errlen = errlen};
+    return pbjson_struct_from_json_a(obj, NULL, out, err, errlen);
+}
+
+int pbjson_value_from_json(const cJSON *v, pb_value **out, char *err, size_t errlen) {
+    return pbjson_value_from_json_a(v, NULL, out, err, errlen);
+}
+
+int pbjson_struct_from_json_a(const cJSON *obj, ProtobufCAllocator *alloc, pb_struct **out,
+                              char *err, size_t errlen) {
+    pbjson__ctx c = {.err = err, .errlen = errlen, .a = alloc};
     if (!out) return pbjson__fail(&c, "no output");
     if (!cJSON_IsObject(obj)) return pbjson__fail(&c, "not a JSON object");
     return pbjson__struct(&c, obj, out, 1);
 }
 
-int pbjson_value_from_json(const cJSON *v, pb_value **out, char *err, size_t errlen) {
-    pbjson__ctx c = {.err = err, .errlen = errlen};
+int pbjson_value_from_json_a(const cJSON *v, ProtobufCAllocator *alloc, pb_value **out, char *err,
+                             size_t errlen) {
+    pbjson__ctx c = {.err = err, .errlen = errlen, .a = alloc};
     if (!out || !v) return pbjson__fail(&c, "no value");
     return pbjson__value(&c, v, out, 0);
 }

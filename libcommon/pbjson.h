@@ -39,6 +39,15 @@ int pbjson_struct_from_json(const cJSON *obj, Google__Protobuf__Struct **out, ch
 /* Any JSON value. *out: caller frees with pbjson_value_free. */
 int pbjson_value_from_json(const cJSON *v, Google__Protobuf__Value **out, char *err, size_t errlen);
 
+/* The same, every node from `alloc`: with rpc_call_allocator(call) the tree lives in the call's
+ * arena and goes with the call (nothing to free, nothing to leak; a handler puts it straight
+ * into its response instead of deep-copying). alloc NULL: the heap, as above. On error the
+ * partial tree is handed back to alloc->free (a no-op for the arena). */
+int pbjson_struct_from_json_a(const cJSON *obj, ProtobufCAllocator *alloc,
+                              Google__Protobuf__Struct **out, char *err, size_t errlen);
+int pbjson_value_from_json_a(const cJSON *v, ProtobufCAllocator *alloc,
+                             Google__Protobuf__Value **out, char *err, size_t errlen);
+
 /* Caller frees with cJSON_Delete. NULL on OOM or nesting deeper than PBJSON_MAX_DEPTH. */
 cJSON *pbjson_struct_to_json(const Google__Protobuf__Struct *s);
 cJSON *pbjson_value_to_json(const Google__Protobuf__Value *v);

@@ -16,9 +16,31 @@
  *     rpc_stream_push() never blocks and returns RPC_EFULL, so a producer on another thread
  *     (a NATS callback) learns that its subscriber is slow.
  *
+ *   - Methods flagged RPC_BLOCKING run their unary handler on the blocking pool instead
+ *     (blocking_workers threads, blocking_queue waiting, then RESOURCE_EXHAUSTED).
+ *
  * Handlers receive the decoded request and the verified identity, fill the response (all its
  * memory from the call arena: rpc_alloc/rpc_strdup) and return RPC_OK or a status set with
- * rpc_error(). The library encodes, replies and frees. */
+ * rpc_error(). The library encodes, replies and frees.
+ *
+ * Contract: who owns what in a call
+ *   - The arena (rpc_alloc, rpc_strdup, rpc_sprintf, rpc_new_msg, rpc_error, rpc_metadata,
+ *     rpc_call_defer, rpc_call_allocator) is single-threaded: only the thread running the
+ *     handler uses it, until the handler returns (a detached stream's producers never do).
+ *     Nothing in the library allocates from it on another thread.
+ *   - The request, identity, method, trace id and deadline are written before the handler
+ *     runs and only read afterwards: any thread holding a reference may read them.
+ *   - The outgoing status (code, message, details) belongs to the handler's thread for a
+ *     unary call. For a stream it is guarded by the stream's lock: rpc_error, rpc_stream_finish
+ *     (any thread) and the close completion (a queue thread) all take it.
+ *   - The stream queue and its flags are guarded by the same lock; frames are refcounted and
+ *     immutable once encoded.
+ *   - The call itself is refcounted: the dispatch, the close completion, each batch in flight
+ *     and each rpc_stream_detach hold a reference; the last rpc_call_unref frees it, after
+ *     running the rpc_call_defer hooks.
+ *   - Thread-safe from anywhere: rpc_cancelled, rpc_deadline_ms, rpc_identity, rpc_trace_id,
+ *     rpc_method_path, rpc_metadata_copy, rpc_stream_push, rpc_stream_queued,
+ *     rpc_stream_finish, rpc_call_unref. */
 #ifndef UPSQUAD_RPC_H
 #define UPSQUAD_RPC_H
 
@@ -68,6 +90,13 @@ typedef int (*rpc_stream_fn)(rpc_call *call, const ProtobufCMessage *req, void *
 
 enum { RPC_UNARY = 0, RPC_SERVER_STREAM = 1 };
 enum { RPC_AUTH_REQUIRED = 0, RPC_AUTH_NONE = 1 };
+/* rpc_method.flags. RPC_BLOCKING: the unary handler may block (Postgres, another service): it
+ * runs on the blocking pool (blocking_workers threads, blocking_queue more calls waiting; a
+ * call beyond that is answered RESOURCE_EXHAUSTED) instead of inline on a completion-queue
+ * thread, so Health/Check and the non-blocking methods stay responsive. The handler sees
+ * rpc_cancelled() as soon as the client goes, and its thread carries the call's deadline
+ * (ctx.h), which `db` turns into the transaction's statement_timeout. */
+enum { RPC_BLOCKING = 1 << 0 };
 
 /* A bound on a repeated field of a request, enforced on the wire bytes before the request is
  * decoded (so a 4 MB message of two million empty strings costs a scan, not 100 MB): a request
@@ -92,6 +121,7 @@ typedef struct rpc_method {
     const rpc_field_limit *limits; /* n_limits bounds on repeated fields (borrowed, static) */
     size_t n_limits;
     size_t max_decoded_bytes; /* estimated decoded size; 0: the server's max_decoded_bytes */
+    int flags;                /* RPC_BLOCKING (set by designator: .flags = RPC_BLOCKING) */
 } rpc_method;
 
 typedef struct rpc_tls {
@@ -118,6 +148,10 @@ typedef struct rpc_server_opts {
     int keepalive_timeout_ms;   /* and close it when the ping is not answered, default 20 s */
     int handshake_timeout_ms;   /* a connection must finish its HTTP/2 (TLS) set-up, default 10 s */
     int max_health_watches;     /* concurrent grpc.health.v1.Health/Watch streams, default 64 */
+    int blocking_workers;       /* threads running RPC_BLOCKING handlers, default 8 (started
+                                   only when a method is RPC_BLOCKING) */
+    int blocking_queue;         /* blocking calls waiting for a thread, default 64; more are
+                                   refused with RESOURCE_EXHAUSTED */
 } rpc_server_opts;
 
 int rpc_server_new(const rpc_server_opts *opts, rpc_server **out, char *err, size_t errlen);
@@ -143,8 +177,12 @@ int rpc_wait_signal(void);
 const auth_identity *rpc_identity(const rpc_call *call); /* NULL for RPC_AUTH_NONE methods */
 const char *rpc_method_path(const rpc_call *call);
 const char *rpc_trace_id(const rpc_call *call); /* x-request-id or generated */
-/* First value of a request metadata key (lowercase), copied; NULL when absent. */
+/* First value of a request metadata key (lowercase), copied into the arena (the handler's
+ * thread only); NULL when absent. */
 const char *rpc_metadata(const rpc_call *call, const char *key);
+/* The same into buf (NUL-terminated, truncated to len - 1), from any thread: the value's
+ * full length, or -1 when absent. */
+int rpc_metadata_copy(const rpc_call *call, const char *key, char *buf, size_t len);
 /* Milliseconds left before the client's deadline; INT64_MAX when none. */
 int64_t rpc_deadline_ms(const rpc_call *call);
 /* Non-zero once the client cancelled, the deadline passed or the connection broke. */
@@ -157,8 +195,24 @@ char *rpc_strndup(rpc_call *call, const char *s, size_t n);
 char *rpc_sprintf(rpc_call *call, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* A zero-initialised message of `desc` in the arena. */
 ProtobufCMessage *rpc_new_msg(rpc_call *call, const ProtobufCMessageDescriptor *desc);
+/* The arena as a protobuf-c allocator (itself in the arena): for pbjson_*_from_json_a and
+ * protobuf_c_message_unpack, so a tree built for the response needs no copy and no free.
+ * NULL on ENOMEM. */
+ProtobufCAllocator *rpc_call_allocator(rpc_call *call);
 
-/* Sets the status to send and returns `code`: `return rpc_error(c, RPC_NOT_FOUND, "...")`. */
+/* Runs fn(arg) when the call is freed: after its reply was sent or it ended any other way,
+ * once nothing reads the response any more; hooks run in reverse order of registration. For
+ * memory the response borrows (a PGresult its strings point into: a
+ * two-line function calling PQclear, registered with the result as arg). RPC_OK, or
+ * RPC_ENOMEM/RPC_EINVAL and nothing is registered (the caller still owns arg). Called from the
+ * thread running the handler. */
+typedef void (*rpc_defer_fn)(void *arg);
+int rpc_call_defer(rpc_call *call, rpc_defer_fn fn, void *arg);
+
+/* Sets the status to send and returns `code`: `return rpc_error(c, RPC_NOT_FOUND, "...")`.
+ * A status set with rpc_error() is final: the call fails with it even when the handler then
+ * returns RPC_OK (no response is sent with a non-OK status). A unary handler that returns
+ * RPC_OK after the deadline passed answers DEADLINE_EXCEEDED: nobody waits for the reply. */
 int rpc_error(rpc_call *call, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* Adds a detail (packed into google.protobuf.Any, type URL
  * "type.googleapis.com/<full name>") to the google.rpc.Status sent in grpc-status-details-bin. */

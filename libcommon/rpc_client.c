@@ -136,14 +136,44 @@ static grpc_call *call_create(rpc_channel *ch, grpc_completion_queue *cq, const 
                                                gpr_time_from_millis(o->timeout_ms, GPR_TIMESPAN))
                                 : gpr_inf_future(GPR_CLOCK_MONOTONIC);
     grpc_slice m = grpc_slice_from_copied_string(method);
-    grpc_call *call = grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, m, NULL,
+    /* a parent server call: the core propagates its deadline and cancellation */
+    grpc_call *parent = (o && o->parent) ? o->parent->call : NULL;
+    grpc_call *call = grpc_channel_create_call(ch->ch, parent, GRPC_PROPAGATE_DEFAULTS, cq, m, NULL,
                                                deadline, NULL);
     grpc_slice_unref(m);
     return call;
 }
 
-static void status_fill(rpc_status *st, grpc_status_code code, grpc_slice details,
-                        const grpc_metadata_array *trailing) {
+/* ---- for rpc_astream.c ---- */
+
+struct rpc__call_md {
+    call_md m;
+};
+
+rpc__call_md *rpc__md_new(const rpc_call_opts *o) {
+    rpc__call_md *m = calloc(1, sizeof *m);
+    if (m) md_build(&m->m, o);
+    return m;
+}
+
+grpc_metadata *rpc__md_items(rpc__call_md *m, size_t *n) {
+    *n = m->m.n;
+    return m->m.md;
+}
+
+void rpc__md_delete(rpc__call_md *m) {
+    if (m == NULL) return;
+    md_free(&m->m);
+    free(m);
+}
+
+grpc_call *rpc__client_call(rpc_channel *ch, grpc_completion_queue *cq, const char *method,
+                            const rpc_call_opts *o) {
+    return call_create(ch, cq, method, o);
+}
+
+void rpc__status_fill(rpc_status *st, grpc_status_code code, grpc_slice details,
+                      const grpc_metadata_array *trailing) {
     if (st == NULL) return;
     memset(st, 0, sizeof *st);
     st->code = (int)code;
@@ -213,7 +243,7 @@ int rpc_unary_call(rpc_channel *ch, const char *method, const ProtobufCMessage *
             *resp = NULL;
         }
     }
-    status_fill(st, code, details, &trailing);
+    rpc__status_fill(st, code, details, &trailing);
     grpc_slice_unref(details);
     grpc_metadata_array_destroy(&init_md);
     grpc_metadata_array_destroy(&trailing);
@@ -307,7 +337,7 @@ int rpc_reader_close(rpc_reader *r, rpc_status *st) {
                                     NULL);
     }
     int code = (int)r->status;
-    status_fill(st, r->status, r->details, &r->trailing);
+    rpc__status_fill(st, r->status, r->details, &r->trailing);
     grpc_slice_unref(r->details);
     grpc_metadata_array_destroy(&r->init_md);
     grpc_metadata_array_destroy(&r->trailing);

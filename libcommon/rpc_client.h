@@ -30,12 +30,18 @@ typedef struct rpc_md {
     const char *key, *value;
 } rpc_md;
 
+struct rpc_call; /* rpc.h: a server call being handled */
+
 typedef struct rpc_call_opts {
     int64_t timeout_ms;   /* 0: no deadline */
     const char *bearer;   /* sent as "authorization: Bearer <bearer>" */
     const char *trace_id; /* sent as x-request-id */
     const rpc_md *md;
     size_t n_md;
+    /* The server call this call is made for (borrowed; it must outlive this call): its
+     * deadline bounds this one and its cancellation (client gone, deadline, shutdown)
+     * cancels this one, by the C core's parent-call propagation. NULL: none. */
+    const struct rpc_call *parent;
 } rpc_call_opts;
 
 /* The status of a finished call. message and details are heap copies: rpc_status_clear. */

@@ -48,13 +48,15 @@ static int find_locked(rpc__health *h, const char *service) {
     return -1;
 }
 
-static void push_status(rpc_call *c, int status) {
+static rpc_frame *status_frame(int status) {
     HealthResp r = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
     r.status = (Grpc__Health__V1__HealthCheckResponse__ServingStatus)status;
-    rpc_frame *f = rpc_frame_encode(&r.base);
+    return rpc_frame_encode(&r.base);
+}
+
+static void push_status(rpc_call *c, int status) {
+    rpc_frame *f = status_frame(status);
     if (f == NULL) return;
-    /* A watcher whose queue is full missed nothing that matters: the newest status is what
-     * counts and a later change is pushed again. */
     (void)rpc_stream_push(c, f);
     rpc_frame_unref(f);
 }
@@ -71,8 +73,16 @@ void rpc__health_set(rpc__health *h, const char *service, int serving) {
     }
     if (i >= 0 && h->status[i] != st) {
         h->status[i] = st;
-        for (watcher *w = h->watchers; w; w = w->next)
-            if (strcmp(w->service, service) == 0) push_status(w->call, st);
+        /* encoded once, the frame shared by every watcher of the service (refcounted). A
+         * watcher whose queue is full missed nothing that matters: the newest status is what
+         * counts and a later change is pushed again. */
+        rpc_frame *f = NULL;
+        for (watcher *w = h->watchers; w; w = w->next) {
+            if (strcmp(w->service, service) != 0) continue;
+            if (f == NULL && (f = status_frame(st)) == NULL) break;
+            (void)rpc_stream_push(w->call, f);
+        }
+        rpc_frame_unref(f);
     }
     pthread_mutex_unlock(&h->mu);
 }

@@ -75,6 +75,7 @@ struct rpc_call {
     int64_t start_ns;
     atomic_int cancelled; /* set by the CLOSE completion (client gone, deadline, shutdown) */
     int recv_close_cancelled;
+    int early_close; /* RECV_CLOSE_ON_SERVER posted at arrival (blocking unary calls) */
 
     /* outgoing status */
     int code;
@@ -101,9 +102,11 @@ struct rpc_call {
     int writer_waiting;
     grpc_byte_buffer *inflight;
     int detached;
+    char *final_msg; /* heap copy of rpc_stream_finish's message (freed with the stream) */
     rpc_close_fn on_close;
     void *close_ud;
     struct rpc_call *dnext, *dprev; /* the server's list of detached streams */
+    struct rpc__defer *defers;      /* rpc_call_defer hooks, newest first (arena) */
 
     /* unary: the read after the request message (rpc_limits.c) */
     rpc__tag t_recv;
@@ -120,6 +123,9 @@ void rpc__prepare_status(rpc_call *c, grpc_op *op);
 void rpc__account(rpc_call *c);
 void rpc__server_detached_add(struct rpc_server *s, rpc_call *c);
 void rpc__server_detached_remove(struct rpc_server *s, rpc_call *c);
+
+/* rpc_call.c */
+void rpc__call_run_defers(rpc_call *c);
 
 /* rpc_stream.c */
 int rpc__stream_init(rpc_call *c, int queue_cap);
@@ -152,6 +158,26 @@ const rpc_server_opts *rpc__server_opts(const struct rpc_server *s);
 #define RPC__HARDENING_ARGS 6
 void rpc__opts_hardening_defaults(rpc_server_opts *o);
 size_t rpc__hardening_args(const rpc_server_opts *o, grpc_arg *args);
+/* rpc_pool.c: the bounded pool running RPC_BLOCKING unary handlers */
+typedef struct rpc__pool rpc__pool;
+int rpc__pool_new(int threads, int cap, void (*run)(rpc_call *c), rpc__pool **out);
+int rpc__pool_start(rpc__pool *p);
+/* 0: queued (the call's reference moves to the pool); -1: full or stopping. */
+int rpc__pool_submit(rpc__pool *p, rpc_call *c);
+/* Drains the queue (each call is still run) and joins the threads. */
+void rpc__pool_stop(rpc__pool *p);
+void rpc__pool_free(rpc__pool *p);
+
+/* rpc_client.c: for rpc_astream.c */
+#include "rpc_client.h"
+typedef struct rpc__call_md rpc__call_md; /* outgoing metadata of one call (heap) */
+rpc__call_md *rpc__md_new(const rpc_call_opts *o);
+grpc_metadata *rpc__md_items(rpc__call_md *m, size_t *n);
+void rpc__md_delete(rpc__call_md *m);
+grpc_call *rpc__client_call(rpc_channel *ch, grpc_completion_queue *cq, const char *method,
+                            const rpc_call_opts *o);
+void rpc__status_fill(rpc_status *st, grpc_status_code code, grpc_slice details,
+                      const grpc_metadata_array *trailing);
 
 /* rpc_health.c */
 typedef struct rpc__health rpc__health;

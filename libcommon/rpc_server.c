@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ctx.h"
 #include "google/protobuf/any.pb-c.h"
 #include "google/rpc/status.pb-c.h"
 #include "log.h"
@@ -50,7 +51,9 @@ struct rpc_server {
     grpc_completion_queue **ucq, **scq, *shutdown_cq;
     pthread_t *uthr, *sthr, *wthr;
     int n_ucq, n_scq, n_workers;
-    int shared_cq; /* stream I/O runs on the unary queues (stream_threads 0) */
+    int n_uthr, n_sthr, n_wthr; /* threads actually started (a start can fail part-way) */
+    int queues_down;            /* every queue shut down and drained */
+    int shared_cq;              /* stream I/O runs on the unary queues (stream_threads 0) */
     rpc__listener *listeners;
     size_t n_listeners;
     rpc__tag t_shutdown;
@@ -71,6 +74,8 @@ struct rpc_server {
     int started;
     atomic_int stopping;
     metric *m_inflight, *m_refused;
+    rpc__pool *bpool; /* RPC_BLOCKING handlers; NULL when no method blocks */
+    metric *m_blocking_refused;
 };
 
 static const char *const code_names[17] = {
@@ -98,6 +103,7 @@ static void call_free(rpc_call *c) {
     grpc_slice_unref(c->status_slice);
     if (c->has_trailer) grpc_slice_unref(c->trailer.value);
     grpc_call_unref(c->call);
+    rpc__call_run_defers(c); /* after the last use of the response, before its arena goes */
     rpc__arena_release(&c->arena);
     free(c);
 }
@@ -161,9 +167,13 @@ ProtobufCMessage *rpc_new_msg(rpc_call *c, const ProtobufCMessageDescriptor *d) 
 int rpc_error(rpc_call *c, int code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    c->message = arena_vsprintf(c, fmt, ap);
+    char *msg = arena_vsprintf(c, fmt, ap); /* the arena: this is the handler's thread */
     va_end(ap);
+    /* a stream's status is also read by its close completion on a queue thread */
+    if (c->is_stream) pthread_mutex_lock(&c->mu);
+    c->message = msg;
     c->code = code;
+    if (c->is_stream) pthread_mutex_unlock(&c->mu);
     return code;
 }
 
@@ -241,6 +251,18 @@ const char *rpc_metadata(const rpc_call *c, const char *key) {
                        GRPC_SLICE_LENGTH(m->value));
 }
 
+int rpc_metadata_copy(const rpc_call *c, const char *key, char *buf, size_t len) {
+    const grpc_metadata *m = md_find(&c->md, key);
+    if (m == NULL) return -1;
+    size_t n = GRPC_SLICE_LENGTH(m->value);
+    if (len > 0) {
+        size_t k = n < len - 1 ? n : len - 1;
+        memcpy(buf, GRPC_SLICE_START_PTR(m->value), k);
+        buf[k] = 0;
+    }
+    return n > INT32_MAX ? INT32_MAX : (int)n;
+}
+
 int64_t rpc_deadline_ms(const rpc_call *c) {
     if (gpr_time_cmp(c->deadline, gpr_inf_future(c->deadline.clock_type)) == 0) return INT64_MAX;
     gpr_timespec left = gpr_time_sub(c->deadline, gpr_now(c->deadline.clock_type));
@@ -288,7 +310,8 @@ static void call_trace(rpc_call *c) {
  * session, and a signature check costs 5-70 us. An entry is the exact header bytes, so a hit
  * proves the same token verified before; it is used only until the token's own `exp`, and
  * only for the verifier that checked it. Direct-mapped by a hash of the header. Each thread's
- * table (about 45 KB) lives as long as the thread. */
+ * table (about 45 KB) lives as long as the thread: a thread-specific key frees it when the
+ * thread exits (a server's threads end at shutdown; a process may run several servers). */
 #define TOKEN_CACHE_SLOTS 8
 #define TOKEN_CACHE_MAX 1024 /* longer headers are verified every time */
 
@@ -300,6 +323,26 @@ typedef struct token_slot {
 } token_slot;
 
 static _Thread_local token_slot *token_cache;
+static pthread_key_t token_cache_key;
+static pthread_once_t token_cache_once = PTHREAD_ONCE_INIT;
+static int token_cache_key_ok;
+
+static void token_cache_key_init(void) {
+    token_cache_key_ok = pthread_key_create(&token_cache_key, free) == 0;
+}
+
+/* NULL when the table cannot be allocated or registered for freeing (no caching then). */
+static token_slot *token_cache_get(void) {
+    if (token_cache) return token_cache;
+    pthread_once(&token_cache_once, token_cache_key_init);
+    if (!token_cache_key_ok) return NULL;
+    token_slot *t = calloc(TOKEN_CACHE_SLOTS, sizeof *t);
+    if (t && pthread_setspecific(token_cache_key, t) != 0) {
+        free(t);
+        t = NULL;
+    }
+    return token_cache = t;
+}
 
 static uint64_t token_hash(const char *p, size_t n) {
     uint64_t h = 1469598103934665603ull; /* FNV-1a */
@@ -313,8 +356,8 @@ static int authenticate(rpc_call *c, const char *hdr, size_t len, char *err, siz
     int64_t now = (int64_t)time(NULL);
     token_slot *slot = NULL;
     if (len <= TOKEN_CACHE_MAX) {
-        if (token_cache == NULL) token_cache = calloc(TOKEN_CACHE_SLOTS, sizeof *token_cache);
-        if (token_cache) slot = &token_cache[token_hash(hdr, len) % TOKEN_CACHE_SLOTS];
+        token_slot *cache = token_cache_get();
+        if (cache) slot = &cache[token_hash(hdr, len) % TOKEN_CACHE_SLOTS];
     }
     if (slot && slot->v == v && slot->len == len && slot->id.exp > now &&
         memcmp(slot->hdr, hdr, len) == 0) {
@@ -387,8 +430,10 @@ static void unary_reply(rpc_call *c, ProtobufCMessage *resp) {
     grpc_op ops[4];
     memset(ops, 0, sizeof ops);
     size_t n = 0;
-    ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-    ops[n++].data.recv_close_on_server.cancelled = &c->recv_close_cancelled;
+    if (!c->early_close) {
+        ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+        ops[n++].data.recv_close_on_server.cancelled = &c->recv_close_cancelled;
+    }
     ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
     if (resp) {
         c->reply = rpc__encode(resp);
@@ -405,20 +450,86 @@ static void unary_reply(rpc_call *c, ProtobufCMessage *resp) {
     }
 }
 
-static void unary_run(rpc_call *c) {
-    ProtobufCMessage *resp = NULL;
-    int code = call_prepare(c);
-    if (code == RPC_OK) {
-        resp = rpc_new_msg(c, c->method->m.resp_desc);
-        code = resp ? c->method->m.unary(c, c->req, resp, c->method->m.ud)
-                    : rpc_error(c, RPC_RESOURCE_EXHAUSTED, "out of memory");
-        if (code < 0 || code > 16)
-            code = rpc_error(c, RPC_INTERNAL, "handler returned %d", code);
-        else if (code != RPC_OK && c->code == RPC_OK)
-            c->code = code;
-        if (code == RPC_OK) code = rpc__check_response(c, resp);
-    }
+/* Runs the handler of a prepared call and replies. The thread carries the call's deadline
+ * meanwhile (ctx.h), so what the handler does (db) is bounded by it. */
+static void unary_handle(rpc_call *c) {
+    ProtobufCMessage *resp = rpc_new_msg(c, c->method->m.resp_desc);
+    int code;
+    ctx_set_deadline_ms(rpc_deadline_ms(c));
+    code = resp ? c->method->m.unary(c, c->req, resp, c->method->m.ud)
+                : rpc_error(c, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    ctx_clear();
+    if (code < 0 || code > 16)
+        code = rpc_error(c, RPC_INTERNAL, "handler returned %d", code);
+    else if (code != RPC_OK && c->code == RPC_OK)
+        c->code = code;
+    else if (code == RPC_OK && c->code != RPC_OK)
+        code = c->code; /* the rule: a status set with rpc_error() is final (rpc.h) */
+    else if (code == RPC_OK && rpc_deadline_ms(c) <= 0)
+        code = rpc_error(c, RPC_DEADLINE_EXCEEDED, "deadline exceeded"); /* nobody waits */
+    if (code == RPC_OK) code = rpc__check_response(c, resp);
     unary_reply(c, code == RPC_OK ? resp : NULL);
+}
+
+static void unary_run(rpc_call *c) {
+    int code = call_prepare(c);
+    if (code == RPC_OK)
+        unary_handle(c);
+    else
+        unary_reply(c, NULL);
+}
+
+/* On a pool thread: the client may have gone while the call waited in the queue. */
+static void blocking_run(rpc_call *c) {
+    log_set_trace(c->trace);
+    if (rpc_cancelled(c)) {
+        rpc_error(c, rpc_deadline_ms(c) <= 0 ? RPC_DEADLINE_EXCEEDED : RPC_CANCELLED,
+                  "call ended while it waited for a handler thread");
+        unary_reply(c, NULL);
+    } else {
+        unary_handle(c);
+    }
+    log_set_trace(NULL);
+}
+
+/* RPC_BLOCKING: authentication and decoding stay here (cheap, and a bad call is answered
+ * without taking a pool slot); the handler goes to the pool, or the call is refused. */
+static void blocking_dispatch(rpc_call *c) {
+    rpc_server *s = c->srv;
+    if (call_prepare(c) != RPC_OK) {
+        unary_reply(c, NULL);
+        return;
+    }
+    /* RECV_CLOSE_ON_SERVER now, not with the reply: the handler runs on another thread and
+     * may wait long, and this completion is how rpc_cancelled() learns the client left. */
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    op.data.recv_close_on_server.cancelled = &c->recv_close_cancelled;
+    rpc__call_ref(c);
+    c->early_close = 1;
+    if (grpc_call_start_batch(c->call, &op, 1, &c->t_close, NULL) != GRPC_CALL_OK) {
+        atomic_fetch_sub(&c->refs, 1);
+        c->early_close = 0;
+    }
+    if (rpc__pool_submit(s->bpool, c) == 0) return;
+    metric_inc(s->m_blocking_refused);
+    if (atomic_load(&s->stopping))
+        rpc_error(c, RPC_UNAVAILABLE, "server is shutting down");
+    else
+        rpc_error(c, RPC_RESOURCE_EXHAUSTED,
+                  "server overloaded: %d blocking calls running and %d waiting",
+                  s->o.blocking_workers, s->o.blocking_queue);
+    unary_reply(c, NULL);
+}
+
+/* A unary call is ready to run once its request stream ended: inline, or on the blocking
+ * pool for an RPC_BLOCKING method. */
+static void unary_start(rpc_call *c) {
+    if ((c->method->m.flags & RPC_BLOCKING) && c->srv->bpool)
+        blocking_dispatch(c);
+    else
+        unary_run(c);
 }
 
 /* The request stream of a unary call ended (or carried a second message: refused). */
@@ -428,11 +539,10 @@ static void unary_recv_done(rpc_call *c) {
         rpc_error(c, RPC_INTERNAL, "protocol error: more than one request message");
         unary_reply(c, NULL);
     } else {
-        unary_run(c);
+        unary_start(c);
     }
     log_set_trace(NULL);
 }
-
 /* Bounded hand-off to the stream workers; a full ring refuses the call. */
 static int stream_enqueue(rpc_server *s, rpc_call *c) {
     int ok = 0;
@@ -491,10 +601,8 @@ static void *stream_worker(void *arg) {
         log_set_trace(c->trace);
         int rc = c->method->m.stream(c, c->req, c->method->m.ud);
         if (rc != RPC_EDETACHED) {
-            if (rc < 0 || rc > 16)
-                rc = rpc_error(c, RPC_INTERNAL, "handler returned %d", rc);
-            else if (rc != RPC_OK && c->code == RPC_OK)
-                c->code = rc;
+            if (rc < 0 || rc > 16) rc = rpc_error(c, RPC_INTERNAL, "handler returned %d", rc);
+            /* under the stream's lock; a status set with rpc_error() stays final (rpc.h) */
             rpc_stream_finish(c, rc, NULL);
         }
         log_set_trace(NULL);
@@ -609,7 +717,7 @@ static void on_request(rpc__listener *l, int ok) {
     call_trace(c);
     log_set_trace(c->trace);
     if (l->m->m.kind == RPC_UNARY) {
-        if (!rpc__unary_expect_end(c)) unary_run(c);
+        if (!rpc__unary_expect_end(c)) unary_start(c);
     } else
         stream_dispatch(c);
     log_set_trace(NULL);
@@ -637,7 +745,8 @@ static void *cq_thread(void *arg) {
             break;
         case RPC__TAG_UNARY_SEND: {
             rpc_call *c = container_of(t, rpc_call, t_send);
-            if (c->recv_close_cancelled) atomic_store(&c->cancelled, 1);
+            /* an early close reports on its own completion (on_close) */
+            if (!c->early_close && c->recv_close_cancelled) atomic_store(&c->cancelled, 1);
             rpc__account(c);
             rpc_call_unref(c);
             break;
@@ -677,6 +786,8 @@ static void opts_defaults(rpc_server_opts *o) {
     if (o->max_send_bytes <= 0) o->max_send_bytes = 16 << 20;
     if (o->max_concurrent_streams <= 0) o->max_concurrent_streams = 256;
     rpc__opts_hardening_defaults(o);
+    if (o->blocking_workers <= 0) o->blocking_workers = 8;
+    if (o->blocking_queue <= 0) o->blocking_queue = 64;
 }
 
 int rpc_server_new(const rpc_server_opts *opts, rpc_server **out, char *err, size_t errlen) {
@@ -701,6 +812,9 @@ int rpc_server_new(const rpc_server_opts *opts, rpc_server **out, char *err, siz
     s->m_inflight = metrics_gauge("rpc_server_inflight_calls", "RPCs being handled", NULL);
     s->m_refused = metrics_counter("rpc_server_refused_streams_total",
                                    "streams refused because of limits", NULL);
+    s->m_blocking_refused =
+        metrics_counter("rpc_server_blocking_refused_total",
+                        "blocking calls refused because the pool and its queue were full", NULL);
     *out = s;
     return 0;
 oom:
@@ -764,22 +878,49 @@ done:
     return creds;
 }
 
-static int start_threads(pthread_t **thr, int n, void *(*fn)(void *), void **args, void *arg) {
+/* *started counts the threads running, so that a failure part-way joins exactly those. */
+static int start_threads(pthread_t **thr, int n, void *(*fn)(void *), void **args, void *arg,
+                         int *started) {
     *thr = calloc((size_t)n, sizeof **thr);
     if (*thr == NULL) return -1;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         if (pthread_create(&(*thr)[i], NULL, fn, args ? args[i] : arg) != 0) return -1;
+        *started = i + 1;
+    }
     return 0;
 }
 
-static int make_queues(rpc_server *s, grpc_completion_queue ***qs, int n) {
+static int make_queues(rpc_server *s, grpc_completion_queue ***qs, int n, int *count) {
     *qs = calloc((size_t)n, sizeof **qs);
     if (*qs == NULL) return -1;
     for (int i = 0; i < n; i++) {
         (*qs)[i] = grpc_completion_queue_create_for_next(NULL);
         grpc_server_register_completion_queue(s->srv, (*qs)[i], NULL);
     }
+    *count = n;
     return 0;
+}
+
+/* Refuses a TLS configuration that would not do what it says: a client CA without a server
+ * certificate (it would serve plaintext, without client authentication), a certificate
+ * without its key or a key without its certificate. */
+static int tls_check(const rpc_tls *tls, char *err, size_t errlen) {
+    if (tls == NULL) return 0;
+    if (tls->cert_file == NULL && tls->key_file == NULL && tls->client_ca_file)
+        snprintf(err, errlen,
+                 "TLS: a client CA is set but no server certificate and key: mTLS "
+                 "needs both (UPSQUAD_TLS_CERT_FILE, UPSQUAD_TLS_KEY_FILE)");
+    else if (tls->cert_file == NULL || tls->cert_file[0] == 0)
+        snprintf(err, errlen,
+                 "TLS: a server key is set without its certificate "
+                 "(UPSQUAD_TLS_CERT_FILE)");
+    else if (tls->key_file == NULL || tls->key_file[0] == 0)
+        snprintf(err, errlen,
+                 "TLS: a server certificate is set without its key "
+                 "(UPSQUAD_TLS_KEY_FILE)");
+    else
+        return 0;
+    return -1;
 }
 
 static void arm_all(rpc_server *s) {
@@ -819,17 +960,20 @@ int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
     grpc_channel_args ca = {4 + rpc__hardening_args(&s->o, args + 4), args};
     grpc_server_credentials *creds = NULL;
 
+    if (s->srv) {
+        snprintf(err, errlen, "server already started");
+        return RPC_EINVAL;
+    }
+    if (tls_check(s->o.tls, err, errlen) != 0) return RPC_EINVAL;
     if (rpc__health_register(s) != 0) goto oom;
     s->srv = grpc_server_create(&ca, NULL);
-    s->n_ucq = s->o.unary_threads;
-    s->n_scq = s->o.stream_threads;
     s->n_workers = s->o.stream_workers;
-    if (make_queues(s, &s->ucq, s->n_ucq) != 0) goto oom;
-    if (s->n_scq == 0) { /* stream I/O shares the unary queues: no extra pollers */
+    if (make_queues(s, &s->ucq, s->o.unary_threads, &s->n_ucq) != 0) goto oom;
+    if (s->o.stream_threads == 0) { /* stream I/O shares the unary queues: no extra pollers */
         s->scq = s->ucq;
         s->n_scq = s->n_ucq;
         s->shared_cq = 1;
-    } else if (make_queues(s, &s->scq, s->n_scq) != 0) {
+    } else if (make_queues(s, &s->scq, s->o.stream_threads, &s->n_scq) != 0) {
         goto oom;
     }
     s->shutdown_cq = grpc_completion_queue_create_for_pluck(NULL);
@@ -842,6 +986,10 @@ int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
             return RPC_EINVAL;
         }
     }
+    for (size_t i = 0; i < s->n_methods && s->bpool == NULL; i++)
+        if (s->methods[i].m.kind == RPC_UNARY && (s->methods[i].m.flags & RPC_BLOCKING) &&
+            rpc__pool_new(s->o.blocking_workers, s->o.blocking_queue, blocking_run, &s->bpool) != 0)
+            goto oom;
     creds =
         s->o.tls ? server_creds(s->o.tls, err, errlen) : grpc_insecure_server_credentials_create();
     if (creds == NULL) return RPC_EINVAL;
@@ -851,22 +999,28 @@ int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
         snprintf(err, errlen, "cannot listen on %s", s->addr);
         return RPC_EINVAL;
     }
-    grpc_server_start(s->srv);
-    s->started = 1;
     size_t nl = 1;
     for (size_t i = 0; i < s->n_methods; i++)
         nl +=
             (size_t)(s->methods[i].m.kind == RPC_UNARY ? s->n_ucq : s->n_scq) * LISTENERS_PER_QUEUE;
     s->listeners = calloc(nl, sizeof *s->listeners);
     if (s->listeners == NULL) goto oom;
-    arm_all(s);
-    if (start_threads(&s->uthr, s->n_ucq, cq_thread, (void **)s->ucq, NULL) != 0 ||
+    /* Every thread before the server starts: from here on nothing can fail, and a failure
+     * above leaves a server that rpc_server_free takes apart (the threads that did start are
+     * stopped and joined, the queues no thread polled are drained here). */
+    if (start_threads(&s->uthr, s->n_ucq, cq_thread, (void **)s->ucq, NULL, &s->n_uthr) != 0 ||
         (!s->shared_cq &&
-         start_threads(&s->sthr, s->n_scq, cq_thread, (void **)s->scq, NULL) != 0) ||
-        start_threads(&s->wthr, s->n_workers, stream_worker, NULL, s) != 0) {
-        snprintf(err, errlen, "cannot start threads");
+         start_threads(&s->sthr, s->n_scq, cq_thread, (void **)s->scq, NULL, &s->n_sthr) != 0) ||
+        start_threads(&s->wthr, s->n_workers, stream_worker, NULL, s, &s->n_wthr) != 0 ||
+        (s->bpool && rpc__pool_start(s->bpool) != 0)) {
+        snprintf(err, errlen, "cannot start threads (%d queue, %d stream, %d blocking)",
+                 s->n_ucq + (s->shared_cq ? 0 : s->n_scq), s->n_workers,
+                 s->bpool ? s->o.blocking_workers : 0);
         return RPC_ENOMEM;
     }
+    grpc_server_start(s->srv);
+    s->started = 1;
+    arm_all(s);
     for (size_t i = 0; i < s->n_methods; i++)
         rpc__health_set(s->health, s->methods[i].service, 1);
     rpc__health_set(s->health, "", 1);
@@ -933,6 +1087,44 @@ static void finish_detached(rpc_server *s) {
     }
 }
 
+/* The stream workers and the blocking pool: those that started finish what they hold. */
+static void workers_stop(rpc_server *s) {
+    pthread_mutex_lock(&s->wmu);
+    s->wstop = 1;
+    pthread_cond_broadcast(&s->wcv);
+    pthread_mutex_unlock(&s->wmu);
+    for (int i = 0; i < s->n_wthr; i++)
+        pthread_join(s->wthr[i], NULL);
+    s->n_wthr = 0;
+    rpc__pool_stop(s->bpool);
+}
+
+static void queue_drain(grpc_completion_queue *q) {
+    while (grpc_completion_queue_next(q, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+}
+
+/* A queue must be shut down and drained before it is destroyed: its thread drains it, or,
+ * when the start failed before that thread ran, this does. */
+static void queues_stop(rpc_server *s) {
+    if (s->queues_down) return;
+    for (int i = 0; i < s->n_ucq; i++)
+        grpc_completion_queue_shutdown(s->ucq[i]);
+    for (int i = 0; !s->shared_cq && i < s->n_scq; i++)
+        grpc_completion_queue_shutdown(s->scq[i]);
+    for (int i = 0; i < s->n_uthr; i++)
+        pthread_join(s->uthr[i], NULL);
+    for (int i = 0; i < s->n_sthr; i++)
+        pthread_join(s->sthr[i], NULL);
+    for (int i = s->n_uthr; i < s->n_ucq; i++)
+        queue_drain(s->ucq[i]);
+    for (int i = s->n_sthr; !s->shared_cq && i < s->n_scq; i++)
+        queue_drain(s->scq[i]);
+    s->n_uthr = s->n_sthr = 0;
+    s->queues_down = 1;
+}
+
 void rpc_server_shutdown(rpc_server *s, int grace_ms) {
     if (!s->started || atomic_exchange(&s->stopping, 1)) return;
     log_info("rpc.shutdown", "draining (grace %d ms)", grace_ms);
@@ -948,48 +1140,31 @@ void rpc_server_shutdown(rpc_server *s, int grace_ms) {
         grpc_completion_queue_pluck(s->shutdown_cq, &s->t_shutdown,
                                     gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
     }
-    pthread_mutex_lock(&s->wmu);
-    s->wstop = 1;
-    pthread_cond_broadcast(&s->wcv);
-    pthread_mutex_unlock(&s->wmu);
-    for (int i = 0; i < s->n_workers; i++)
-        pthread_join(s->wthr[i], NULL);
+    workers_stop(s); /* before the server goes: queued calls still reply */
     grpc_server_destroy(s->srv);
     s->srv = NULL;
-    for (int i = 0; i < s->n_ucq; i++)
-        grpc_completion_queue_shutdown(s->ucq[i]);
-    for (int i = 0; !s->shared_cq && i < s->n_scq; i++)
-        grpc_completion_queue_shutdown(s->scq[i]);
-    for (int i = 0; i < s->n_ucq; i++)
-        pthread_join(s->uthr[i], NULL);
-    for (int i = 0; !s->shared_cq && i < s->n_scq; i++)
-        pthread_join(s->sthr[i], NULL);
+    queues_stop(s);
     log_info("rpc.shutdown", "stopped");
-}
-
-/* A queue must be shut down and drained before it is destroyed; rpc_server_shutdown did both
- * for a server that ran. */
-static void queue_free(grpc_completion_queue *q, int drained) {
-    if (!drained) {
-        grpc_completion_queue_shutdown(q);
-        while (grpc_completion_queue_next(q, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
-               GRPC_QUEUE_SHUTDOWN) {
-        }
-    }
-    grpc_completion_queue_destroy(q);
 }
 
 void rpc_server_free(rpc_server *s) {
     if (s == NULL) return;
     if (s->started) rpc_server_shutdown(s, 0);
-    if (s->srv) { /* never started: the server goes before its queues */
+    workers_stop(s);       /* a start that failed part-way may have started some */
+    if (s->srv) {          /* never started: the server goes before its queues */
+        if (s->port > 0) { /* the core refuses to destroy a bound server not shut down */
+            grpc_server_shutdown_and_notify(s->srv, s->shutdown_cq, &s->t_shutdown);
+            grpc_completion_queue_pluck(s->shutdown_cq, &s->t_shutdown,
+                                        gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+        }
         grpc_server_destroy(s->srv);
         s->srv = NULL;
     }
+    queues_stop(s);
     for (int i = 0; i < s->n_ucq; i++)
-        queue_free(s->ucq[i], s->started);
+        grpc_completion_queue_destroy(s->ucq[i]);
     for (int i = 0; !s->shared_cq && i < s->n_scq; i++)
-        queue_free(s->scq[i], s->started);
+        grpc_completion_queue_destroy(s->scq[i]);
     if (s->shutdown_cq) {
         grpc_completion_queue_shutdown(s->shutdown_cq);
         grpc_completion_queue_destroy(s->shutdown_cq);
@@ -997,6 +1172,7 @@ void rpc_server_free(rpc_server *s) {
     for (size_t i = 0; i < s->n_methods; i++)
         free(s->methods[i].service);
     rpc__health_free(s->health);
+    rpc__pool_free(s->bpool);
     free(s->methods);
     free(s->listeners);
     free(s->ucq);

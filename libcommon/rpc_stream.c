@@ -3,8 +3,11 @@
  * non-blocking producer on any thread (a detached stream). The next send starts on the
  * completion of the previous one, on the stream's completion-queue thread.
  *
- * Locking: c->mu guards the queue and the flags below it in struct rpc_call. Callbacks
- * (on_close) run without it. */
+ * Locking: c->mu guards the queue and the flags below it in struct rpc_call, and, for a
+ * stream, the outgoing status (c->code, c->message: the handler's rpc_error, a producer's
+ * rpc_stream_finish and the close completion meet there). Callbacks (on_close) run without
+ * it. Nothing here allocates from the call's arena, which belongs to the handler's thread:
+ * a final message from rpc_stream_finish is a heap copy. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -53,6 +56,7 @@ void rpc__stream_destroy(rpc_call *c) {
     }
     if (c->inflight) grpc_byte_buffer_destroy(c->inflight);
     free(c->q);
+    free(c->final_msg);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
 }
@@ -95,6 +99,9 @@ static void pump_locked(rpc_call *c) {
     grpc_call_error e = grpc_call_start_batch(c->call, ops, n, tag, NULL);
     if (e != GRPC_CALL_OK) {
         log_error("rpc.stream", "stream batch refused: %d", (int)e);
+        /* no STREAM_END will come, and the close completion leaves a call whose status batch
+         * was started to it: count the call here, once */
+        if (tag == &c->t_end) rpc__account(c);
         c->send_inflight = 0;
         c->closed = 1;
         drop_queue_locked(c);
@@ -128,8 +135,8 @@ void rpc__stream_on_end(rpc_call *c) {
     c->send_inflight = 0;
     c->closed = 1;
     pthread_cond_broadcast(&c->cv);
+    rpc__account(c); /* reads the status: under the lock that guards it */
     pthread_mutex_unlock(&c->mu);
-    rpc__account(c);
     rpc_call_unref(c);
 }
 
@@ -139,6 +146,11 @@ void rpc__stream_on_close(rpc_call *c) {
     int detached, account;
     pthread_mutex_lock(&c->mu);
     account = !c->end_started; /* ended without our status: cancelled, deadline, gone */
+    if (account) {             /* under the lock: the handler may be setting the status */
+        c->end_started = 1;    /* and no status batch will start now */
+        if (c->code == RPC_OK) c->code = RPC_CANCELLED;
+        rpc__account(c);
+    }
     c->closed = 1;
     drop_queue_locked(c);
     pthread_cond_broadcast(&c->cv);
@@ -147,10 +159,7 @@ void rpc__stream_on_close(rpc_call *c) {
     c->on_close = NULL;
     detached = c->detached;
     pthread_mutex_unlock(&c->mu);
-    if (account) {
-        if (c->code == RPC_OK) c->code = RPC_CANCELLED;
-        rpc__account(c);
-    }
+    (void)account;
     if (detached) rpc__server_detached_remove(c->srv, c);
     if (cb) cb(c, ud);
 }
@@ -206,8 +215,13 @@ int rpc_stream_finish(rpc_call *c, int code, const char *message) {
     pthread_mutex_lock(&c->mu);
     if (!c->finishing && !c->closed) {
         c->finishing = 1;
-        c->code = code;
-        if (message) c->message = rpc_strdup(c, message);
+        /* a status set with rpc_error() is final (rpc.h): OK does not overwrite it */
+        if (code != RPC_OK || c->code == RPC_OK) c->code = code;
+        if (message && code != RPC_OK) { /* heap, not the arena: any thread may finish */
+            free(c->final_msg);
+            c->final_msg = strdup(message);
+            c->message = c->final_msg;
+        }
         pump_locked(c);
         pthread_cond_broadcast(&c->cv);
     }

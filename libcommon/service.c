@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "auth.h"
+#include "bus.h"
 #include "log.h"
 #include "metrics.h"
 #include "rpc_internal.h"
@@ -20,6 +21,7 @@ static struct {
     /* hardening (docs/rpc.md) */
     long long max_decoded, conn_idle_ms, keepalive_ms, keepalive_timeout_ms, handshake_ms;
     long long max_health_watches, metrics_conns, metrics_per_ip, metrics_idle_ms;
+    long long blocking_workers, blocking_queue, bus_delivery_threads;
 } C;
 
 static const cfg_var common_vars[] = {
@@ -59,6 +61,18 @@ static const cfg_var common_vars[] = {
      "frames queued per stream; a producer pushing into a full queue is told the subscriber "
      "is slow",
      &C.stream_queue, 1, 65536},
+    {"UPSQUAD_RPC_BLOCKING_WORKERS", CFG_INT, "8",
+     "threads running the handlers of methods that block (Postgres, other services), so they "
+     "never delay health checks or non-blocking calls; started only when a method blocks",
+     &C.blocking_workers, 1, 1024},
+    {"UPSQUAD_RPC_BLOCKING_QUEUE", CFG_INT, "64",
+     "blocking calls waiting for a free handler thread; more are refused with "
+     "RESOURCE_EXHAUSTED (metric rpc_server_blocking_refused_total)",
+     &C.blocking_queue, 1, 1000000},
+    {"UPSQUAD_BUS_DELIVERY_THREADS", CFG_INT, "2",
+     "threads delivering NATS messages to every subscription of the process (each "
+     "subscription keeps its order on one of them); 0: a thread per subscription",
+     &C.bus_delivery_threads, 0, 1024},
     {"UPSQUAD_SHUTDOWN_GRACE", CFG_MS, "10s",
      "on SIGTERM, how long in-flight calls may finish before they are cancelled", &C.grace_ms, 0,
      3600000},
@@ -153,6 +167,7 @@ int svc_main(const svc_def *def, int argc, char **argv) {
     }
     log_init(def->name, lvl);
     cfg_log(common_vars, sizeof common_vars / sizeof common_vars[0]);
+    bus_set_delivery_threads((int)C.bus_delivery_threads);
     if (def->n_vars) cfg_log(def->vars, def->n_vars);
     if (migrate_only) {
         if (def->migrate == NULL) {
@@ -174,7 +189,10 @@ int svc_main(const svc_def *def, int argc, char **argv) {
         .stream_workers = (int)C.stream_workers,
         .max_streams = (int)C.max_streams,
         .stream_queue = (int)C.stream_queue,
-        .tls = C.tls_cert ? &tls : NULL,
+        .blocking_workers = (int)C.blocking_workers,
+        .blocking_queue = (int)C.blocking_queue,
+        /* any of the three set: rpc_server_start refuses an incomplete set */
+        .tls = (C.tls_cert || C.tls_key || C.tls_ca) ? &tls : NULL,
         .auth = verifier,
         .max_decoded_bytes = (size_t)C.max_decoded,
         .max_connection_idle_ms = (int)C.conn_idle_ms,

@@ -268,7 +268,10 @@ static void on_change(bus *b, natsMsg *msg, void *ud) {
     metric_inc(r->m_bus_events);
     cJSON *o = cJSON_ParseWithLength(natsMsg_GetData(msg), (size_t)natsMsg_GetDataLength(msg));
     const cJSON *id = o ? cJSON_GetObjectItemCaseSensitive(o, "load_id") : NULL;
-    long long load_id = cJSON_IsNumber(id) ? (long long)id->valuedouble : -1;
+    /* a double outside long long's range (or NaN) cannot be cast: UB; such an id is no id */
+    long long load_id = -1;
+    if (cJSON_IsNumber(id) && id->valuedouble >= 0 && id->valuedouble < 9223372036854775807.0)
+        load_id = (long long)id->valuedouble;
     cJSON_Delete(o);
     pthread_mutex_lock(&r->mu);
     int known = load_id >= 0 && load_id <= r->last_load_id;
