@@ -158,6 +158,10 @@ const rpc_server_opts *rpc__server_opts(const struct rpc_server *s);
 #define RPC__HARDENING_ARGS 6
 void rpc__opts_hardening_defaults(rpc_server_opts *o);
 size_t rpc__hardening_args(const rpc_server_opts *o, grpc_arg *args);
+/* Every thread the server starts goes through this (pthread_create; tests replace it to make
+ * a start fail part-way, deterministically). */
+extern int (*rpc__thread_create)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
+
 /* rpc_pool.c: the bounded pool running RPC_BLOCKING unary handlers */
 typedef struct rpc__pool rpc__pool;
 int rpc__pool_new(int threads, int cap, void (*run)(rpc_call *c), rpc__pool **out);

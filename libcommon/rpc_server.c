@@ -72,6 +72,7 @@ struct rpc_server {
     rpc__health *health;
     int port;
     int started;
+    int core_abandoned; /* a bound server whose start failed: core objects left to exit */
     atomic_int stopping;
     metric *m_inflight, *m_refused;
     rpc__pool *bpool; /* RPC_BLOCKING handlers; NULL when no method blocks */
@@ -878,13 +879,16 @@ done:
     return creds;
 }
 
+int (*rpc__thread_create)(pthread_t *, const pthread_attr_t *, void *(*)(void *),
+                          void *) = pthread_create;
+
 /* *started counts the threads running, so that a failure part-way joins exactly those. */
 static int start_threads(pthread_t **thr, int n, void *(*fn)(void *), void **args, void *arg,
                          int *started) {
     *thr = calloc((size_t)n, sizeof **thr);
     if (*thr == NULL) return -1;
     for (int i = 0; i < n; i++) {
-        if (pthread_create(&(*thr)[i], NULL, fn, args ? args[i] : arg) != 0) return -1;
+        if (rpc__thread_create(&(*thr)[i], NULL, fn, args ? args[i] : arg) != 0) return -1;
         *started = i + 1;
     }
     return 0;
@@ -1147,19 +1151,8 @@ void rpc_server_shutdown(rpc_server *s, int grace_ms) {
     log_info("rpc.shutdown", "stopped");
 }
 
-void rpc_server_free(rpc_server *s) {
-    if (s == NULL) return;
-    if (s->started) rpc_server_shutdown(s, 0);
-    workers_stop(s);       /* a start that failed part-way may have started some */
-    if (s->srv) {          /* never started: the server goes before its queues */
-        if (s->port > 0) { /* the core refuses to destroy a bound server not shut down */
-            grpc_server_shutdown_and_notify(s->srv, s->shutdown_cq, &s->t_shutdown);
-            grpc_completion_queue_pluck(s->shutdown_cq, &s->t_shutdown,
-                                        gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
-        }
-        grpc_server_destroy(s->srv);
-        s->srv = NULL;
-    }
+/* The queues, after the server: every queue stopped and destroyed. */
+static void core_free(rpc_server *s) {
     queues_stop(s);
     for (int i = 0; i < s->n_ucq; i++)
         grpc_completion_queue_destroy(s->ucq[i]);
@@ -1169,7 +1162,31 @@ void rpc_server_free(rpc_server *s) {
         grpc_completion_queue_shutdown(s->shutdown_cq);
         grpc_completion_queue_destroy(s->shutdown_cq);
     }
+}
+
+void rpc_server_free(rpc_server *s) {
+    if (s == NULL) return;
+    if (s->started) rpc_server_shutdown(s, 0);
+    workers_stop(s); /* a start that failed part-way may have started some */
+    if (s->srv && s->port > 0 && !s->started) {
+        /* A bound server whose start failed: the process is about to exit (svc_main), and the
+         * C core (1.51) can block forever in grpc_server_destroy of a bound server that never
+         * started (its event engine waits for a thread count that does not drop). Stop our
+         * threads and leave the core's objects to the exit. */
+        queues_stop(s);
+        s->core_abandoned = 1;
+    } else if (s->srv) { /* never started: the server goes before its queues */
+        if (s->port > 0) { /* the core refuses to destroy a bound server not shut down */
+            grpc_server_shutdown_and_notify(s->srv, s->shutdown_cq, &s->t_shutdown);
+            grpc_completion_queue_pluck(s->shutdown_cq, &s->t_shutdown,
+                                        gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+        }
+        grpc_server_destroy(s->srv);
+        s->srv = NULL;
+    }
+    if (!s->core_abandoned) core_free(s);
     for (size_t i = 0; i < s->n_methods; i++)
+
         free(s->methods[i].service);
     rpc__health_free(s->health);
     rpc__pool_free(s->bpool);
@@ -1185,8 +1202,9 @@ void rpc_server_free(rpc_server *s) {
     pthread_mutex_destroy(&s->wmu);
     pthread_cond_destroy(&s->wcv);
     pthread_mutex_destroy(&s->dmu);
+    int abandoned = s->core_abandoned;
     free(s);
-    grpc_shutdown();
+    if (!abandoned) grpc_shutdown();
 }
 
 void rpc_block_signals(void) {
