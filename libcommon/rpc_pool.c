@@ -72,8 +72,7 @@ int rpc__pool_new(int threads, int cap, void (*run)(rpc_call *c), rpc__pool **ou
 
 int rpc__pool_start(rpc__pool *p) {
     for (; p->started < p->n_threads; p->started++)
-        if (rpc__thread_create(&p->thr[p->started], NULL, pool_worker, p) != 0)
-            return RPC_ENOMEM;
+        if (rpc__thread_create(&p->thr[p->started], NULL, pool_worker, p) != 0) return RPC_ENOMEM;
     return RPC_OK;
 }
 

@@ -1175,7 +1175,7 @@ void rpc_server_free(rpc_server *s) {
          * threads and leave the core's objects to the exit. */
         queues_stop(s);
         s->core_abandoned = 1;
-    } else if (s->srv) { /* never started: the server goes before its queues */
+    } else if (s->srv) {   /* never started: the server goes before its queues */
         if (s->port > 0) { /* the core refuses to destroy a bound server not shut down */
             grpc_server_shutdown_and_notify(s->srv, s->shutdown_cq, &s->t_shutdown);
             grpc_completion_queue_pluck(s->shutdown_cq, &s->t_shutdown,
