@@ -378,27 +378,52 @@ static void test_sleep_delays_and_does_not_block_others(void **state) {
     int64_t t0 = now_ms();
     pthread_create(&th, NULL, bg_invoke, &c);
     usleep(200 * 1000);
-    /* the same key while it runs: in progress, retryable, nothing runs */
-    resp_t *r = invoke("github", "get_issue", key, c.args);
-    assert_false(r->ok);
-    assert_string_equal(r->error_code, "in_progress");
-    assert_true(r->retryable);
-    resp_free(r);
     /* another key of the same tool answers at once */
     new_key(other, sizeof other);
     int64_t t1 = now_ms();
-    r = invoke("github", "get_issue", other, "{\"repo\":\"a/b\",\"number\":2}");
+    resp_t *r = invoke("github", "get_issue", other, "{\"repo\":\"a/b\",\"number\":2}");
     assert_true(r->ok);
     assert_true(now_ms() - t1 < 500);
+    resp_free(r);
+    /* the same key while it runs: waits for that try and gets its outcome; nothing runs twice */
+    r = invoke("github", "get_issue", key, c.args);
+    assert_true(r->ok);
+    assert_true(r->replayed);
+    assert_true(now_ms() - t0 >= 800);
     resp_free(r);
     pthread_join(th, NULL);
     assert_int_equal(c.rc, 0);
     assert_true(c.r->ok);
-    assert_true(now_ms() - t0 >= 800);
+    assert_false(c.r->replayed);
     resp_free(c.r);
     int tries, execs, replays;
     key_counts(key, &tries, &execs, &replays);
+    assert_int_equal(tries, 1);
     assert_int_equal(execs, 1);
+    assert_int_equal(replays, 1);
+}
+
+/* A duplicate whose own deadline comes first is told "in_progress" (retryable) in time. */
+static void test_duplicate_of_running_key_in_progress(void **state) {
+    (void)state;
+    char key[96];
+    new_key(key, sizeof key);
+    bg_call c = {
+        .key = key, .args = "{\"repo\":\"a/b\",\"number\":1,\"__sleep_ms\":1500}", .wait = 5000};
+    pthread_t th;
+    pthread_create(&th, NULL, bg_invoke, &c);
+    usleep(200 * 1000);
+    resp_t *r = NULL;
+    int64_t t0 = now_ms();
+    assert_int_equal(invoke_full("github", "get_issue", key, c.args, 400, 1000, &r), 0);
+    assert_true(now_ms() - t0 < 400); /* answered within 80 % of its timeout_ms */
+    assert_false(r->ok);
+    assert_string_equal(r->error_code, "in_progress");
+    assert_true(r->retryable);
+    resp_free(r);
+    pthread_join(th, NULL);
+    assert_true(c.r->ok);
+    resp_free(c.r);
 }
 
 static void test_sleep_beyond_timeout_gives_up(void **state) {
@@ -421,6 +446,20 @@ static void test_sleep_beyond_timeout_gives_up(void **state) {
     int tries, execs, replays;
     key_counts(key, &tries, &execs, &replays);
     assert_int_equal(tries, 2);
+    assert_int_equal(execs, 1);
+
+    /* as the engine retries: it stops waiting at timeout_ms and asks again at once, possibly
+     * before devtools gave up; that retry waits for the first try to end, then runs */
+    new_key(key, sizeof key);
+    int rc = invoke_full("github", "get_issue", key, args, 300, 300, &r);
+    if (rc == 0)
+        resp_free(r);
+    else
+        assert_int_equal(rc, BUS_ETIMEOUT);
+    assert_int_equal(invoke_full("github", "get_issue", key, args, 300, 1000, &r), 0);
+    assert_true(r->ok);
+    resp_free(r);
+    key_counts(key, &tries, &execs, &replays);
     assert_int_equal(execs, 1);
 }
 
@@ -604,6 +643,7 @@ int main(void) {
         cmocka_unit_test(test_cue_inside_string_argument),
         cmocka_unit_test(test_result_override),
         cmocka_unit_test(test_sleep_delays_and_does_not_block_others),
+        cmocka_unit_test(test_duplicate_of_running_key_in_progress),
         cmocka_unit_test(test_sleep_beyond_timeout_gives_up),
         cmocka_unit_test(test_late_reply_then_retry_replays),
         cmocka_unit_test(test_bad_requests),

@@ -7,7 +7,9 @@
  *
  * Idempotency: one record per idempotency key in a bounded LRU. A key runs at most once: a
  * request for a key whose result is recorded gets that result back (replayed = true) and
- * nothing runs; a request for a key still running gets the retryable error "in_progress".
+ * nothing runs; a request for a key still running waits for that try to end (up to 80 % of its
+ * own timeout_ms, 5 s without one) and then gets its outcome, or the retryable error
+ * "in_progress" when it is still running by then.
  * Retryable failures (__fail_times, timeouts, overload) are not recorded: the next try of the
  * key runs. Invocations without a delay cue run on the subscription's own thread; delayed
  * ones go to a bounded queue served by worker threads, so a sleeping invocation never holds
@@ -50,6 +52,7 @@ typedef struct dt_job {
     char *reply; /* owned: the requester's inbox */
     uint32_t try_no;
     int64_t t0_ms;
+    int waiting; /* a duplicate of a running key, waiting for that try to end */
 } dt_job;
 
 typedef struct dt_subctx {
@@ -70,6 +73,7 @@ struct dt_provider {
     dt_opts o;
     pthread_mutex_t mu; /* rec, st, queue, stopping */
     pthread_cond_t qcv, stop_cv;
+    pthread_cond_t key_cv; /* a try ended (recorded or not): waiting duplicates look again */
     lru *rec;
     dt_counters st;
     dt_subctx *subs;
@@ -167,7 +171,9 @@ static void reply_replay(dt_provider *p, const char *reply, const uint8_t *resp,
 
 /* ---- admission: decode, check, de-duplicate ---- */
 
-enum { ADMIT_RUN, ADMIT_DONE };
+enum { ADMIT_RUN, ADMIT_DONE, ADMIT_WAIT };
+
+#define DT_WAIT_DEFAULT_MS 5000 /* how long a duplicate without timeout_ms waits */
 
 static int check_args(const dt_action *a, const cJSON *args, char *err, size_t errlen) {
     for (const cJSON *e = args ? args->child : NULL; e; e = e->next) {
@@ -242,9 +248,10 @@ static dt_rec *rec_new(const dt_req *q) {
     return r;
 }
 
-/* The idempotency decision, under the lock: replay a recorded outcome, refuse while the key
- * runs, or mark it running and let this try run. Returns ADMIT_RUN or ADMIT_DONE (answered). */
-static int admit(dt_provider *p, dt_job *j) {
+/* The idempotency decision, under the lock: replay a recorded outcome, wait (may_wait) or
+ * refuse while the key runs, or mark it running and let this try run. Returns ADMIT_RUN,
+ * ADMIT_WAIT, or ADMIT_DONE (answered). */
+static int admit(dt_provider *p, dt_job *j, int may_wait) {
     const char *key = j->req->idempotency_key;
     uint8_t *copy = NULL;
     size_t copy_len = 0;
@@ -264,6 +271,9 @@ static int admit(dt_provider *p, dt_job *j) {
         if (copy) memcpy(copy, r->resp, r->resp_len);
         copy_len = r->resp_len;
         oom = !copy;
+    } else if (r->running && may_wait) {
+        pthread_mutex_unlock(&p->mu);
+        return ADMIT_WAIT;
     } else if (r->running) {
         r->in_progress++;
         p->st.in_progress++;
@@ -295,6 +305,7 @@ static void finish_unrecorded(dt_provider *p, const char *key, uint64_t *counter
     dt_rec *r = lru_get(p->rec, key);
     if (r) r->running = 0;
     (*counter)++;
+    pthread_cond_broadcast(&p->key_cv);
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -320,6 +331,7 @@ static void record(dt_provider *p, const char *key, uint8_t *resp, size_t len, i
         p->st.executions++;
     else
         p->st.permanent_failures++;
+    pthread_cond_broadcast(&p->key_cv);
     pthread_mutex_unlock(&p->mu);
     free(resp);
 }
@@ -414,6 +426,33 @@ static void execute(dt_provider *p, dt_job *j) {
 
 /* ---- delayed jobs: a bounded queue and its workers ---- */
 
+/* A duplicate of a running key waits until that try ends, within what its caller still waits
+ * for, then is admitted again (replay, run, or "in_progress" when still running). */
+static int await_key(dt_provider *p, dt_job *j) {
+    int32_t to = j->req->timeout_ms;
+    int64_t wait_ms = to > 0 ? (int64_t)to * 8 / 10 : DT_WAIT_DEFAULT_MS;
+    int64_t left = j->t0_ms + wait_ms - now_ms();
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    if (left > 0) {
+        dl.tv_sec += left / 1000;
+        dl.tv_nsec += (left % 1000) * 1000000L;
+        if (dl.tv_nsec >= 1000000000L) {
+            dl.tv_sec++;
+            dl.tv_nsec -= 1000000000L;
+        }
+    }
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        const dt_rec *r = lru_get(p->rec, j->req->idempotency_key);
+        if (!r || !r->running || p->stopping || left <= 0) break;
+        if (pthread_cond_timedwait(&p->key_cv, &p->mu, &dl) == ETIMEDOUT) break;
+    }
+    pthread_mutex_unlock(&p->mu);
+    j->waiting = 0;
+    return admit(p, j, 0);
+}
+
 /* Takes ownership of j. Full queue: the try is refused, retryable, and nothing is recorded. */
 static void enqueue(dt_provider *p, dt_job *j) {
     pthread_mutex_lock(&p->mu);
@@ -425,7 +464,13 @@ static void enqueue(dt_provider *p, dt_job *j) {
     }
     pthread_mutex_unlock(&p->mu);
     if (!full) return;
-    finish_unrecorded(p, j->req->idempotency_key, &p->st.overloaded);
+    if (j->waiting) { /* the key is another try's: leave its record alone */
+        pthread_mutex_lock(&p->mu);
+        p->st.overloaded++;
+        pthread_mutex_unlock(&p->mu);
+    } else {
+        finish_unrecorded(p, j->req->idempotency_key, &p->st.overloaded);
+    }
     reply_error(p, j->reply, "overloaded", "devtools' delayed-invocation queue is full", 1,
                 j->t0_ms);
     job_free(j);
@@ -445,7 +490,7 @@ static void *worker_main(void *arg) {
         p->qhead = (p->qhead + 1) % (size_t)p->o.queue;
         p->qlen--;
         pthread_mutex_unlock(&p->mu);
-        execute(p, j);
+        if (!j->waiting || await_key(p, j) == ADMIT_RUN) execute(p, j);
         job_free(j);
     }
 }
@@ -467,7 +512,13 @@ static void on_invoke(bus *b, natsMsg *m, void *ud) {
         return;
     }
     j->t0_ms = now_ms();
-    if (decode(p, sc->t, m, j) != 0 || admit(p, j) != ADMIT_RUN) {
+    int a = decode(p, sc->t, m, j) != 0 ? ADMIT_DONE : admit(p, j, 1);
+    if (a == ADMIT_WAIT) {
+        j->waiting = 1; /* waits on a worker, never on this subscription's thread */
+        enqueue(p, j);
+        return;
+    }
+    if (a != ADMIT_RUN) {
         job_free(j);
         return;
     }
@@ -646,6 +697,7 @@ int dt_provider_start(bus *b, const dt_catalog *c, const dt_opts *o, dt_provider
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->qcv, NULL);
     pthread_cond_init(&p->stop_cv, NULL);
+    pthread_cond_init(&p->key_cv, NULL);
     lru_opts lo = {.max_entries = (size_t)o->dedup_keys,
                    .max_bytes = (size_t)o->dedup_bytes,
                    .free_val = rec_free,
@@ -678,6 +730,7 @@ void dt_provider_stop(dt_provider *p) {
     p->stopping = 1;
     pthread_cond_broadcast(&p->qcv);
     pthread_cond_broadcast(&p->stop_cv);
+    pthread_cond_broadcast(&p->key_cv);
     pthread_mutex_unlock(&p->mu);
     for (size_t i = 0; i < p->n_workers; i++)
         pthread_join(p->workers[i], NULL);
@@ -689,6 +742,7 @@ void dt_provider_stop(dt_provider *p) {
     free(p->announce);
     pthread_cond_destroy(&p->qcv);
     pthread_cond_destroy(&p->stop_cv);
+    pthread_cond_destroy(&p->key_cv);
     pthread_mutex_destroy(&p->mu);
     free(p);
 }
