@@ -75,6 +75,7 @@ struct dt_provider {
     pthread_cond_t qcv, stop_cv;
     pthread_cond_t key_cv; /* a try ended (recorded or not): waiting duplicates look again */
     lru *rec;
+    lru *laps; /* executions per step (run, step, iteration, tool, action): polls' laps */
     dt_counters st;
     dt_subctx *subs;
     size_t n_subs;
@@ -336,8 +337,37 @@ static void record(dt_provider *p, const char *key, uint8_t *resp, size_t len, i
     free(resp);
 }
 
-/* The fixture rendered with the arguments, __result merged over it. NULL on OOM. */
-static Google__Protobuf__Struct *render_result(const dt_job *j, char *err, size_t errlen) {
+/* This execution's lap of its step: poll waits call the same action once per interval, each
+ * lap with its own key. Forgetting a step (LRU) restarts its count. */
+static int next_lap(dt_provider *p, const dt_req *q) {
+    char id[512];
+    snprintf(id, sizeof id, "%s\x1f%s\x1f%d\x1f%s\x1f%s", q->run_id, q->step_name, q->iteration,
+             q->tool, q->action);
+    pthread_mutex_lock(&p->mu);
+    int *n = lru_get(p->laps, id);
+    if (!n && (n = calloc(1, sizeof *n)) && lru_insert(p->laps, id, n, sizeof *n) != 0) n = NULL;
+    int lap = n ? ++*n : 1;
+    pthread_mutex_unlock(&p->mu);
+    return lap;
+}
+
+/* Members of src (copied) replace or join those of out. -1 on OOM (out is then freed). */
+static int merge_into(cJSON **out, const cJSON *src) {
+    for (const cJSON *e = src ? src->child : NULL; *out && e; e = e->next) {
+        cJSON *v = cJSON_Duplicate(e, 1);
+        if (v && cJSON_ReplaceItemInObjectCaseSensitive(*out, e->string, v)) continue;
+        if (v && cJSON_AddItemToObject(*out, e->string, v)) continue;
+        cJSON_Delete(v);
+        cJSON_Delete(*out);
+        *out = NULL;
+    }
+    return *out ? 0 : -1;
+}
+
+/* The fixture rendered with the arguments, __result merged over it, and on a pending lap
+ * (__pending) the fixture's "pending" object (default {"status": "pending"}). NULL on OOM. */
+static Google__Protobuf__Struct *render_result(dt_provider *p, const dt_job *j, char *err,
+                                               size_t errlen) {
     const dt_req *q = j->req;
     dt_ctx x = {.key = q->idempotency_key,
                 .org_id = q->org_id,
@@ -345,16 +375,18 @@ static Google__Protobuf__Struct *render_result(const dt_job *j, char *err, size_
                 .step_name = q->step_name,
                 .tool = q->tool,
                 .action = q->action,
-                .iteration = q->iteration};
+                .iteration = q->iteration,
+                .lap = next_lap(p, q)};
     cJSON *out = dt_render(j->act->result, j->args, &x);
-    for (const cJSON *e = j->cues.result ? j->cues.result->child : NULL; out && e; e = e->next) {
-        cJSON *v = cJSON_Duplicate(e, 1);
-        if (!v || !cJSON_ReplaceItemInObjectCaseSensitive(out, e->string, v)) {
-            if (v && cJSON_AddItemToObject(out, e->string, v)) continue;
-            cJSON_Delete(v);
+    merge_into(&out, j->cues.result);
+    if (out && x.lap <= j->cues.pending) {
+        cJSON *pend = j->act->pending ? dt_render(j->act->pending, j->args, &x)
+                                      : cJSON_Parse("{\"status\":\"pending\"}");
+        if (!pend || merge_into(&out, pend) != 0) {
             cJSON_Delete(out);
             out = NULL;
         }
+        cJSON_Delete(pend);
     }
     Google__Protobuf__Struct *s = NULL;
     if (out && pbjson_struct_from_json(out, &s, err, errlen) != 0) s = NULL;
@@ -395,7 +427,7 @@ static void execute(dt_provider *p, dt_job *j) {
     if (c->fail) {
         r.error_code = (char *)c->fail_code;
         r.error_message = "failed on cue __fail";
-    } else if ((result = render_result(j, err, sizeof err))) {
+    } else if ((result = render_result(p, j, err, sizeof err))) {
         r.ok = 1;
         r.result = result;
     } else {
@@ -704,7 +736,9 @@ int dt_provider_start(bus *b, const dt_catalog *c, const dt_opts *o, dt_provider
                    .pinned = rec_pinned};
     p->q = calloc((size_t)o->queue, sizeof *p->q);
     p->workers = calloc((size_t)o->workers, sizeof *p->workers);
-    if (!p->q || !p->workers || lru_create(&lo, &p->rec) != 0 || build_announce(p) != 0) {
+    lru_opts laps = {.max_entries = (size_t)o->dedup_keys, .free_val = free};
+    if (!p->q || !p->workers || lru_create(&lo, &p->rec) != 0 || lru_create(&laps, &p->laps) != 0 ||
+        build_announce(p) != 0) {
         dt_provider_stop(p);
         return util_errf(err, errlen, -1, "out of memory");
     }
@@ -736,6 +770,7 @@ void dt_provider_stop(dt_provider *p) {
         pthread_join(p->workers[i], NULL);
     if (p->announcer_started) pthread_join(p->announcer, NULL);
     lru_destroy(p->rec);
+    lru_destroy(p->laps);
     free(p->subs);
     free(p->q);
     free(p->workers);
