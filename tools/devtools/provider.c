@@ -450,6 +450,11 @@ static void execute(dt_provider *p, dt_job *j) {
     uint8_t *copy = malloc(n ? n : 1);
     if (copy) memcpy(copy, buf, n);
     record(p, key, buf, n, !c->fail);
+    log_set_trace(j->req->trace_id[0] ? j->req->trace_id : NULL);
+    log_debug("devtools.executed", "run=%s step=%s %s.%s key=%s try=%u: %s", j->req->run_id,
+              j->req->step_name, j->req->tool, j->req->action, key, j->try_no,
+              c->fail ? c->fail_code : "ok");
+    log_set_trace(NULL);
     if (c->reply_delay_ms > 0) nap(p, c->reply_delay_ms);
     if (copy && bus_publish(p->b, j->reply, copy, (int)n) != BUS_OK)
         log_warn("devtools.reply", "reply for key %s not sent", key);
