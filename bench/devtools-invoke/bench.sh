@@ -9,7 +9,8 @@
 #
 # Environment (optional): BUILD (default build), DEVTOOLS_BENCH_SECONDS per run (default 2),
 # DEVTOOLS_BENCH_ROUNDS (default 3), DEVTOOLS_BENCH_CONCURRENCY outstanding requests (default 8).
-# Output: stdout and build/bench/devtools.md. Bench folder named devtools-invoke, not devtools:
+# Each server's CPU time per answered call is read from /proc over each run: on a shared machine
+# it is steadier than throughput. Output: stdout and build/bench/devtools.md. Bench folder named devtools-invoke, not devtools:
 # bench/<name>/*.c builds build/bin/<name>, which would collide with tools/devtools.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -48,12 +49,26 @@ start() {
     exit 1
 }
 start bare "$BIN/devtools-invoke" bare
+BARE_PID=${PIDS[-1]}
 UPSQUAD_LOG_LEVEL=warn start devtools "$BIN/devtools"
+DT_PID=${PIDS[-1]}
+
+# CPU time (user + system, clock ticks) a server has used so far
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# run PID TOOL: one load run; its JSON with the server's CPU microseconds per answered call added
+run() {
+    local pid=$1 tool=$2 c0 c1 out
+    c0=$(cpu_ticks "$pid")
+    out=$("$BIN/devtools-invoke" load "$tool" get_issue "$SECONDS_PER_RUN" "$CONC")
+    c1=$(cpu_ticks "$pid")
+    /usr/bin/python3 -c 'import json,os,sys; r=json.loads(sys.argv[1]); t=(int(sys.argv[3])-int(sys.argv[2]))*1e6/os.sysconf("SC_CLK_TCK"); r["cpu_us"]=t/max(1,r["rps"]*float(sys.argv[4])); print(json.dumps(r))' \
+        "$out" "$c0" "$c1" "$SECONDS_PER_RUN"
+}
 
 declare -a BARE DT
 for ((r = 0; r < ROUNDS; r++)); do
-    BARE+=("$("$BIN/devtools-invoke" load bench get_issue "$SECONDS_PER_RUN" "$CONC")")
-    DT+=("$("$BIN/devtools-invoke" load github get_issue "$SECONDS_PER_RUN" "$CONC")")
+    BARE+=("$(run "$BARE_PID" bench)")
+    DT+=("$(run "$DT_PID" github)")
 done
 
 /usr/bin/python3 - "$CONC" "$SECONDS_PER_RUN" "$ROUNDS" "$BUILD/bench/devtools.md" \
@@ -69,10 +84,14 @@ b, d = med(bare, "rps"), med(dt, "rps")
 lines = [
     f"baseline: bare nats.c request/reply responder (one queue subscription, pre-packed "
     f"ToolInvokeResponse of the same shape), same client, {conc} outstanding requests: "
-    f"{b:.0f} req/s, p50 {med(bare, 'p50_us'):.0f} us, p99 {med(bare, 'p99_us'):.0f} us",
+    f"{b:.0f} req/s, p50 {med(bare, 'p50_us'):.0f} us, p99 {med(bare, 'p99_us'):.0f} us, "
+    f"server CPU {med(bare, 'cpu_us'):.1f} us/call",
     f"devtools: github.get_issue, a new idempotency key per call, {conc} outstanding: "
-    f"{d:.0f} inv/s, p50 {med(dt, 'p50_us'):.0f} us, p99 {med(dt, 'p99_us'):.0f} us",
-    f"ratio devtools/bare: {d / b:.2f} (medians of {rounds} runs of {secs} s each, alternating)",
+    f"{d:.0f} inv/s, p50 {med(dt, 'p50_us'):.0f} us, p99 {med(dt, 'p99_us'):.0f} us, "
+    f"server CPU {med(dt, 'cpu_us'):.1f} us/call",
+    f"ratio devtools/bare: {d / b:.2f} throughput, "
+    f"{med(dt, 'cpu_us') / max(0.001, med(bare, 'cpu_us')):.2f}x server CPU per call "
+    f"(medians of {rounds} runs of {secs} s each, alternating)",
     f"errors: bare {sum(r['errors'] for r in bare)}, devtools {sum(r['errors'] for r in dt)}",
 ]
 print("\n".join(lines))
