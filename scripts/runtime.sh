@@ -486,6 +486,61 @@ service_down() {
     rm -f "$pidf"
 }
 
+# ---- devtools: the tool provider of local runs (docs/devtools.md) ----
+# Not in SERVICES_TABLE: it has no gRPC port; it talks NATS only. Started with the services
+# (before them, so that the engine hears its first ToolAnnounce) when $BUILD/bin/devtools
+# exists; ready once it prints "ready" (its stdout goes to its log).
+devtools_up() {
+    local bin="$BUILD/bin/devtools" pidf="$RUN_DIR/pids/devtools.pid" pid i
+    local logf="$RUN_DIR/logs/devtools.log" from
+    [[ -x "$bin" ]] || return 0
+    if pid=$(pid_of "$pidf" devtools); then
+        say "devtools already running (pid $pid)"
+        return 0
+    fi
+    rm -f "$pidf"
+    from=$(($(stat -c %s "$logf" 2>/dev/null || echo 0) + 1))
+    (
+        # shellcheck disable=SC1091
+        source "$RUN_DIR/env"
+        cd "$ROOT"
+        exec setsid "$bin" >>"$logf" 2>&1 </dev/null 9>&-
+    ) &
+    pid=$!
+    echo "$pid" >"$pidf"
+    for ((i = 0; i < WAIT_S * 10; i++)); do
+        if tail -c +"$from" "$logf" 2>/dev/null | grep -qx ready; then
+            say "devtools started (pid $pid, tool.invoke.<tool> on NATS)"
+            return 0
+        fi
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    say "devtools did not become ready; last log lines ($logf):"
+    tail -n 20 "$logf" >&2 2>/dev/null || true
+    stop_pid devtools "$pid"
+    rm -f "$pidf"
+    FAILED=1
+}
+
+devtools_down() {
+    local pidf="$RUN_DIR/pids/devtools.pid" pid
+    if pid=$(pid_of "$pidf" devtools); then
+        say "stopping devtools (pid $pid)"
+        stop_pid devtools "$pid"
+    fi
+    rm -f "$pidf"
+}
+
+status_devtools() {
+    local pid
+    if pid=$(pid_of "$RUN_DIR/pids/devtools.pid" devtools); then
+        row devtools "$pid" "NATS tool.invoke.<tool>, stats on devtools.stats"
+    elif [[ -x "$BUILD/bin/devtools" ]]; then
+        row devtools "-" "stopped"
+    fi
+}
+
 # ---- status table ----
 row() { printf '  %-16s %-8s %s\n' "$@"; }
 status_service() {
@@ -516,6 +571,7 @@ print_status() {
         row nats - stopped
     fi
     each_service status_service
+    status_devtools
 }
 
 print_access() {
@@ -564,6 +620,7 @@ cmd_up() {
     redis_up
     nats_up
     write_env
+    if [[ "$START_SERVICES" != 0 ]]; then devtools_up; fi
     if [[ "$START_SERVICES" != 0 ]]; then each_service service_up; fi
     echo
     print_status
@@ -588,6 +645,7 @@ cmd_down() {
     [[ -d "$RUN_DIR" ]] || return 0
     local server name pid
     each_service_reverse service_down
+    devtools_down
     for server in redis:redis-server nats:nats-server; do
         name=${server%%:*}
         if pid=$(pid_of "$RUN_DIR/pids/$name.pid" "${server#*:}"); then

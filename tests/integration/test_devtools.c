@@ -1,0 +1,703 @@
+/* devtools over real NATS (UPSQUAD_NATS_URL): every catalogued action answers from its
+ * fixture, each cue, de-duplication by idempotency key, stats, announcements, the dedup bound.
+ * Needs the whole bus to itself for the tool subjects (tests run one at a time). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <cjson/cJSON.h>
+
+#include "../lib/readyproc.h"
+#include "bus.h"
+#include "log.h"
+#include "pbjson.h"
+#include "subjects.h"
+#include "upsquad/internal/v1/tool.pb-c.h"
+
+#define DEDUP_KEYS 200 /* small, so that the bound is reached by the last test */
+
+typedef Upsquad__Internal__V1__ToolInvokeRequest req_t;
+typedef Upsquad__Internal__V1__ToolInvokeResponse resp_t;
+
+static bus *g_bus;
+static readyproc g_proc;
+static char g_run[64];      /* run id of this test process */
+static char g_stats[96];    /* the instance's stats subject */
+static char g_catalog[512]; /* path of the catalogue */
+static int g_seq;
+static const char *g_step = "step"; /* step_name of the requests */
+
+/* Announcements seen on tool.announce (a subscription made before devtools started). */
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_announces;
+static size_t g_announced_actions;
+static bus_sub *g_announce_sub;
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void on_announce(bus *b, natsMsg *m, void *ud) {
+    (void)b;
+    (void)ud;
+    Upsquad__Internal__V1__ToolAnnounce *a = upsquad__internal__v1__tool_announce__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
+    if (!a) return; /* an empty discovery request */
+    size_t n = 0;
+    for (size_t i = 0; i < a->n_tools; i++)
+        n += a->tools[i]->n_actions;
+    pthread_mutex_lock(&g_mu);
+    if (strcmp(a->provider, "devtools") == 0) {
+        g_announces++;
+        g_announced_actions = n;
+    }
+    pthread_mutex_unlock(&g_mu);
+    upsquad__internal__v1__tool_announce__free_unpacked(a, NULL);
+}
+
+static void new_key(char *key, size_t len) {
+    snprintf(key, len, "k-%s-%d", g_run, ++g_seq);
+}
+
+/* One invocation: args_json (object text, NULL = {}), request timeout field timeout_field_ms,
+ * waiting wait_ms for the reply. *out NULL on a bus error (returned). Caller frees *out. */
+static int invoke_full(const char *tool, const char *action, const char *key, const char *args_json,
+                       int timeout_field_ms, int wait_ms, resp_t **out) {
+    *out = NULL;
+    req_t q = UPSQUAD__INTERNAL__V1__TOOL_INVOKE_REQUEST__INIT;
+    q.idempotency_key = (char *)key;
+    q.org_id = "0d5e0000-0000-0000-0000-000000000001";
+    q.run_id = g_run;
+    q.step_name = (char *)g_step;
+    q.tool = (char *)tool;
+    q.action = (char *)action;
+    q.timeout_ms = timeout_field_ms;
+    char err[256];
+    cJSON *args = cJSON_Parse(args_json ? args_json : "{}");
+    assert_non_null(args);
+    assert_int_equal(pbjson_struct_from_json(args, &q.arguments, err, sizeof err), 0);
+    cJSON_Delete(args);
+    size_t n = upsquad__internal__v1__tool_invoke_request__get_packed_size(&q);
+    uint8_t *buf = malloc(n + 1);
+    upsquad__internal__v1__tool_invoke_request__pack(&q, buf);
+    pbjson_struct_free(q.arguments);
+    char subject[128];
+    snprintf(subject, sizeof subject, "%s.%s", SUBJ_TOOL_INVOKE, tool);
+    natsMsg *reply = NULL;
+    int rc = bus_request(g_bus, subject, buf, (int)n, wait_ms, &reply);
+    free(buf);
+    if (rc != BUS_OK) return rc;
+    *out = upsquad__internal__v1__tool_invoke_response__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(reply), (const uint8_t *)natsMsg_GetData(reply));
+    natsMsg_Destroy(reply);
+    assert_non_null(*out);
+    return 0;
+}
+
+static resp_t *invoke(const char *tool, const char *action, const char *key, const char *args) {
+    resp_t *r = NULL;
+    assert_int_equal(invoke_full(tool, action, key, args, 0, 5000, &r), 0);
+    return r;
+}
+
+static void resp_free(resp_t *r) {
+    upsquad__internal__v1__tool_invoke_response__free_unpacked(r, NULL);
+}
+
+static cJSON *result_json(const resp_t *r) {
+    assert_non_null(r->result);
+    cJSON *j = pbjson_struct_to_json(r->result);
+    assert_non_null(j);
+    return j;
+}
+
+/* Stats as JSON; query NULL or a JSON object text. Caller frees. */
+static cJSON *stats(const char *query) {
+    natsMsg *reply = NULL;
+    int len = query ? (int)strlen(query) : 0;
+    assert_int_equal(bus_request(g_bus, g_stats, query, len, 5000, &reply), BUS_OK);
+    cJSON *j = cJSON_ParseWithLength(natsMsg_GetData(reply), (size_t)natsMsg_GetDataLength(reply));
+    natsMsg_Destroy(reply);
+    assert_non_null(j);
+    return j;
+}
+
+static double num(const cJSON *o, const char *name) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, name);
+    assert_true(cJSON_IsNumber(v));
+    return v->valuedouble;
+}
+
+/* The record of one key: tries, executions, replays. */
+static void key_counts(const char *key, int *tries, int *execs, int *replays) {
+    char q[256];
+    snprintf(q, sizeof q, "{\"key\":\"%s\"}", key);
+    cJSON *s = stats(q);
+    const cJSON *r = cJSON_GetObjectItemCaseSensitive(s, "record");
+    assert_true(cJSON_IsObject(r));
+    *tries = (int)num(r, "tries");
+    *execs = (int)num(r, "executions");
+    *replays = (int)num(r, "replays");
+    cJSON_Delete(s);
+}
+
+/* ---- tests ---- */
+
+/* A value of the argument's type, so that every required argument can be sent. */
+static cJSON *sample(const char *type) {
+    if (strcmp(type, "string") == 0) return cJSON_CreateString("acme/widgets");
+    if (strcmp(type, "integer") == 0 || strcmp(type, "number") == 0) return cJSON_CreateNumber(7);
+    if (strcmp(type, "boolean") == 0) return cJSON_CreateTrue();
+    if (strcmp(type, "array") == 0) return cJSON_CreateArray();
+    return cJSON_CreateObject();
+}
+
+static void test_every_catalogued_action_answers(void **state) {
+    (void)state;
+    FILE *f = fopen(g_catalog, "rb");
+    assert_non_null(f);
+    static char text[1 << 20];
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    cJSON *cat = cJSON_ParseWithLength(text, n);
+    assert_non_null(cat);
+    size_t actions = 0;
+    const cJSON *tools = cJSON_GetObjectItemCaseSensitive(cat, "tools");
+    for (const cJSON *t = tools->child; t; t = t->next) {
+        const char *tool = cJSON_GetObjectItemCaseSensitive(t, "tool")->valuestring;
+        const cJSON *acts = cJSON_GetObjectItemCaseSensitive(t, "actions");
+        for (const cJSON *a = acts->child; a; a = a->next) {
+            const char *action = cJSON_GetObjectItemCaseSensitive(a, "action")->valuestring;
+            cJSON *args = cJSON_CreateObject();
+            const cJSON *list = cJSON_GetObjectItemCaseSensitive(a, "args");
+            for (const cJSON *g = list->child; g; g = g->next)
+                if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(g, "required")))
+                    cJSON_AddItemToObject(
+                        args, cJSON_GetObjectItemCaseSensitive(g, "name")->valuestring,
+                        sample(cJSON_GetObjectItemCaseSensitive(g, "type")->valuestring));
+            char *txt = cJSON_PrintUnformatted(args);
+            char key[96];
+            new_key(key, sizeof key);
+            resp_t *r = invoke(tool, action, key, txt);
+            if (!r->ok) fail_msg("%s.%s: %s %s", tool, action, r->error_code, r->error_message);
+            assert_non_null(r->result);
+            assert_true(r->result->n_fields > 0);
+            assert_false(r->replayed);
+            resp_free(r);
+            free(txt);
+            cJSON_Delete(args);
+            actions++;
+        }
+    }
+    pthread_mutex_lock(&g_mu);
+    assert_int_equal(g_announced_actions, actions); /* the announcement lists them all */
+    pthread_mutex_unlock(&g_mu);
+    cJSON_Delete(cat);
+}
+
+static void test_fixture_templated_with_input(void **state) {
+    (void)state;
+    char key[96];
+    new_key(key, sizeof key);
+    resp_t *r = invoke("github", "get_issue", key, "{\"repo\":\"acme/widgets\",\"number\":42}");
+    assert_true(r->ok);
+    cJSON *j = result_json(r);
+    const cJSON *number = cJSON_GetObjectItemCaseSensitive(j, "number");
+    assert_true(cJSON_IsNumber(number)); /* a whole-value template keeps the input's type */
+    assert_int_equal((int)number->valuedouble, 42);
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(j, "html_url")->valuestring,
+                        "https://github.com/acme/widgets/issues/42");
+    cJSON_Delete(j);
+    resp_free(r);
+
+    /* deterministic: another key with the same input renders the same text */
+    new_key(key, sizeof key);
+    r = invoke("github", "create_issue", key, "{\"repo\":\"acme/ops\",\"title\":\"Postmortem\"}");
+    assert_true(r->ok);
+    j = result_json(r);
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(j, "title")->valuestring, "Postmortem");
+    assert_true(cJSON_IsArray(cJSON_GetObjectItemCaseSensitive(j, "labels"))); /* default [] */
+    double n = cJSON_GetObjectItemCaseSensitive(j, "number")->valuedouble;
+    assert_true(n >= 100 && n < 10000);
+    cJSON_Delete(j);
+    resp_free(r);
+}
+
+static void test_dedup_replays_recorded_result(void **state) {
+    (void)state;
+    char key[96];
+    new_key(key, sizeof key);
+    const char *args = "{\"repo\":\"acme/widgets\",\"number\":5,\"body\":\"hi\"}";
+    resp_t *a = invoke("github", "create_comment", key, args);
+    resp_t *b = invoke("github", "create_comment", key, args);
+    assert_true(a->ok && b->ok);
+    assert_false(a->replayed);
+    assert_true(b->replayed);
+    cJSON *ja = result_json(a), *jb = result_json(b);
+    assert_true(cJSON_Compare(ja, jb, 1));
+    cJSON_Delete(ja);
+    cJSON_Delete(jb);
+    resp_free(a);
+    resp_free(b);
+    int tries, execs, replays;
+    key_counts(key, &tries, &execs, &replays);
+    assert_int_equal(tries, 1);
+    assert_int_equal(execs, 1);
+    assert_int_equal(replays, 1);
+}
+
+static void test_fail_is_permanent_and_recorded(void **state) {
+    (void)state;
+    char key[96];
+    new_key(key, sizeof key);
+    resp_t *r = invoke("github", "get_issue", key,
+                       "{\"repo\":\"acme/widgets\",\"number\":1,\"__fail\":true}");
+    assert_false(r->ok);
+    assert_string_equal(r->error_code, "provider_error");
+    assert_false(r->retryable);
+    assert_null(r->result);
+    resp_free(r);
+    r = invoke("github", "get_issue", key,
+               "{\"repo\":\"acme/widgets\",\"number\":1,\"__fail\":true}");
+    assert_false(r->ok);
+    assert_true(r->replayed); /* the failure is the key's recorded outcome */
+    resp_free(r);
+
+    new_key(key, sizeof key);
+    r = invoke("github", "get_issue", key,
+               "{\"repo\":\"acme/widgets\",\"number\":1,\"__fail\":\"not_found\"}");
+    assert_false(r->ok);
+    assert_string_equal(r->error_code, "not_found");
+    resp_free(r);
+}
+
+static void test_fail_times_then_succeeds(void **state) {
+    (void)state;
+    char key[96];
+    new_key(key, sizeof key);
+    const char *args = "{\"repo\":\"acme/widgets\",\"number\":3,\"__fail_times\":2}";
+    for (int i = 0; i < 2; i++) {
+        resp_t *r = invoke("github", "merge_pull_request", key, args);
+        assert_false(r->ok);
+        assert_true(r->retryable);
+        assert_false(r->replayed);
+        resp_free(r);
+    }
+    resp_t *r = invoke("github", "merge_pull_request", key, args);
+    assert_true(r->ok);
+    assert_false(r->replayed);
+    resp_free(r);
+    r = invoke("github", "merge_pull_request", key, args);
+    assert_true(r->ok);
+    assert_true(r->replayed);
+    resp_free(r);
+    int tries, execs, replays;
+    key_counts(key, &tries, &execs, &replays);
+    assert_int_equal(tries, 3);
+    assert_int_equal(execs, 1);
+    assert_int_equal(replays, 1);
+}
+
+/* Cues written inside a string argument work where a definition cannot add arguments. */
+static void test_cue_inside_string_argument(void **state) {
+    (void)state;
+    char key[96];
+    new_key(key, sizeof key);
+    const char *args = "{\"repo\":\"acme/widgets\",\"number\":3,\"body\":\"note __fail_times=1\"}";
+    resp_t *r = invoke("github", "create_comment", key, args);
+    assert_false(r->ok);
+    assert_true(r->retryable);
+    resp_free(r);
+    r = invoke("github", "create_comment", key, args);
+    assert_true(r->ok);
+    resp_free(r);
+
+    /* __init__ in free text is not a cue */
+    new_key(key, sizeof key);
+    r = invoke("github", "create_comment", key,
+               "{\"repo\":\"a/b\",\"number\":1,\"body\":\"see __init__.py and x__fail\"}");
+    assert_true(r->ok);
+    resp_free(r);
+
+    new_key(key, sizeof key);
+    r = invoke(
+        "github", "create_comment", key,
+        "{\"repo\":\"a/b\",\"number\":1,\"body\":\"__result={\\\"id\\\":\\\"x}\\\"} done\"}");
+    assert_true(r->ok);
+    cJSON *j = result_json(r);
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(j, "id")->valuestring, "x}");
+    cJSON_Delete(j);
+    resp_free(r);
+}
+
+static void test_result_override(void **state) {
+    (void)state;
+    char key[96];
+    new_key(key, sizeof key);
+    resp_t *r = invoke("github", "get_check_runs", key,
+                       "{\"repo\":\"acme/widgets\",\"ref\":\"main\","
+                       "\"__result\":{\"conclusion\":\"failure\",\"extra\":1}}");
+    assert_true(r->ok);
+    cJSON *j = result_json(r);
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(j, "conclusion")->valuestring, "failure");
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(j, "status")->valuestring, "completed");
+    assert_true(cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(j, "extra")));
+    cJSON_Delete(j);
+    resp_free(r);
+}
+
+/* A poll wait calls the same action once per lap, each lap with its own key: __pending=N makes
+ * the first N laps of the step answer the fixture's "pending" object. */
+static void test_pending_laps_of_a_poll(void **state) {
+    (void)state;
+    char key[96];
+    g_step = "wait_for_checks";
+    const char *args = "{\"repo\":\"acme/widgets\",\"ref\":\"abc __pending=2\"}";
+    const char *want[] = {"in_progress", "in_progress", "completed", "completed"};
+    for (int lap = 0; lap < 4; lap++) {
+        new_key(key, sizeof key);
+        resp_t *r = invoke("github", "get_check_runs", key, args);
+        assert_true(r->ok);
+        cJSON *j = result_json(r);
+        assert_string_equal(cJSON_GetObjectItemCaseSensitive(j, "status")->valuestring, want[lap]);
+        const cJSON *concl = cJSON_GetObjectItemCaseSensitive(j, "conclusion");
+        if (lap < 2)
+            assert_true(cJSON_IsNull(concl));
+        else
+            assert_string_equal(concl->valuestring, "success");
+        cJSON_Delete(j);
+        resp_free(r);
+    }
+    /* a replay of a pending lap stays pending (the recorded outcome), and counts no lap */
+    g_step = "wait_again";
+    new_key(key, sizeof key);
+    resp_t *a = invoke("github", "get_check_runs", key, args);
+    resp_t *b = invoke("github", "get_check_runs", key, args);
+    cJSON *ja = result_json(a), *jb = result_json(b);
+    assert_true(b->replayed);
+    assert_true(cJSON_Compare(ja, jb, 1));
+    cJSON_Delete(ja);
+    cJSON_Delete(jb);
+    resp_free(a);
+    resp_free(b);
+    new_key(key, sizeof key);
+    a = invoke("github", "get_check_runs", key, args);
+    ja = result_json(a);
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(ja, "status")->valuestring,
+                        "in_progress"); /* lap 2 of this step */
+    cJSON_Delete(ja);
+    resp_free(a);
+    g_step = "step";
+}
+
+typedef struct bg_call {
+    const char *key, *args;
+    int timeout_field, wait;
+    resp_t *r;
+    int rc;
+} bg_call;
+
+static void *bg_invoke(void *arg) {
+    bg_call *c = arg;
+    c->rc = invoke_full("github", "get_issue", c->key, c->args, c->timeout_field, c->wait, &c->r);
+    return NULL;
+}
+
+static void test_sleep_delays_and_does_not_block_others(void **state) {
+    (void)state;
+    char key[96], other[96];
+    new_key(key, sizeof key);
+    bg_call c = {
+        .key = key, .args = "{\"repo\":\"a/b\",\"number\":1,\"__sleep_ms\":800}", .wait = 5000};
+    pthread_t th;
+    int64_t t0 = now_ms();
+    pthread_create(&th, NULL, bg_invoke, &c);
+    usleep(200 * 1000);
+    /* another key of the same tool answers at once */
+    new_key(other, sizeof other);
+    int64_t t1 = now_ms();
+    resp_t *r = invoke("github", "get_issue", other, "{\"repo\":\"a/b\",\"number\":2}");
+    assert_true(r->ok);
+    assert_true(now_ms() - t1 < 500);
+    resp_free(r);
+    /* the same key while it runs: waits for that try and gets its outcome; nothing runs twice */
+    r = invoke("github", "get_issue", key, c.args);
+    assert_true(r->ok);
+    assert_true(r->replayed);
+    assert_true(now_ms() - t0 >= 800);
+    resp_free(r);
+    pthread_join(th, NULL);
+    assert_int_equal(c.rc, 0);
+    assert_true(c.r->ok);
+    assert_false(c.r->replayed);
+    resp_free(c.r);
+    int tries, execs, replays;
+    key_counts(key, &tries, &execs, &replays);
+    assert_int_equal(tries, 1);
+    assert_int_equal(execs, 1);
+    assert_int_equal(replays, 1);
+}
+
+/* A duplicate whose own deadline comes first is told "in_progress" (retryable) in time. */
+static void test_duplicate_of_running_key_in_progress(void **state) {
+    (void)state;
+    char key[96];
+    new_key(key, sizeof key);
+    bg_call c = {
+        .key = key, .args = "{\"repo\":\"a/b\",\"number\":1,\"__sleep_ms\":1500}", .wait = 5000};
+    pthread_t th;
+    pthread_create(&th, NULL, bg_invoke, &c);
+    usleep(200 * 1000);
+    resp_t *r = NULL;
+    int64_t t0 = now_ms();
+    assert_int_equal(invoke_full("github", "get_issue", key, c.args, 400, 1000, &r), 0);
+    assert_true(now_ms() - t0 < 400); /* answered within 80 % of its timeout_ms */
+    assert_false(r->ok);
+    assert_string_equal(r->error_code, "in_progress");
+    assert_true(r->retryable);
+    resp_free(r);
+    pthread_join(th, NULL);
+    assert_true(c.r->ok);
+    resp_free(c.r);
+}
+
+static void test_sleep_beyond_timeout_gives_up(void **state) {
+    (void)state;
+    char key[96];
+    new_key(key, sizeof key);
+    /* sleeps on the first try only; that try exceeds the request's timeout_ms */
+    const char *args = "{\"repo\":\"a/b\",\"number\":1,\"__sleep_ms\":3000,\"__sleep_times\":1}";
+    resp_t *r = NULL;
+    int64_t t0 = now_ms();
+    assert_int_equal(invoke_full("github", "get_issue", key, args, 300, 5000, &r), 0);
+    assert_true(now_ms() - t0 < 2000);
+    assert_false(r->ok);
+    assert_string_equal(r->error_code, "timeout");
+    assert_true(r->retryable);
+    resp_free(r);
+    assert_int_equal(invoke_full("github", "get_issue", key, args, 300, 5000, &r), 0);
+    assert_true(r->ok); /* the retry with the same key runs: nothing had run */
+    resp_free(r);
+    int tries, execs, replays;
+    key_counts(key, &tries, &execs, &replays);
+    assert_int_equal(tries, 2);
+    assert_int_equal(execs, 1);
+
+    /* as the engine retries: it stops waiting at timeout_ms and asks again at once, possibly
+     * before devtools gave up; that retry waits for the first try to end, then runs */
+    new_key(key, sizeof key);
+    int rc = invoke_full("github", "get_issue", key, args, 300, 300, &r);
+    if (rc == 0)
+        resp_free(r);
+    else
+        assert_int_equal(rc, BUS_ETIMEOUT);
+    assert_int_equal(invoke_full("github", "get_issue", key, args, 300, 1000, &r), 0);
+    assert_true(r->ok);
+    resp_free(r);
+    key_counts(key, &tries, &execs, &replays);
+    assert_int_equal(execs, 1);
+}
+
+/* The side effect happened but the reply was late: the caller's retry gets the recorded
+ * result and nothing runs twice. */
+static void test_late_reply_then_retry_replays(void **state) {
+    (void)state;
+    char key[96];
+    new_key(key, sizeof key);
+    const char *args = "{\"repo\":\"a/b\",\"number\":1,\"__reply_delay_ms\":1000}";
+    resp_t *r = NULL;
+    assert_int_equal(invoke_full("github", "get_issue", key, args, 0, 300, &r), BUS_ETIMEOUT);
+    assert_int_equal(invoke_full("github", "get_issue", key, args, 0, 5000, &r), 0);
+    assert_true(r->ok);
+    assert_true(r->replayed);
+    resp_free(r);
+    int tries, execs, replays;
+    key_counts(key, &tries, &execs, &replays);
+    assert_int_equal(execs, 1);
+    assert_int_equal(replays, 1);
+}
+
+static void expect_error(const char *tool, const char *action, const char *args, const char *code,
+                         const char *needle) {
+    char key[96];
+    new_key(key, sizeof key);
+    resp_t *r = invoke(tool, action, key, args);
+    assert_false(r->ok);
+    assert_string_equal(r->error_code, code);
+    assert_false(r->retryable);
+    if (!strstr(r->error_message, needle))
+        fail_msg("\"%s\" lacks \"%s\"", r->error_message, needle);
+    resp_free(r);
+}
+
+static void test_bad_requests(void **state) {
+    (void)state;
+    expect_error("github", "delete_repo", "{}", "unknown_action", "delete_repo");
+    expect_error("github", "get_issue", "{\"repo\":\"a/b\"}", "invalid_arguments",
+                 "arguments.number");
+    expect_error("github", "get_issue", "{\"repo\":\"a/b\",\"number\":1,\"color\":\"red\"}",
+                 "invalid_arguments", "arguments.color");
+    expect_error("github", "get_issue", "{\"repo\":\"a/b\",\"number\":1,\"__bogus\":1}",
+                 "invalid_arguments", "__bogus");
+    expect_error("github", "get_issue", "{\"repo\":\"a/b\",\"number\":1,\"__sleep_ms\":-5}",
+                 "invalid_arguments", "__sleep_ms");
+    /* an empty idempotency key */
+    resp_t *r = invoke("github", "get_issue", "", "{\"repo\":\"a/b\",\"number\":1}");
+    assert_false(r->ok);
+    assert_string_equal(r->error_code, "invalid_arguments");
+    assert_non_null(strstr(r->error_message, "idempotency_key"));
+    resp_free(r);
+    /* garbage that is not a ToolInvokeRequest */
+    natsMsg *reply = NULL;
+    assert_int_equal(bus_request(g_bus, "tool.invoke.github", "\xff\xff\xff", 3, 5000, &reply), 0);
+    r = upsquad__internal__v1__tool_invoke_response__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(reply), (const uint8_t *)natsMsg_GetData(reply));
+    natsMsg_Destroy(reply);
+    assert_non_null(r);
+    assert_false(r->ok);
+    assert_string_equal(r->error_code, "invalid_arguments");
+    resp_free(r);
+}
+
+static void test_stats_by_run(void **state) {
+    (void)state;
+    char q[160];
+    snprintf(q, sizeof q, "{\"run_id\":\"%s\"}", g_run);
+    cJSON *s = stats(q);
+    const cJSON *recs = cJSON_GetObjectItemCaseSensitive(s, "records");
+    assert_true(cJSON_IsArray(recs));
+    assert_true(cJSON_GetArraySize(recs) > 20);
+    for (const cJSON *r = recs->child; r; r = r->next) {
+        assert_true(num(r, "executions") <= 1); /* no key ran twice */
+        assert_string_equal(cJSON_GetObjectItemCaseSensitive(r, "run_id")->valuestring, g_run);
+    }
+    assert_int_equal((int)num(s, "max_executions_per_key"), 1);
+    assert_true(num(s, "replays") >= 4);
+    assert_true(num(s, "rejected") >= 7);
+    assert_int_equal((int)num(s, "dedup_max_keys"), DEDUP_KEYS);
+    cJSON_Delete(s);
+}
+
+static void test_announce_periodic_and_on_request(void **state) {
+    (void)state;
+    pthread_mutex_lock(&g_mu);
+    int before = g_announces;
+    pthread_mutex_unlock(&g_mu);
+    assert_true(before >= 1); /* the start-up announcement */
+    usleep(700 * 1000);       /* the interval is 300 ms in this test */
+    pthread_mutex_lock(&g_mu);
+    assert_true(g_announces >= before + 1);
+    pthread_mutex_unlock(&g_mu);
+    natsMsg *reply = NULL;
+    assert_int_equal(bus_request(g_bus, SUBJ_TOOL_ANNOUNCE, NULL, 0, 5000, &reply), BUS_OK);
+    Upsquad__Internal__V1__ToolAnnounce *a = upsquad__internal__v1__tool_announce__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(reply), (const uint8_t *)natsMsg_GetData(reply));
+    natsMsg_Destroy(reply);
+    assert_non_null(a);
+    assert_string_equal(a->provider, "devtools");
+    assert_int_equal(a->n_tools, 3);
+    upsquad__internal__v1__tool_announce__free_unpacked(a, NULL);
+}
+
+/* Last: beyond the bound the least recently used keys are forgotten (and counted). */
+static void test_dedup_bound_evicts_lru(void **state) {
+    (void)state;
+    char first[96], key[96];
+    new_key(first, sizeof first);
+    resp_t *r = invoke("platform", "list_pending_approvals", first, NULL);
+    resp_free(r);
+    for (int i = 0; i < DEDUP_KEYS; i++) {
+        new_key(key, sizeof key);
+        r = invoke("platform", "list_pending_approvals", key, NULL);
+        assert_true(r->ok);
+        resp_free(r);
+    }
+    cJSON *s = stats(NULL);
+    assert_int_equal((int)num(s, "keys"), DEDUP_KEYS);
+    assert_true(num(s, "evicted") >= 1);
+    cJSON_Delete(s);
+    char q[160];
+    snprintf(q, sizeof q, "{\"key\":\"%s\"}", first);
+    s = stats(q);
+    assert_true(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(s, "record")));
+    cJSON_Delete(s);
+}
+
+static int setup(void **state) {
+    (void)state;
+    const char *url = getenv("UPSQUAD_NATS_URL");
+    char err[256], bin[512];
+    if (bus_connect(url, "test_devtools", &g_bus, err, sizeof err) != BUS_OK) return -1;
+    if (bus_subscribe(g_bus, SUBJ_TOOL_ANNOUNCE, NULL, on_announce, NULL, &g_announce_sub, err,
+                      sizeof err) != BUS_OK ||
+        bus_flush(g_bus, 5000) != BUS_OK)
+        return -1;
+    const char *b = getenv("BUILD");
+    snprintf(bin, sizeof bin, "%s/bin/devtools", b ? b : "build");
+    snprintf(g_stats, sizeof g_stats, "devtools.stats.t%d", (int)getpid());
+    static char e_stats[160], e_keys[64];
+    snprintf(e_stats, sizeof e_stats, "UPSQUAD_DEVTOOLS_STATS_SUBJECT=%s", g_stats);
+    snprintf(e_keys, sizeof e_keys, "UPSQUAD_DEVTOOLS_DEDUP_KEYS=%d", DEDUP_KEYS);
+    const char *env[] = {e_stats, e_keys, "UPSQUAD_DEVTOOLS_ANNOUNCE_INTERVAL=300ms", NULL};
+    if (readyproc_start(&g_proc, bin, env, 10000) != 0) return -1;
+    /* the start-up announcement was published before "ready"; let it arrive */
+    for (int i = 0; i < 50; i++) {
+        pthread_mutex_lock(&g_mu);
+        int n = g_announces;
+        pthread_mutex_unlock(&g_mu);
+        if (n) break;
+        usleep(20 * 1000);
+    }
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    int rc = readyproc_stop(&g_proc) == 0 ? 0 : -1; /* a clean exit on SIGTERM */
+    bus_unsubscribe(g_announce_sub);
+    bus_close(g_bus);
+    return rc;
+}
+
+int main(void) {
+    const char *url = getenv("UPSQUAD_NATS_URL");
+    if (!url || !*url) {
+        printf("SKIP test_devtools: UPSQUAD_NATS_URL is not set\n");
+        return 0;
+    }
+    log_init("test_devtools", LOG_ERROR);
+    srand((unsigned)time(NULL) ^ (unsigned)getpid());
+    snprintf(g_run, sizeof g_run, "run-%d-%d", (int)getpid(), rand() % 100000);
+    snprintf(g_catalog, sizeof g_catalog, "services/workflow-engine/catalog/tools.json");
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_every_catalogued_action_answers),
+        cmocka_unit_test(test_fixture_templated_with_input),
+        cmocka_unit_test(test_dedup_replays_recorded_result),
+        cmocka_unit_test(test_fail_is_permanent_and_recorded),
+        cmocka_unit_test(test_fail_times_then_succeeds),
+        cmocka_unit_test(test_cue_inside_string_argument),
+        cmocka_unit_test(test_result_override),
+        cmocka_unit_test(test_pending_laps_of_a_poll),
+        cmocka_unit_test(test_sleep_delays_and_does_not_block_others),
+        cmocka_unit_test(test_duplicate_of_running_key_in_progress),
+        cmocka_unit_test(test_sleep_beyond_timeout_gives_up),
+        cmocka_unit_test(test_late_reply_then_retry_replays),
+        cmocka_unit_test(test_bad_requests),
+        cmocka_unit_test(test_stats_by_run),
+        cmocka_unit_test(test_announce_periodic_and_on_request),
+        cmocka_unit_test(test_dedup_bound_evicts_lru),
+    };
+    int failed = cmocka_run_group_tests(tests, setup, teardown);
+    bus_library_shutdown();
+    return failed;
+}
