@@ -71,6 +71,9 @@ static const cfg_var signing_vars[] = {
     {"UPSQUAD_JWT_AUDIENCE", CFG_STR, "upsquad", "", &C.jwt_audience},
     {"UPSQUAD_JWT_ISSUER", CFG_STR, NULL, "", &C.jwt_issuer},
     {"UPSQUAD_GRPC_ADDR", CFG_STR, "0.0.0.0:50051", "", &C.grpc_addr},
+    {"UPSQUAD_TLS_CERT_FILE", CFG_STR, NULL, "", &C.tls_cert},
+    {"UPSQUAD_TLS_KEY_FILE", CFG_STR, NULL, "", &C.tls_key},
+    {"UPSQUAD_TLS_CLIENT_CA_FILE", CFG_STR, NULL, "", &C.tls_ca},
 };
 #define N_SIGNING (sizeof signing_vars / sizeof signing_vars[0])
 
@@ -279,7 +282,10 @@ int dw_worker_start(dw_worker *w, const dw_config *cfg, rpc_server *srv, char *e
             return util_errf(err, errlen, -1,
                              "UPSQUAD_JWT_SECRET is required to sign the worker's heartbeats");
         if (auth_signer_new("HS256", C.jwt_secret, &w->signer, err, errlen) != AUTH_OK) return -1;
-        rpc_channel_opts co = {.target = cfg->orchestrator_addr};
+        /* mTLS towards the orchestrator when the worker serves mTLS itself: the same
+         * certificate (serverAuth + clientAuth) and the same CA */
+        rpc_client_tls tls = {C.tls_ca, C.tls_cert, C.tls_key, NULL};
+        rpc_channel_opts co = {.target = cfg->orchestrator_addr, .tls = C.tls_cert ? &tls : NULL};
         if (rpc_channel_new(&co, &w->orch, err, errlen) != 0) return -1;
     } else {
         log_info("reporter.off",

@@ -40,6 +40,8 @@ typedef struct dw_config {
     int checkpoints_enabled;    /* UPSQUAD_DEVWORKER_CHECKPOINTS */
     /* signing (shared variables, read again here: the worker mints its own bearer) */
     char *jwt_secret, *jwt_audience, *jwt_issuer;
+    /* the service's certificate doubles as the client certificate towards the orchestrator */
+    char *tls_cert, *tls_key, *tls_ca;
 } dw_config;
 
 /* A session this worker was initialised for (InitWorkerSession) or ran a step of. */
