@@ -11,12 +11,12 @@
 #include "handlers.h"
 
 #include <cjson/cJSON.h>
-#include <openssl/evp.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 
 #include "ids.h"
+#include "inspect.h"
 #include "log.h"
 #include "step.h"
 #include "upsquad/runtime/v1/runtime.pb-c.h"
@@ -34,38 +34,14 @@ typedef Upsquad__Runtime__V1__CheckpointResponse CkResponse;
 
 /* ---------------------------------------------------------------- auth ---- */
 
-/* The JSON payload of a compact JWS (already verified by the server); caller deletes. */
+/* The claims of the bearer in an `authorization` value (already verified); caller deletes. */
 static cJSON *token_claims(const char *authorization) {
-    const char *t = authorization, *dot1, *dot2;
+    const char *t = authorization;
     if (t == NULL || strncasecmp(t, "bearer ", 7) != 0) return NULL;
     t += 7;
     while (*t == ' ')
         t++;
-    if (!(dot1 = strchr(t, '.')) || !(dot2 = strchr(dot1 + 1, '.'))) return NULL;
-    size_t n = (size_t)(dot2 - dot1 - 1);
-    if (n == 0 || n > 16384) return NULL;
-    char *b64 = malloc(n + 4), *raw = malloc(n + 4);
-    cJSON *o = NULL;
-    if (b64 && raw) {
-        for (size_t i = 0; i < n; i++) { /* base64url -> base64, padded */
-            char ch = dot1[1 + i];
-            b64[i] = ch == '-' ? '+' : ch == '_' ? '/' : ch;
-        }
-        size_t m = n;
-        while (m % 4)
-            b64[m++] = '=';
-        int len = EVP_DecodeBlock((unsigned char *)raw, (const unsigned char *)b64, (int)m);
-        if (len >= 0) {
-            while (len > 0 && m > 0 && b64[m - 1] == '=') { /* DecodeBlock counts the padding */
-                len--;
-                m--;
-            }
-            o = cJSON_ParseWithLength(raw, (size_t)len);
-        }
-    }
-    free(b64);
-    free(raw);
-    return o;
+    return dw_jws_claims(t);
 }
 
 int dw_token_has_scope(const char *authorization, const char *scope) {

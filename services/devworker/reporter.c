@@ -51,6 +51,7 @@ static int resolve_identity(dw_worker *w) {
     const dw_config *c = w->cfg;
     int port = rpc_server_port(w->srv);
     if (port <= 0) return -1;
+    pthread_mutex_lock(&w->mu); /* steps read them (inspect) */
     if (c->advertise_addr && c->advertise_addr[0]) {
         snprintf(w->addr, sizeof w->addr, "%s", c->advertise_addr);
     } else {
@@ -68,6 +69,7 @@ static int resolve_identity(dw_worker *w) {
         snprintf(w->addr, sizeof w->addr, "%s:%d", host, port);
     }
     dw_copy_id(w->id, (c->worker_id && c->worker_id[0]) ? c->worker_id : w->addr);
+    pthread_mutex_unlock(&w->mu);
     return 0;
 }
 

@@ -434,6 +434,7 @@ static const directive directives[] = {
     {"sleep_ms", NULL, DW_OP_SLEEP},
     {"hang", NULL, DW_OP_HANG},
     {"crash", NULL, DW_OP_CRASH},
+    {"inspect", NULL, DW_OP_INSPECT},
 };
 #define N_DIRECTIVES (sizeof directives / sizeof directives[0])
 
@@ -632,6 +633,7 @@ static int parse_element(pctx *c, const cJSON *el, dw_op *op) {
     }
     case DW_OP_HANG:
     case DW_OP_CRASH:
+    case DW_OP_INSPECT:
         if (parse_true(c, dkey)) return -1;
         break;
     case DW_OP_CHECKPOINT:

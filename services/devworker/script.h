@@ -25,6 +25,7 @@ typedef enum {
     DW_OP_HANG,       /* wait until cancelled or the session is terminated */
     DW_OP_CRASH,      /* flush what was sent, then the process exits */
     DW_OP_CHECKPOINT, /* CheckpointEvent + RuntimeService.Checkpoint; text: optional state */
+    DW_OP_INSPECT,    /* one TokenEvent: the request as received, secrets redacted (inspect.h) */
 } dw_op_kind;
 
 /* Fix-ups applied when an event op runs. */

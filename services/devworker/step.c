@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "ids.h"
+#include "inspect.h"
 #include "log.h"
 #include "pbjson.h"
 #include "price.h"
@@ -159,6 +160,7 @@ static int end_iteration(run *r, const char *body, int stream) {
     size_t len;
     char hash[65];
     int rc = RUN_OK;
+    r->iter = dw_session_reserve_iter(r->w, r->rq->session_id);
     if (body == NULL && (body = default_body(r)) == NULL) return RUN_GONE;
     if (dw_state_blob(r->call, (int32_t)r->w->cfg->checkpoint_ver, body, &blob, &len) != 0)
         return RUN_GONE;
@@ -325,6 +327,13 @@ static int run_op(run *r, const dw_op *op) {
         return wait_ms(r, -1);
     case DW_OP_CHECKPOINT:
         return end_iteration(r, op->text, 1);
+    case DW_OP_INSPECT: {
+        char *txt = dw_inspect_json(r->w, r->rq);
+        if (txt == NULL) return RUN_GONE;
+        rc = send_token(r, txt, strlen(txt));
+        cJSON_free(txt);
+        return rc;
+    }
     case DW_OP_CRASH:
         /* what was sent reaches the client (a crash after N events shows N events), then the
          * process exits as a crashed worker would: no status, the connection drops */

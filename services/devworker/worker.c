@@ -118,6 +118,15 @@ int32_t dw_session_touch(dw_worker *w, const char *id, const char *tenant, const
     return next;
 }
 
+int32_t dw_session_reserve_iter(dw_worker *w, const char *id) {
+    pthread_mutex_lock(&w->mu);
+    dw_session *s = get_locked(w, id);
+    int32_t it = s->next_iter++;
+    s->last_used = ++w->clock;
+    pthread_mutex_unlock(&w->mu);
+    return it;
+}
+
 void dw_session_init(dw_worker *w, const char *id, const char *tenant, const char *model,
                      int32_t next) {
     pthread_mutex_lock(&w->mu);

@@ -108,6 +108,9 @@ void dw_worker_stop(dw_worker *w);
  * recently used one when the table is full) and fills tenant/model when given; it returns the
  * next loop iteration to use. */
 int32_t dw_session_touch(dw_worker *w, const char *id, const char *tenant, const char *model);
+/* Reserves the session's next loop iteration (two steps of one session in flight on this
+ * worker never use the same number). */
+int32_t dw_session_reserve_iter(dw_worker *w, const char *id);
 /* Records the blob as the session's latest state (copied) and advances next_iter past iter. */
 void dw_session_set_state(dw_worker *w, const char *id, int32_t iter, const uint8_t *blob,
                           size_t len, const char *hash);

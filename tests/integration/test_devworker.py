@@ -331,6 +331,53 @@ class DevworkerTest(unittest.TestCase):
                          ("call-1", "ask_user", "prod"))
         self.assertEqual(ev2[-1].completion.final_response, "deployed")
 
+    def test_inspect_shows_the_request_without_secrets(self):
+        key = "sk-ant-" + secrets.token_hex(12)
+        gw = T.mint(SECRET, sub="agent-1", org="org-1", aud="agent-gateway",
+                    extra={"agent_id": "agent-1", "session_id": "insp-1"})
+        req = R.ExecuteStepRequest(
+            session_id="insp-1", tenant_id="org-1", agent_id="agent-1",
+            user_message=script({"inspect": True}),
+            execution_mode=R.EXECUTION_MODE_SINGLE_TURN,
+            provider_keys={"anthropic": key}, agent_gateway_token=gw,
+            prior_turns=[R.PriorTurn(role=R.PriorTurn.ROLE_USER, text="hi"),
+                         R.PriorTurn(role=R.PriorTurn.ROLE_ASSISTANT, text="echo: hi")],
+            snapshot=R.SessionSnapshot(
+                model_id="gpt-5.5", temperature=0.5, tools=["mcp:s1"], snapshot_hash="h" * 64,
+                rbac_grants={"wf/*": "read"}, org_version_seq=7,
+                mcp_servers={"s1": R.McpServerRef(prefix="gh", unit_id="u1")}))
+        ev = list(self.c.step(req, metadata=self.c.md(), timeout=TIMEOUT))
+        self.assertEqual(arms(ev), ["token"])
+        text = ev[0].token.text
+        self.assertNotIn(key, text)
+        self.assertNotIn(gw.split(".")[2], text)  # no signature
+        got = json.loads(text)
+        self.assertEqual(got["worker"]["id"], self.w.addr)
+        r = got["request"]
+        self.assertEqual(r["provider_keys"],
+                         {"anthropic": "sha256:" + hashlib.sha256(key.encode()).hexdigest()})
+        self.assertEqual((r["agent_gateway_token"]["aud"], r["agent_gateway_token"]["agent_id"]),
+                         ("agent-gateway", "agent-1"))
+        self.assertNotIn("context_engine_token", r)  # empty fields are left out
+        self.assertEqual(r["prior_turns"], [{"role": "ROLE_USER", "text": "hi"},
+                                            {"role": "ROLE_ASSISTANT", "text": "echo: hi"}])
+        self.assertEqual(r["execution_mode"], "EXECUTION_MODE_SINGLE_TURN")
+        sn = r["snapshot"]
+        self.assertEqual((sn["model_id"], sn["temperature"], sn["tools"], sn["org_version_seq"]),
+                         ("gpt-5.5", 0.5, ["mcp:s1"], 7))
+        self.assertEqual(sn["rbac_grants"], {"wf/*": "read"})
+        self.assertEqual(sn["mcp_servers"], {"s1": {"prefix": "gh", "unit_id": "u1"}})
+
+    def test_concurrent_steps_of_one_session_never_share_an_iteration(self):
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda i: self.c.run("turn %d" % i, session="conc-1"), range(8)))
+        deadline = time.time() + 5
+        hits = []
+        while len(hits) < 8 and time.time() < deadline:
+            hits = self.orch.wait_for("checkpoints", lambda x: x[0].session_id == "conc-1")
+            time.sleep(0.02)
+        self.assertEqual(sorted(h[0].loop_iteration for h in hits), list(range(8)))
+
     # ---- malformed scripts ----
     def test_malformed_scripts(self):
         cases = [
