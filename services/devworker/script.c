@@ -435,6 +435,7 @@ static const directive directives[] = {
     {"hang", NULL, DW_OP_HANG},
     {"crash", NULL, DW_OP_CRASH},
     {"inspect", NULL, DW_OP_INSPECT},
+    {"fail", NULL, DW_OP_FAIL},
 };
 #define N_DIRECTIVES (sizeof directives / sizeof directives[0])
 
@@ -583,6 +584,59 @@ static int parse_true(pctx *c, const cJSON *v) {
     return 0;
 }
 
+static const char *const grpc_codes[] = {
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+};
+
+/* {"code": "UNAVAILABLE" | 14, "message": "…"}: any status but OK. */
+static int parse_fail(pctx *c, const cJSON *v, dw_op *op) {
+    const cJSON *it;
+    if (!cJSON_IsObject(v)) return fail(c, "expected an object {\"code\", \"message\"}");
+    op->code = -1;
+    op->text = "failed by script";
+    cJSON_ArrayForEach(it, v) {
+        size_t mark = path_push(c, it->string, 0);
+        if (strcmp(it->string, "code") == 0) {
+            double d;
+            if (cJSON_IsString(it)) {
+                for (int i = 1; i <= 16; i++)
+                    if (strcasecmp(grpc_codes[i], it->valuestring) == 0) op->code = i;
+                if (op->code < 0) return fail(c, "unknown gRPC status \"%.40s\"", it->valuestring);
+            } else {
+                if (integral(c, it, 1, 16, &d)) return -1;
+                op->code = (int)d;
+            }
+        } else if (strcmp(it->string, "message") == 0) {
+            if (!cJSON_IsString(it)) return fail(c, "expected a string, got %s", type_name(it));
+            if (!(op->text = arena_strdup(c->s, it->valuestring))) return oom(c);
+        } else {
+            return fail(c, "unknown field (a fail takes \"code\" and \"message\")");
+        }
+        path_pop(c, mark);
+    }
+    if (op->code < 0) {
+        path_push(c, "code", 0);
+        return fail(c, "required (a gRPC status other than OK)");
+    }
+    return 0;
+}
+
 static int parse_element(pctx *c, const cJSON *el, dw_op *op) {
     const cJSON *it, *dkey = NULL, *delay = NULL;
     const directive *d = NULL;
@@ -591,6 +645,15 @@ static int parse_element(pctx *c, const cJSON *el, dw_op *op) {
     cJSON_ArrayForEach(it, el) {
         if (strcmp(it->string, "delay_ms") == 0) {
             delay = it;
+            continue;
+        }
+        if (strcmp(it->string, "if_worker") == 0 || strcmp(it->string, "unless_worker") == 0) {
+            const char **dst = it->string[0] == 'i' ? &op->if_worker : &op->unless_worker;
+            path_push(c, it->string, 0);
+            if (!cJSON_IsString(it) || !it->valuestring[0])
+                return fail(c, "expected a worker id or address");
+            if (!(*dst = arena_strdup(c->s, it->valuestring))) return oom(c);
+            path_pop(c, 0);
             continue;
         }
         const directive *x = find_directive(it->string);
@@ -653,6 +716,9 @@ static int parse_element(pctx *c, const cJSON *el, dw_op *op) {
         break;
     case DW_OP_EVENT:
         if (parse_event(c, d, dkey, op)) return -1;
+        break;
+    case DW_OP_FAIL:
+        if (parse_fail(c, dkey, op)) return -1;
         break;
     }
     path_pop(c, 0);

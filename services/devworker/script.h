@@ -26,6 +26,7 @@ typedef enum {
     DW_OP_CRASH,      /* flush what was sent, then the process exits */
     DW_OP_CHECKPOINT, /* CheckpointEvent + RuntimeService.Checkpoint; text: optional state */
     DW_OP_INSPECT,    /* one TokenEvent: the request as received, secrets redacted (inspect.h) */
+    DW_OP_FAIL,       /* the step ends with gRPC status `code` and text as its message */
 } dw_op_kind;
 
 /* Fix-ups applied when an event op runs. */
@@ -52,6 +53,10 @@ typedef struct dw_op {
     long long ms;     /* DW_OP_SLEEP; DW_OP_TOKENS: delay before each token */
     unsigned flags;   /* DW_F_* */
     int ends_step;    /* interrupt / ask_user: the worker suspends, the stream ends */
+    int code;         /* DW_OP_FAIL: a gRPC status code, 1..16 */
+    /* modifiers: the element runs only on the worker whose id or address is if_worker, or
+     * on every worker but unless_worker (tests with several workers) */
+    const char *if_worker, *unless_worker;
 } dw_op;
 
 typedef struct dw_script dw_script;

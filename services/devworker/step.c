@@ -25,7 +25,7 @@ typedef Upsquad__Runtime__V1__CheckpointEvent CheckpointEvent;
 
 #define WAIT_SLICE_MS 5 /* how often a wait looks at cancellation: the latency of a cancel */
 
-enum { RUN_OK = 0, RUN_GONE = -1, RUN_TERMINATED = -2 };
+enum { RUN_OK = 0, RUN_GONE = -1, RUN_TERMINATED = -2, RUN_FAILED = -3 };
 
 typedef struct run {
     dw_worker *w;
@@ -43,6 +43,8 @@ typedef struct run {
     int dirty;           /* events since the last iteration end */
     long events;         /* events sent */
     const char *last_call_id, *last_call_name;
+    int fail_code;         /* the `fail` directive that ended the step: its status and */
+    const char *fail_text; /* message, in the call arena (the script is freed before) */
 } run;
 
 static int64_t now_ms(void) {
@@ -327,6 +329,10 @@ static int run_op(run *r, const dw_op *op) {
         return wait_ms(r, -1);
     case DW_OP_CHECKPOINT:
         return end_iteration(r, op->text, 1);
+    case DW_OP_FAIL:
+        r->fail_code = op->code;
+        r->fail_text = rpc_strdup(r->call, op->text);
+        return RUN_FAILED;
     case DW_OP_INSPECT: {
         char *txt = dw_inspect_json(r->w, r->rq);
         if (txt == NULL) return RUN_GONE;
@@ -395,6 +401,16 @@ static int resume_point(run *r, size_t n_ops, int *start) {
     return rc;
 }
 
+/* The if_worker / unless_worker modifiers, against the worker's id and address. */
+static int runs_here(run *r, const dw_op *op) {
+    if (!op->if_worker && !op->unless_worker) return 1;
+    pthread_mutex_lock(&r->w->mu);
+    const char *want = op->if_worker ? op->if_worker : op->unless_worker;
+    int match = strcmp(want, r->w->id) == 0 || strcmp(want, r->w->addr) == 0;
+    pthread_mutex_unlock(&r->w->mu);
+    return op->if_worker ? match : !match;
+}
+
 static int run_script(run *r, const char *body) {
     dw_script *s = NULL;
     char err[512], ptr[256];
@@ -409,6 +425,7 @@ static int run_script(run *r, const char *body) {
     const dw_op *ops = dw_script_ops(s, &n);
     if ((rc = resume_point(r, n, &start)) != RUN_OK) goto done;
     for (size_t i = (size_t)start; i < n; i++) {
+        if (!runs_here(r, &ops[i])) continue;
         if ((rc = run_op(r, &ops[i])) != RUN_OK) goto done;
         if (ops[i].ends_step) break; /* interrupt / ask_user: the worker suspends */
     }
@@ -449,6 +466,8 @@ int dw_step_run(dw_worker *w, rpc_call *call, const StepRequest *rq) {
         rc = send_error(&(run){.w = w, .call = call, .rq = rq}, "SESSION_TERMINATED",
                         "the session was terminated while the step ran", NULL);
     }
+    if (rc == RUN_FAILED)
+        return rpc_error(call, r.fail_code, "%s", r.fail_text ? r.fail_text : "failed by script");
     if (rc == RUN_GONE) {
         metric_inc(w->m_steps_cancelled);
         log_debug("step.cancelled", "session %s: the caller went away", rq->session_id);

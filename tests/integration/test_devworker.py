@@ -378,6 +378,32 @@ class DevworkerTest(unittest.TestCase):
             time.sleep(0.02)
         self.assertEqual(sorted(h[0].loop_iteration for h in hits), list(range(8)))
 
+    def test_fail_ends_the_step_with_a_grpc_status(self):
+        got = []
+        with self.assertRaises(grpc.RpcError) as cm:
+            for e in self.c.step(R.ExecuteStepRequest(session_id="fail-1", user_message=script(
+                    {"token": "partial"},
+                    {"fail": {"code": "UNAVAILABLE", "message": "model backend down"}},
+                    {"complete": "never"})), metadata=self.c.md(), timeout=TIMEOUT):
+                got.append(e)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(cm.exception.details(), "model backend down")
+        self.assertEqual(arms(got), ["token"])
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.c.run(script({"fail": {"code": 13}}), session="fail-1")
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INTERNAL)
+
+    def test_worker_conditions(self):
+        me, other = self.w.addr, "10.9.9.9:1"
+        ev = self.c.run(script({"token": "mine", "if_worker": me},
+                               {"token": "theirs", "if_worker": other},
+                               {"token": "not-mine", "unless_worker": me},
+                               {"fail": {"code": "UNAVAILABLE"}, "unless_worker": me},
+                               {"crash": True, "if_worker": other},
+                               {"complete": "done"}), session="cond-1")
+        self.assertEqual([e.token.text for e in ev if e.HasField("token")], ["mine"])
+        self.assertEqual(ev[-1].completion.final_response, "done")
+
     # ---- malformed scripts ----
     def test_malformed_scripts(self):
         cases = [
@@ -408,6 +434,9 @@ class DevworkerTest(unittest.TestCase):
             (script({"decomposition": {"title": "x"}}), "decomposition: expected an array", ""),
             (script({"checkpoint": {"stat": "x"}}), "checkpoint.stat: unknown field", ""),
             (script({"step_progress": {"tool_calls_errored": -1}}), "out of range", ""),
+            (script({"fail": {"code": "OK"}}), "fail.code: unknown gRPC status", "/0/fail/code"),
+            (script({"fail": {"message": "x"}}), "fail.code: required", "/0/fail/code"),
+            (script({"token": "a", "if_worker": 5}), "if_worker: expected a worker id", ""),
         ]
         for msg, want, pointer in cases:
             with self.subTest(msg=msg):
