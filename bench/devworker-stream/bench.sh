@@ -58,6 +58,7 @@ done
 TOKEN=$(UPSQUAD_JWT_SECRET=$SECRET UPSQUAD_JWT_AUDIENCE=upsquad "$BIN/upsquad-token" \
     --sub orchestrator --org bench --ttl 3600)
 
+LOADAVG_START=$(cut -d' ' -f1-3 /proc/loadavg)
 : >"$TMP/runs.jsonl"
 for round in $(seq "$ROUNDS"); do
     for s in step bare1 bare2; do
@@ -71,7 +72,8 @@ for round in $(seq "$ROUNDS"); do
     done
 done
 
-export N ROUNDS
+LOADAVG_END=$(cut -d' ' -f1-3 /proc/loadavg)
+export N ROUNDS LOADAVG_START LOADAVG_END
 "$PY" - "$TMP/runs.jsonl" "$OUT/devworker.md" <<'EOF'
 import json, os, statistics, sys, time
 runs = [json.loads(l) for l in open(sys.argv[1])]
@@ -84,8 +86,11 @@ N = int(os.environ["N"])
 lines = []
 lines.append("# devworker token stream (%s)" % time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 lines.append("")
-lines.append("One stream of %d messages, read by the same client; medians of %s runs." %
-             (N, os.environ["ROUNDS"]))
+lines.append("One stream of %d messages, read by the same client; medians of %s runs; load "
+             "average %s at the start, %s at the end (2 cores: above 2, every figure is "
+             "squeezed, the devworker's two-thread pipeline more than the bare one-thread "
+             "server)." % (N, os.environ["ROUNDS"], os.environ["LOADAVG_START"],
+                          os.environ["LOADAVG_END"]))
 lines.append("")
 lines.append("| server | msgs/s | first message ms | gap p50 us | gap p99 us |")
 lines.append("|---|---|---|---|---|")

@@ -38,6 +38,7 @@ typedef struct reporter {
     int64_t next_hb;        /* monotonic ms */
     char *hb_token;         /* cached heartbeat bearer */
     int64_t hb_token_renew; /* monotonic ms at which it is re-minted */
+    int refused;            /* last non-transient Heartbeat status (0 = acknowledged) */
 } reporter;
 
 static int64_t mono_ms(void) {
@@ -168,8 +169,16 @@ static int heartbeat_round(reporter *r, char *why, size_t whylen) {
     }
     pthread_mutex_unlock(&w->mu);
     code = heartbeat(r, "", active, why, whylen);
-    if (code == RPC_UNAUTHENTICATED || code == RPC_PERMISSION_DENIED)
-        log_warn("heartbeat.refused", "%s", why); /* a key or audience mismatch: say it */
+    /* the orchestrator is there but says no (a key or audience mismatch, no Heartbeat yet):
+     * say it once per change of answer, not every interval */
+    int refused = transient(code) ? r->refused : code;
+    if (refused != r->refused) {
+        if (refused != RPC_OK)
+            log_warn("heartbeat.refused", "%s", why);
+        else
+            log_info("heartbeat.accepted", "heartbeats acknowledged again");
+        r->refused = refused;
+    }
     for (int i = 0; i < n && !transient(code); i++)
         code = heartbeat(r, ids[i], active, why, whylen);
     free(ids);

@@ -82,6 +82,8 @@ class FakeOrchestrator:
             claims = claims_of(auth[7:])
         except Exception as e:  # noqa: BLE001
             context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        if claims.get("aud") != "upsquad" or claims.get("exp", 0) < time.time():
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong audience or expired")
         return md, claims
 
     def heartbeat(self, req, context):
@@ -640,7 +642,9 @@ class UnreachableOrchestratorTest(unittest.TestCase):
             ev = c.run("while down", session="down-1")
             self.assertEqual(ev[-1].completion.final_response, "echo: while down")
             time.sleep(1.0)
-            self.assertGreaterEqual(w.metric("devworker_heartbeats_total", 'result="failed"'), 2)
+            # backing off (200, 300, 300 ms …), not hammering: a handful of tries in a second
+            failed = w.metric("devworker_heartbeats_total", 'result="failed"')
+            self.assertTrue(2 <= failed <= 8, failed)
             orch = FakeOrchestrator(port)
             self.assertTrue(orch.wait_for("heartbeats", lambda x: True, timeout=5))
             hits = orch.wait_for("checkpoints", lambda x: x[0].session_id == "down-1")
@@ -657,6 +661,23 @@ class UnreachableOrchestratorTest(unittest.TestCase):
         # once per change of state, however many retries failed
         self.assertEqual(log.count("orchestrator.unreachable"), 1, log[-2000:])
         self.assertEqual(log.count("orchestrator.reachable"), 1, log[-2000:])
+
+    def test_refused_heartbeats_are_logged_once(self):
+        orch = FakeOrchestrator()
+        w = start_worker(orch.addr, env={"UPSQUAD_JWT_AUDIENCE": "someone-else",
+                                         "UPSQUAD_LOG_LEVEL": "info"})
+        try:
+            time.sleep(1.0)  # five intervals, every heartbeat refused (wrong audience)
+            self.assertGreaterEqual(w.metric("devworker_heartbeats_total", 'result="failed"'), 3)
+            self.assertEqual(w.metric("devworker_heartbeats_total", 'result="ok"'), 0)
+        finally:
+            w.signal(signal.SIGTERM)
+            w.wait(10)
+            log = w.proc.stderr.read()
+            w.stop()
+            orch.stop()
+        self.assertEqual(log.count("heartbeat.refused"), 1, log[-2000:])
+        self.assertNotIn("orchestrator.unreachable", log)
 
     def test_refused_checkpoint_is_dropped_not_retried(self):
         orch = FakeOrchestrator(checkpoint_code=grpc.StatusCode.ALREADY_EXISTS)
