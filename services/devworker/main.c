@@ -1,5 +1,6 @@
 /* devworker: wiring only (docs/devworker.md). */
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "handlers.h"
 #include "service.h"
@@ -23,6 +24,10 @@ static void fini(void *state) {
 
 int main(int argc, char **argv) {
     size_t n;
+    /* A devworker step mostly waits (delay_ms, sleep_ms, hang), holding a stream worker thread
+     * all along: a larger default pool, so a test with many waiting steps does not queue the
+     * next one behind them. The variable still wins when set (docs/devworker.md). */
+    setenv("UPSQUAD_RPC_STREAM_WORKERS", "128", 0);
     const cfg_var *vars = dw_config_vars(&n);
     svc_def def = {
         .name = "devworker",

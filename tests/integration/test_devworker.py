@@ -518,6 +518,22 @@ class DevworkerTest(unittest.TestCase):
         self.assertEqual(self.c.run("still here")[-1].completion.final_response,
                          "echo: still here")
 
+    def test_many_waiting_steps_run_at_once(self):
+        its = [self.c.step(R.ExecuteStepRequest(session_id="many-%d" % i, user_message=script(
+            {"token": "x"}, {"hang": True})), metadata=self.c.md(), timeout=TIMEOUT)
+            for i in range(40)]
+        try:
+            for it in its:  # each has started: none queued behind the hanging ones
+                self.assertEqual(next(it).token.text, "x")
+            self.assertEqual(self.w.metric("devworker_steps_in_flight"), 40.0)
+        finally:
+            for it in its:
+                it.cancel()
+        deadline = time.time() + 3
+        while self.w.metric("devworker_steps_in_flight") != 0.0 and time.time() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(self.w.metric("devworker_steps_in_flight"), 0.0)
+
     def test_sleep_is_cancelled_by_the_deadline(self):
         t0 = time.time()
         with self.assertRaises(grpc.RpcError) as cm:
