@@ -25,7 +25,8 @@ typedef Upsquad__Runtime__V1__CheckpointEvent CheckpointEvent;
 
 #define WAIT_SLICE_MS 5 /* how often a wait looks at cancellation: the latency of a cancel */
 
-enum { RUN_OK = 0, RUN_GONE = -1, RUN_TERMINATED = -2, RUN_FAILED = -3 };
+/* RUN_STOP: the step ends here, normally (status OK, no final iteration) */
+enum { RUN_OK = 0, RUN_GONE = -1, RUN_TERMINATED = -2, RUN_FAILED = -3, RUN_STOP = -4 };
 
 typedef struct run {
     dw_worker *w;
@@ -341,6 +342,13 @@ static int run_op(run *r, const dw_op *op) {
         return rc;
     }
     case DW_OP_CRASH:
+        if (!r->w->cfg->allow_crash) {
+            rc = send_error(r, "CRASH_DISABLED",
+                            "the crash directive is disabled on this worker "
+                            "(UPSQUAD_DEVWORKER_ALLOW_CRASH=false)",
+                            NULL);
+            return rc == RUN_OK ? RUN_STOP : rc;
+        }
         /* what was sent reaches the client (a crash after N events shows N events), then the
          * process exits as a crashed worker would: no status, the connection drops */
         for (int i = 0; i < 400 && rpc_stream_queued(r->call) > 0; i++)
@@ -376,7 +384,7 @@ static int resume_point(run *r, size_t n_ops, int *start) {
         rc = send_error(r, "RESUME_INVALID",
                         "ask_user_resume.checkpoint is not a devworker frozen turn", NULL);
         cJSON_Delete(o);
-        return rc == RUN_OK ? RUN_TERMINATED : rc;
+        return rc == RUN_OK ? RUN_STOP : rc;
     }
     *start = at->valueint;
     /* the answer as the tool result: answer_tool_result is {tool_call_id, result} */

@@ -51,6 +51,11 @@ static const cfg_var vars[] = {
      &C.checkpoint_ver, 1, 2147483647LL},
     {"UPSQUAD_DEVWORKER_CHECKPOINTS", CFG_BOOL, "true",
      "send RuntimeService.Checkpoint at the end of each loop iteration", &C.checkpoints_enabled},
+    {"UPSQUAD_DEVWORKER_ALLOW_CRASH", CFG_BOOL, "true",
+     "obey the `crash` directive (the process exits); false on a shared dev cluster, where a "
+     "chat message must not take the worker down: the step then ends with ErrorEvent "
+     "CRASH_DISABLED",
+     &C.allow_crash},
     {"UPSQUAD_DEVWORKER_MAX_SCRIPT_ELEMENTS", CFG_INT, "10000",
      "directives per script; a longer script is malformed", &C.max_script, 1, 1000000},
 };

@@ -38,6 +38,7 @@ typedef struct dw_config {
     long long checkpoint_ver;   /* UPSQUAD_DEVWORKER_CHECKPOINT_VERSION */
     long long max_script;       /* UPSQUAD_DEVWORKER_MAX_SCRIPT_ELEMENTS */
     int checkpoints_enabled;    /* UPSQUAD_DEVWORKER_CHECKPOINTS */
+    int allow_crash;            /* UPSQUAD_DEVWORKER_ALLOW_CRASH */
     /* signing (shared variables, read again here: the worker mints its own bearer) */
     char *jwt_secret, *jwt_audience, *jwt_issuer;
     /* the service's certificate doubles as the client certificate towards the orchestrator */

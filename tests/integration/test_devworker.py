@@ -332,6 +332,10 @@ class DevworkerTest(unittest.TestCase):
         self.assertEqual((tr.tool_call_id, tr.tool_name, json.loads(tr.result)["choice"]),
                          ("call-1", "ask_user", "prod"))
         self.assertEqual(ev2[-1].completion.final_response, "deployed")
+        ev3 = self.c.run(sc, session="ask-1", ask_user_resume=R.AskUserResume(
+            checkpoint=b"not a frozen turn", answer_tool_result=answer.encode()))
+        self.assertEqual(arms(ev3), ["error"])
+        self.assertEqual(ev3[0].error.code, "RESUME_INVALID")
 
     def test_inspect_shows_the_request_without_secrets(self):
         key = "sk-ant-" + secrets.token_hex(12)
@@ -576,6 +580,18 @@ class DevworkerTest(unittest.TestCase):
             self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
             self.assertEqual([e.token.text for e in got], ["one", " two", " three"])
             self.assertEqual(w.wait(5), 3)
+        finally:
+            c.close()
+            w.stop()
+
+    def test_crash_can_be_disabled(self):
+        w = start_worker(env={"UPSQUAD_DEVWORKER_ALLOW_CRASH": "false"})
+        c = Client(w.addr)
+        try:
+            ev = c.run(script({"token": "a"}, {"crash": True}, {"complete": "no"}))
+            self.assertEqual(arms(ev), ["token", "error"])
+            self.assertEqual(ev[-1].error.code, "CRASH_DISABLED")
+            self.assertIsNone(w.proc.poll())
         finally:
             c.close()
             w.stop()
