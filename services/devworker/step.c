@@ -326,7 +326,7 @@ static int run_op(run *r, const dw_op *op) {
     case DW_OP_SLEEP:
         return wait_ms(r, op->ms);
     case DW_OP_HANG:
-        log_info("step.hang", "session %s: hanging until cancelled", r->rq->session_id);
+        log_info("step.hang", "session %s: hanging until the caller goes away", r->rq->session_id);
         return wait_ms(r, -1);
     case DW_OP_CHECKPOINT:
         return end_iteration(r, op->text, 1);
@@ -478,7 +478,9 @@ int dw_step_run(dw_worker *w, rpc_call *call, const StepRequest *rq) {
         return rpc_error(call, r.fail_code, "%s", r.fail_text ? r.fail_text : "failed by script");
     if (rc == RUN_GONE) {
         metric_inc(w->m_steps_cancelled);
-        log_debug("step.cancelled", "session %s: the caller went away", rq->session_id);
+        /* one line per step the caller abandoned: tests of cancel propagation look for it */
+        log_info("step.cancelled", "session %s: cancelled by the caller after %ld events",
+                 rq->session_id, r.events);
         return rpc_error(call, RPC_CANCELLED, "cancelled");
     }
     return RPC_OK;

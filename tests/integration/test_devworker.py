@@ -694,6 +694,29 @@ class UnreachableOrchestratorTest(unittest.TestCase):
         self.assertEqual(log.count("orchestrator.unreachable"), 1, log[-2000:])
         self.assertEqual(log.count("orchestrator.reachable"), 1, log[-2000:])
 
+    def test_a_cancelled_step_is_logged(self):
+        w = start_worker(env={"UPSQUAD_LOG_LEVEL": "info"})
+        c = Client(w.addr)
+        try:
+            it = c.step(R.ExecuteStepRequest(session_id="log-1", user_message=script(
+                {"token": "x"}, {"hang": True})), metadata=c.md(), timeout=TIMEOUT)
+            next(it)
+            it.cancel()
+            deadline = time.time() + 3
+            while w.metric("devworker_steps_cancelled_total") < 1 and time.time() < deadline:
+                time.sleep(0.01)
+        finally:
+            c.close()
+            w.signal(signal.SIGTERM)
+            w.wait(10)
+            log = w.proc.stderr.read()
+            w.stop()
+        lines = [json.loads(l) for l in log.splitlines() if l.startswith("{")]
+        hits = [l for l in lines if l["event"] == "step.cancelled"]
+        self.assertEqual(len(hits), 1, log[-2000:])
+        self.assertIn("log-1", hits[0]["msg"])
+        self.assertEqual(hits[0]["level"], "info")
+
     def test_refused_heartbeats_are_logged_once(self):
         orch = FakeOrchestrator()
         w = start_worker(orch.addr, env={"UPSQUAD_JWT_AUDIENCE": "someone-else",
