@@ -13,10 +13,9 @@
 #include <cjson/cJSON.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
+#include "auth_claims.h"
 #include "ids.h"
-#include "inspect.h"
 #include "log.h"
 #include "step.h"
 #include "upsquad/runtime/v1/runtime.pb-c.h"
@@ -34,41 +33,10 @@ typedef Upsquad__Runtime__V1__CheckpointResponse CkResponse;
 
 /* ---------------------------------------------------------------- auth ---- */
 
-/* The claims of the bearer in an `authorization` value (already verified); caller deletes. */
-static cJSON *token_claims(const char *authorization) {
-    const char *t = authorization;
-    if (t == NULL || strncasecmp(t, "bearer ", 7) != 0) return NULL;
-    t += 7;
-    while (*t == ' ')
-        t++;
-    return dw_jws_claims(t);
-}
-
-int dw_token_has_scope(const char *authorization, const char *scope) {
-    cJSON *o = token_claims(authorization);
-    const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "scope"), *it;
-    int found = 0;
-    size_t sl = strlen(scope);
-    if (cJSON_IsString(s)) { /* RFC 8693: space-separated */
-        for (const char *p = s->valuestring; *p && !found;) {
-            while (*p == ' ')
-                p++;
-            size_t wl = strcspn(p, " ");
-            found = wl == sl && strncmp(p, scope, sl) == 0;
-            p += wl;
-        }
-    } else if (cJSON_IsArray(s)) {
-        cJSON_ArrayForEach(it, s) found |=
-            cJSON_IsString(it) && strcmp(it->valuestring, scope) == 0;
-    }
-    cJSON_Delete(o);
-    return found;
-}
-
 static int authorize(rpc_call *call, dw_worker *w) {
     const char *need = w->cfg->require_scope;
     if (need == NULL || need[0] == 0) return RPC_OK;
-    if (!dw_token_has_scope(rpc_metadata(call, "authorization"), need))
+    if (!auth_bearer_has_scope(rpc_metadata(call, "authorization"), need))
         return rpc_error(call, RPC_PERMISSION_DENIED, "the token does not carry scope %s", need);
     return RPC_OK;
 }

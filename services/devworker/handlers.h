@@ -14,7 +14,4 @@
 /* Registers the methods with w (borrowed; must outlive the server) as their state. */
 int dw_handlers_register(rpc_server *srv, dw_worker *w);
 
-/* 1 when the verified bearer in `authorization` carries scope (exposed for tests). */
-int dw_token_has_scope(const char *authorization, const char *scope);
-
 #endif

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "auth_claims.h"
 #include "google/protobuf/struct.pb-c.h"
 #include "google/protobuf/timestamp.pb-c.h"
 #include "ids.h"
@@ -182,34 +183,8 @@ cJSON *dw_pb_to_json(const ProtobufCMessage *m) {
     return o;
 }
 
-cJSON *dw_jws_claims(const char *tok) {
-    const char *dot1 = tok ? strchr(tok, '.') : NULL, *dot2 = dot1 ? strchr(dot1 + 1, '.') : NULL;
-    cJSON *out = NULL;
-    if (!dot2) return NULL;
-    size_t n = (size_t)(dot2 - dot1 - 1);
-    if (n == 0 || n > 65536) return NULL;
-    char *b64 = malloc(n + 4), *raw = malloc(n + 4);
-    if (b64 && raw) {
-        for (size_t i = 0; i < n; i++) { /* base64url -> base64, padded */
-            char c = dot1[1 + i];
-            b64[i] = c == '-' ? '+' : c == '_' ? '/' : c;
-        }
-        size_t m = n, pad = 0;
-        while (m % 4) {
-            b64[m++] = '=';
-            pad++;
-        }
-        /* EVP_DecodeBlock counts the padding as zero bytes */
-        int len = EVP_DecodeBlock((unsigned char *)raw, (unsigned char *)b64, (int)m);
-        if (len >= (int)pad) out = cJSON_ParseWithLength(raw, (size_t)len - pad);
-    }
-    free(b64);
-    free(raw);
-    return out;
-}
-
 static cJSON *claims_json(const char *tok) {
-    cJSON *c = dw_jws_claims(tok);
+    cJSON *c = auth_claims_decode(tok);
     return c ? c : cJSON_CreateString("(not a JWS)");
 }
 

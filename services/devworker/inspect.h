@@ -21,9 +21,4 @@ char *dw_inspect_json(dw_worker *w, const Upsquad__Runtime__V1__ExecuteStepReque
 /* Any protobuf-c message as JSON (the mapping above, no redaction). Caller deletes. */
 cJSON *dw_pb_to_json(const ProtobufCMessage *m);
 
-/* The decoded claims of a compact JWS "header.claims.signature" (the signature is neither
- * checked nor kept: callers verified the token, or only show its claims). Caller deletes; NULL
- * when tok is not a JWS with a JSON object payload. */
-cJSON *dw_jws_claims(const char *tok);
-
 #endif

@@ -11,6 +11,7 @@
 #include <cmocka.h>
 
 #include "../../../services/devworker/inspect.h"
+#include "auth_claims.h"
 #include "../../../services/devworker/price.h"
 #include "../../../services/devworker/script.h"
 
@@ -184,14 +185,14 @@ static void test_prices(void **st) {
 static void test_jws_claims(void **st) {
     (void)st;
     /* {"alg":"HS256"} . {"sub":"a","n":1} . sig */
-    cJSON *c = dw_jws_claims("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJhIiwibiI6MX0.c2ln");
+    cJSON *c = auth_claims_decode("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJhIiwibiI6MX0.c2ln");
     assert_non_null(c);
     assert_string_equal(cJSON_GetObjectItem(c, "sub")->valuestring, "a");
     cJSON_Delete(c);
-    assert_null(dw_jws_claims("no-dots"));
-    assert_null(dw_jws_claims("a..b"));
-    assert_null(dw_jws_claims("a.!!!!.b"));
-    assert_null(dw_jws_claims(NULL));
+    assert_null(auth_claims_decode("no-dots"));
+    assert_null(auth_claims_decode("a..b"));
+    assert_null(auth_claims_decode("a.!!!!.b"));
+    assert_null(auth_claims_decode(NULL));
 }
 
 static void test_pb_to_json(void **st) {
