@@ -44,7 +44,8 @@ typedef struct pctx {
     char path[256];  /* "tool_call.arguments" */
     char *err, *ptr; /* outputs */
     size_t errlen, ptrlen;
-    int failed; /* 1 = the message says out of memory */
+    int failed;    /* 1 = the message says out of memory */
+    int hide_next; /* the next member name is implied (a shorthand array) */
 } pctx;
 
 /* ---------------------------------------------------------------- arena ---- */
@@ -366,6 +367,7 @@ static int set_field(pctx *c, const cJSON *j, const ProtobufCFieldDescriptor *f,
             cJSON *tmp = NULL;
             const cJSON *v = it;
             if (f->type == PROTOBUF_C_TYPE_MESSAGE) v = unwrap_single(it, f->descriptor, &tmp);
+            c->hide_next = tmp != NULL; /* errors point into what the author wrote */
             int rc = set_scalar(c, v, f, depth, arr + (size_t)i * es);
             cJSON_Delete(tmp);
             if (rc) return -1;
@@ -397,7 +399,11 @@ static int from_json(pctx *c, const cJSON *j, const ProtobufCMessageDescriptor *
     cJSON_ArrayForEach(it, j) {
         const ProtobufCFieldDescriptor *f =
             protobuf_c_message_descriptor_get_field_by_name(d, it->string);
-        size_t mark = path_push(c, it->string, 0);
+        size_t mark = strlen(c->path);
+        if (c->hide_next)
+            c->hide_next = 0;
+        else
+            path_push(c, it->string, 0);
         if (f == NULL) return fail(c, "unknown field (%s has no field of that name)", d->name);
         if (set_field(c, it, f, depth, m)) return -1;
         path_pop(c, mark);
