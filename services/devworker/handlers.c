@@ -66,11 +66,21 @@ static int execute_step(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     return dw_step_run(w, call, rq);
 }
 
-/* The loop iteration a resumed body names (our own deterministic body), else fallback. */
-static int32_t resumed_iteration(const uint8_t *body, size_t len, int32_t fallback) {
+/* What a resumed body (our own deterministic JSON) names: the loop iteration (else fallback)
+ * and a suspension after an interrupt, recorded for the session's next step. */
+static int32_t restore_body(dw_worker *w, const char *session_id, const uint8_t *body, size_t len,
+                            int32_t fallback) {
     cJSON *o = cJSON_ParseWithLength((const char *)body, len);
     const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, "loop_iteration");
+    const cJSON *at = cJSON_GetObjectItemCaseSensitive(o, "suspended_at");
+    const cJSON *sha = cJSON_GetObjectItemCaseSensitive(o, "message_sha256");
+    const cJSON *call = cJSON_GetObjectItemCaseSensitive(o, "tool_call_id");
+    const cJSON *tool = cJSON_GetObjectItemCaseSensitive(o, "tool_name");
     int32_t v = cJSON_IsNumber(it) && it->valueint >= 0 ? it->valueint : fallback;
+    if (cJSON_IsNumber(at) && at->valueint > 0 && cJSON_IsString(sha) && cJSON_IsString(call) &&
+        cJSON_IsString(tool))
+        dw_session_set_resume(w, session_id, at->valueint, sha->valuestring, call->valuestring,
+                              tool->valuestring);
     cJSON_Delete(o);
     return v;
 }
@@ -109,8 +119,13 @@ static int init_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
             log_warn("session.resume_refused", "session %s: %s", s->session_id, out->error_message);
             return RPC_OK;
         }
-        next = resumed_iteration(ck->data + 4, ck->len - 4, rq->resume_loop_iteration) + 1;
     }
+    /* a fresh init forgets an earlier suspension; a resumed one may name one */
+    dw_session_set_resume(w, s->session_id, 0, "", "", "");
+    if (ck->len > 0)
+        next =
+            restore_body(w, s->session_id, ck->data + 4, ck->len - 4, rq->resume_loop_iteration) +
+            1;
     dw_session_init(w, s->session_id, s->tenant_id, s->model_id, next);
     if (ck->len > 0) {
         char hash[65];

@@ -44,6 +44,10 @@ typedef struct run {
     int dirty;           /* events since the last iteration end */
     long events;         /* events sent */
     const char *last_call_id, *last_call_name;
+    int suspend_at;    /* interrupt: the element the step resumes at (0: none) */
+    int32_t resume_at; /* a restored suspension of this message: resume there (0: none) */
+    char resume_call[DW_ID_MAX], resume_tool[DW_ID_MAX];
+    const char *susp_call, *susp_tool;
     int fail_code;         /* the `fail` directive that ended the step: its status and */
     const char *fail_text; /* message, in the call arena (the script is freed before) */
 } run;
@@ -148,7 +152,11 @@ static char *default_body(run *r) {
         cJSON_AddNumberToObject(o, "loop_iteration", r->iter) &&
         cJSON_AddStringToObject(o, "message_sha256", r->message_sha) &&
         cJSON_AddNumberToObject(o, "tokens", r->token_index) &&
-        cJSON_AddNumberToObject(o, "events", (double)r->events))
+        cJSON_AddNumberToObject(o, "events", (double)r->events) &&
+        (r->suspend_at == 0 ||
+         (cJSON_AddNumberToObject(o, "suspended_at", r->suspend_at) &&
+          cJSON_AddStringToObject(o, "tool_call_id", r->susp_call ? r->susp_call : "") &&
+          cJSON_AddStringToObject(o, "tool_name", r->susp_tool ? r->susp_tool : ""))))
         txt = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
     char *copy = txt ? rpc_strdup(r->call, txt) : NULL;
@@ -368,12 +376,33 @@ static int run_op(run *r, const dw_op *op) {
     return RUN_OK;
 }
 
+/* A suspension restored by InitWorkerSession (an approved interrupt): the gated call runs
+ * now — its tool_result — and the script goes on after the interrupt. */
+static int resume_suspended(run *r, size_t n_ops, int *start) {
+    const char *call_id = r->resume_call, *tool = r->resume_tool;
+    int32_t at = r->resume_at;
+    if (at <= 0 || (size_t)at > n_ops) return RUN_OK;
+    Upsquad__Runtime__V1__ExecuteStepEvent ev = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__INIT;
+    Upsquad__Runtime__V1__ToolResultEvent tr = UPSQUAD__RUNTIME__V1__TOOL_RESULT_EVENT__INIT;
+    tr.tool_call_id = (char *)call_id;
+    tr.tool_name = (char *)tool;
+    tr.result = "{\"approved\":true}";
+    ev.event_case = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_RESULT;
+    ev.tool_result = &tr;
+    log_info("step.resumed", "session %s: resuming after the approved call %s", r->rq->session_id,
+             call_id);
+    int rc = send_event(r, &ev);
+    if (rc == RUN_OK) rc = end_iteration(r, NULL, 0);
+    *start = at;
+    return rc;
+}
+
 /* AskUserResume: the resume point from the frozen turn, and the answer spliced as the
  * ask_user tool's result. Returns the op index to start at (0 when not resuming). */
 static int resume_point(run *r, size_t n_ops, int *start) {
     const Upsquad__Runtime__V1__AskUserResume *ar = r->rq->ask_user_resume;
     *start = 0;
-    if (ar == NULL || ar->checkpoint.len == 0) return RUN_OK;
+    if (ar == NULL || ar->checkpoint.len == 0) return resume_suspended(r, n_ops, start);
     char *txt = rpc_strndup(r->call, (const char *)ar->checkpoint.data, ar->checkpoint.len);
     cJSON *o = txt ? cJSON_Parse(txt) : NULL;
     const cJSON *at = cJSON_GetObjectItemCaseSensitive(o, "resume_at");
@@ -435,7 +464,17 @@ static int run_script(run *r, const char *body) {
     for (size_t i = (size_t)start; i < n; i++) {
         if (!runs_here(r, &ops[i])) continue;
         if ((rc = run_op(r, &ops[i])) != RUN_OK) goto done;
-        if (ops[i].ends_step) break; /* interrupt / ask_user: the worker suspends */
+        if (ops[i].ends_step) { /* interrupt / ask_user: the worker suspends */
+            if (ops[i].ev->event_case ==
+                UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INTERRUPT_REQUIRED) {
+                /* the suspension rides the checkpoint: InitWorkerSession(resume_checkpoint)
+                 * with it resumes after the interrupt */
+                r->suspend_at = ops[i].index + 1;
+                r->susp_call = ops[i].ev->interrupt_required->tool_call_id;
+                r->susp_tool = ops[i].ev->interrupt_required->tool_name;
+            }
+            break;
+        }
     }
     if (r->dirty) rc = end_iteration(r, NULL, 0);
 done:
@@ -463,6 +502,10 @@ int dw_step_run(dw_worker *w, rpc_call *call, const StepRequest *rq) {
     dw_step_register(w, &r.ref);
     metric_inc(w->m_steps);
 
+    /* any step after a restore consumes its suspension; only the suspended script resumes */
+    if (!dw_session_take_resume(w, rq->session_id, r.message_sha, &r.resume_at, r.resume_call,
+                                r.resume_tool))
+        r.resume_at = 0;
     if (dw_script_detect(r.message, &body))
         rc = run_script(&r, body);
     else

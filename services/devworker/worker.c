@@ -179,6 +179,33 @@ int dw_session_get_state(dw_worker *w, rpc_call *call, const char *id, uint8_t *
     return rc;
 }
 
+void dw_session_set_resume(dw_worker *w, const char *id, int32_t at, const char *sha,
+                           const char *call_id, const char *tool) {
+    pthread_mutex_lock(&w->mu);
+    dw_session *s = get_locked(w, id);
+    s->resume_at = at;
+    snprintf(s->resume_sha, sizeof s->resume_sha, "%s", sha);
+    dw_copy_id(s->resume_call, call_id);
+    dw_copy_id(s->resume_tool, tool);
+    pthread_mutex_unlock(&w->mu);
+}
+
+int dw_session_take_resume(dw_worker *w, const char *id, const char *sha, int32_t *at,
+                           char call_id[DW_ID_MAX], char tool[DW_ID_MAX]) {
+    int hit = 0;
+    pthread_mutex_lock(&w->mu);
+    dw_session *s = find_locked(w, id);
+    if (s && s->resume_at > 0) {
+        hit = strcmp(s->resume_sha, sha) == 0;
+        *at = s->resume_at;
+        dw_copy_id(call_id, s->resume_call);
+        dw_copy_id(tool, s->resume_tool);
+        s->resume_at = 0; /* one resume per restore */
+    }
+    pthread_mutex_unlock(&w->mu);
+    return hit;
+}
+
 void dw_session_model(dw_worker *w, const char *id, char out[DW_ID_MAX]) {
     pthread_mutex_lock(&w->mu);
     dw_session *s = find_locked(w, id);

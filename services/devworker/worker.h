@@ -55,6 +55,11 @@ typedef struct dw_session {
     size_t state_len;
     char state_hash[65];
     uint64_t last_used; /* LRU eviction when the table is full */
+    /* a suspension restored by InitWorkerSession(resume_checkpoint): the next step running the
+     * same message resumes at element resume_at (after an approved interrupt) */
+    int32_t resume_at;   /* 0: none */
+    char resume_sha[65]; /* message_sha256 of the suspended script */
+    char resume_call[DW_ID_MAX], resume_tool[DW_ID_MAX];
 } dw_session;
 
 /* An ExecuteStep in flight: heartbeats name its session, TerminateSession stops it. */
@@ -121,6 +126,13 @@ int dw_session_get_state(dw_worker *w, rpc_call *call, const char *id, uint8_t *
 /* Initialises (or re-initialises) a session; next_iter = next. */
 void dw_session_init(dw_worker *w, const char *id, const char *tenant, const char *model,
                      int32_t next);
+/* Records a suspension to resume (InitWorkerSession with a suspended checkpoint). */
+void dw_session_set_resume(dw_worker *w, const char *id, int32_t at, const char *sha,
+                           const char *call_id, const char *tool);
+/* Takes the pending suspension of a session (cleared either way): 1 with *at, call_id and tool
+ * filled when the step's message is the suspended one (sha), else 0. */
+int dw_session_take_resume(dw_worker *w, const char *id, const char *sha, int32_t *at,
+                           char call_id[DW_ID_MAX], char tool[DW_ID_MAX]);
 /* Forgets the session and marks its in-flight steps terminated. */
 void dw_session_terminate(dw_worker *w, const char *id);
 /* The model id recorded for a session ("" when unknown), copied into out. */

@@ -308,6 +308,44 @@ class DevworkerTest(unittest.TestCase):
         self.assertEqual(json.loads(ir.pending_tool_intent), {"pr": 7})
         self.assertEqual(len(ir.idempotency_key), 64)
 
+    def test_interrupt_resumes_after_init_with_its_checkpoint(self):
+        sc = script({"tokens": "merging"},
+                    {"interrupt": {"tool_name": "github.merge", "pending_tool_intent": {"pr": 1}}},
+                    {"tokens": "merged"}, {"complete": "done"})
+        ev = self.c.run(sc, session="sus-1")
+        self.assertEqual(arms(ev)[-1], "interrupt_required")
+        state = self.c.call("Checkpoint", R.CheckpointRequest(session_id="sus-1")).state
+        body = json.loads(state[4:])
+        self.assertEqual((body["suspended_at"], body["tool_call_id"], body["tool_name"]),
+                         (2, "call-1", "github.merge"))
+        # the orchestrator received the same state
+        hits = self.orch.wait_for("checkpoints", lambda x: x[0].bytes == state)
+        self.assertTrue(hits)
+        # approval: any worker is initialised from it, and the same message resumes
+        w2 = start_worker()
+        c2 = Client(w2.addr)
+        try:
+            r = c2.call("InitWorkerSession", R.InitWorkerSessionRequest(
+                snapshot=R.SessionSnapshot(session_id="sus-1", model_id="gpt-5.5"),
+                resume_checkpoint=state, resume_loop_iteration=body["loop_iteration"]))
+            self.assertTrue(r.success)
+            ev = c2.run(sc, session="sus-1")
+            self.assertEqual(arms(ev), ["tool_result", "token", "completion"])
+            self.assertEqual((ev[0].tool_result.tool_call_id, ev[0].tool_result.tool_name,
+                              json.loads(ev[0].tool_result.result)),
+                             ("call-1", "github.merge", {"approved": True}))
+            self.assertEqual(ev[-1].completion.final_response, "done")
+            # one resume per restore: the next run of the message is a fresh turn
+            self.assertEqual(arms(c2.run(sc, session="sus-1"))[-1], "interrupt_required")
+            # another message after a restore does not resume either
+            c2.call("InitWorkerSession", R.InitWorkerSessionRequest(
+                snapshot=R.SessionSnapshot(session_id="sus-1"), resume_checkpoint=state))
+            self.assertEqual(arms(c2.run("hello", session="sus-1")), ["token", "token", "completion"])
+            self.assertEqual(arms(c2.run(sc, session="sus-1"))[-1], "interrupt_required")
+        finally:
+            c2.close()
+            w2.stop()
+
     def test_ask_user_and_resume(self):
         sc = script({"token": "Which?"},
                     {"ask_user": {"question_spec": {"question": "Which env?",
