@@ -246,6 +246,49 @@ static int run_echo(run *r) {
     return send_completion(r, &c, DW_F_USAGE | DW_F_ITERATIONS | DW_F_DURATION);
 }
 
+/* ---------------------------------------------------------------- plan ---- */
+
+/* The PLAN step of the autonomous loop with a plain goal: one todo per non-empty line of the
+ * goal (the whole goal when it is one line), as the DecompositionEvent, then a completion. A
+ * todo whose title is itself a script drives its own step (step_goal = the title). */
+static int run_plan(run *r) {
+    Upsquad__Runtime__V1__ExecuteStepEvent ev = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__INIT;
+    Upsquad__Runtime__V1__DecompositionEvent d = UPSQUAD__RUNTIME__V1__DECOMPOSITION_EVENT__INIT;
+    CompletionEvent c = UPSQUAD__RUNTIME__V1__COMPLETION_EVENT__INIT;
+    size_t cap = 1;
+    int rc;
+    for (const char *p = r->message; *p; p++)
+        cap += *p == '\n';
+    if (cap > DW_PLAN_MAX_TODOS) cap = DW_PLAN_MAX_TODOS;
+    d.todos = rpc_alloc(r->call, cap * sizeof *d.todos);
+    if (d.todos == NULL) return RUN_GONE;
+    for (const char *p = r->message; *p && d.n_todos < cap;) {
+        size_t n = strcspn(p, "\n");
+        const char *b = p, *e = p + n;
+        while (b < e && (*b == ' ' || *b == '\t' || *b == '\r'))
+            b++;
+        while (e > b && (e[-1] == ' ' || e[-1] == '\t' || e[-1] == '\r'))
+            e--;
+        if (e > b) {
+            Upsquad__Runtime__V1__TodoSpec *t = rpc_alloc(r->call, sizeof *t);
+            if (t == NULL) return RUN_GONE;
+            upsquad__runtime__v1__todo_spec__init(t);
+            t->id = rpc_sprintf(r->call, "todo-%zu", d.n_todos + 1);
+            t->title = rpc_strndup(r->call, b, (size_t)(e - b));
+            t->ordering = (uint32_t)d.n_todos;
+            if (!t->id || !t->title) return RUN_GONE;
+            d.todos[d.n_todos++] = t;
+        }
+        p += n + (p[n] == '\n');
+    }
+    ev.event_case = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_DECOMPOSITION;
+    ev.decomposition = &d;
+    if ((rc = send_event(r, &ev)) != RUN_OK) return rc;
+    c.final_response = rpc_sprintf(r->call, "planned %zu todo(s)", d.n_todos);
+    if (c.final_response == NULL) return RUN_GONE;
+    return send_completion(r, &c, DW_F_USAGE | DW_F_ITERATIONS | DW_F_DURATION);
+}
+
 /* ---------------------------------------------------------------- script ---- */
 
 static char *idem_key(run *r, const char *call_id) {
@@ -488,7 +531,11 @@ int dw_step_run(dw_worker *w, rpc_call *call, const StepRequest *rq) {
     run r = {.w = w, .call = call, .rq = rq};
     const char *body;
     int rc;
-    r.message = (rq->step_goal && rq->step_goal[0]) ? rq->step_goal : rq->user_message;
+    /* the cycle's intent: the step goal when the orchestrator drives the autonomous loop, but
+     * the PLAN step plans the goal itself (the user message) */
+    int plan = rq->step_goal && strcmp(rq->step_goal, DW_PLAN_GOAL) == 0 && rq->user_message &&
+               rq->user_message[0];
+    r.message = (rq->step_goal && rq->step_goal[0] && !plan) ? rq->step_goal : rq->user_message;
     r.tenant = rq->tenant_id ? rq->tenant_id : "";
     r.start_ms = now_ms();
     ids_sha256_hex(r.message, strlen(r.message), r.message_sha);
@@ -508,6 +555,8 @@ int dw_step_run(dw_worker *w, rpc_call *call, const StepRequest *rq) {
         r.resume_at = 0;
     if (dw_script_detect(r.message, &body))
         rc = run_script(&r, body);
+    else if (plan)
+        rc = run_plan(&r);
     else
         rc = run_echo(&r);
 

@@ -12,6 +12,10 @@
 #include "upsquad/runtime/v1/runtime.pb-c.h"
 #include "worker.h"
 
+/* The step_goal of the autonomous loop's PLAN step (spec: ExecuteStepRequest.step_goal). */
+#define DW_PLAN_GOAL "decompose goal into todo plan"
+#define DW_PLAN_MAX_TODOS 64 /* todos a plain goal is split into, at most */
+
 /* Runs the step to its end (or until the client cancels, the session is terminated, or a
  * `crash` directive exits the process). Returns the call's status. */
 int dw_step_run(dw_worker *w, rpc_call *call, const Upsquad__Runtime__V1__ExecuteStepRequest *rq);

@@ -204,8 +204,31 @@ class DevworkerTest(unittest.TestCase):
                          ("no-such-model", 0.0, 1, 2))
 
     def test_step_goal_wins_over_user_message(self):
-        ev = self.c.run("ignored", session="goal-1", step_goal="decompose goal into todo plan")
-        self.assertEqual(ev[-1].completion.final_response, "echo: decompose goal into todo plan")
+        ev = self.c.run("the goal", session="goal-1", step_goal="write the tests")
+        self.assertEqual(ev[-1].completion.final_response, "echo: write the tests")
+        ev = self.c.run("the goal", session="goal-1",
+                        step_goal=script({"tokens": "todo ran"}, {"complete": "ok"}))
+        self.assertEqual(arms(ev), ["token", "token", "completion"])
+
+    def test_plan_step_decomposes_the_goal(self):
+        plan = "decompose goal into todo plan"
+        ev = self.c.run("Collect the failing tests\n\n  Bisect the culprit \nFix it",
+                        session="plan-1", step_goal=plan,
+                        execution_mode=R.EXECUTION_MODE_AUTONOMOUS)
+        self.assertEqual(arms(ev), ["decomposition", "completion"])
+        todos = ev[0].decomposition.todos
+        self.assertEqual([(t.id, t.title, t.ordering) for t in todos],
+                         [("todo-1", "Collect the failing tests", 0),
+                          ("todo-2", "Bisect the culprit", 1), ("todo-3", "Fix it", 2)])
+        self.assertEqual(ev[-1].completion.final_response, "planned 3 todo(s)")
+        # a scripted goal plans itself (its decomposition titles may be scripts in turn)
+        todo = script({"tokens": "did it"}, {"complete": "done"})
+        ev = self.c.run(script({"decomposition": [todo]}, {"complete": "planned"}),
+                        session="plan-1", step_goal=plan)
+        self.assertEqual(arms(ev), ["decomposition", "completion"])
+        ev = self.c.run("the goal", session="plan-1",
+                        step_goal=ev[0].decomposition.todos[0].title)
+        self.assertEqual(ev[-1].completion.final_response, "done")
 
     # ---- directives ----
     def test_every_directive(self):
