@@ -95,9 +95,9 @@ static int security_ok(const cJSON *v, char *err, size_t errlen) {
                 return fail("/security_config/%s: one of strict, standard, permissive, disabled",
                             k);
         } else if (!strcmp(k, "schema_validation_mode")) {
-            if (!cJSON_IsString(m) || (strcmp(m->valuestring, "log_only") &&
-                                       strcmp(m->valuestring, "warn") &&
-                                       strcmp(m->valuestring, "block")))
+            if (!cJSON_IsString(m) ||
+                (strcmp(m->valuestring, "log_only") && strcmp(m->valuestring, "warn") &&
+                 strcmp(m->valuestring, "block")))
                 return fail("/security_config/%s: one of log_only, warn, block", k);
         } else if (!strcmp(k, "redact_secrets") || !strcmp(k, "redact_pii") ||
                    !strcmp(k, "redact_system_prompt") || !strcmp(k, "tool_scan_enabled")) {
@@ -115,7 +115,8 @@ static int security_ok(const cJSON *v, char *err, size_t errlen) {
 }
 
 static int mcp_ok(const cJSON *v, char *err, size_t errlen) {
-    if (!cJSON_IsObject(v)) return fail("/mcp_servers: must be an object of server id -> {prefix, unit_id}");
+    if (!cJSON_IsObject(v))
+        return fail("/mcp_servers: must be an object of server id -> {prefix, unit_id}");
     if (cJSON_GetArraySize(v) > 64) return fail("/mcp_servers: at most 64 servers");
     for (const cJSON *s = v->child; s; s = s->next) {
         if (!s->string[0] || strlen(s->string) > 128)
@@ -171,9 +172,9 @@ int agentdef_validate(const cJSON *doc, char *err, size_t errlen) {
         } else if (!strcmp(k, "max_loops")) {
             if (!num_in(m, 1, 100, 1)) return fail("/max_loops: an integer in 1..100");
         } else if (!strcmp(k, "execution_mode")) {
-            if (!cJSON_IsString(m) || (strcmp(m->valuestring, "single_turn") &&
-                                       strcmp(m->valuestring, "multi_turn") &&
-                                       strcmp(m->valuestring, "autonomous")))
+            if (!cJSON_IsString(m) ||
+                (strcmp(m->valuestring, "single_turn") && strcmp(m->valuestring, "multi_turn") &&
+                 strcmp(m->valuestring, "autonomous")))
                 return fail("/execution_mode: one of single_turn, multi_turn, autonomous");
         } else if (!strcmp(k, "runtime")) {
             if (!cJSON_IsString(m) ||
@@ -305,10 +306,11 @@ static SecurityConfig *security(orch_arena *a, const cJSON *doc) {
         orch_arena_strdup(a, str_of(o, "schema_validation_mode", "log_only"));
     s->tool_scan_enabled = bool_of(o, "tool_scan_enabled", 1);
     s->tool_result_max_bytes = (int32_t)num_of(o, "tool_result_max_bytes", 65536);
-    s->custom_block_patterns = patterns(
-        a, cJSON_GetObjectItemCaseSensitive(o, "custom_block_patterns"), &s->n_custom_block_patterns);
-    s->custom_pii_patterns = patterns(
-        a, cJSON_GetObjectItemCaseSensitive(o, "custom_pii_patterns"), &s->n_custom_pii_patterns);
+    s->custom_block_patterns =
+        patterns(a, cJSON_GetObjectItemCaseSensitive(o, "custom_block_patterns"),
+                 &s->n_custom_block_patterns);
+    s->custom_pii_patterns = patterns(a, cJSON_GetObjectItemCaseSensitive(o, "custom_pii_patterns"),
+                                      &s->n_custom_pii_patterns);
     return s;
 }
 
@@ -320,8 +322,8 @@ SessionSnapshot *agentdef_freeze(orch_arena *a, const cJSON *doc, const char *se
     if (!s || !fc) return NULL;
     upsquad__runtime__v1__session_snapshot__init(s);
     upsquad__runtime__v1__fallback_chain__init(fc);
-    const char *model = model_override && model_override[0] ? model_override
-                                                             : str_of(doc, "model", "");
+    const char *model =
+        model_override && model_override[0] ? model_override : str_of(doc, "model", "");
     s->session_id = orch_arena_strdup(a, session_id);
     s->tenant_id = orch_arena_strdup(a, org_id);
     s->agent_id = orch_arena_strdup(a, agent_id);

@@ -26,8 +26,8 @@ int keys_ring_parse(const char *spec, keys_ring *out, char *err, size_t errlen) 
         const char *end = strchr(p, ',');
         if (!end) end = p + strlen(p);
         if (!colon || colon > end || colon == p || (size_t)(colon - p) >= KEYS_KID_MAX)
-            return util_errf(err, errlen, -1,
-                             "UPSQUAD_KEK: entry %zu: expected kid:64-hex-digits", out->n + 1);
+            return util_errf(err, errlen, -1, "UPSQUAD_KEK: entry %zu: expected kid:64-hex-digits",
+                             out->n + 1);
         if (out->n == KEYS_MAX_KEKS)
             return util_errf(err, errlen, -1, "UPSQUAD_KEK: at most %d keys", KEYS_MAX_KEKS);
         if (end - colon - 1 != 64)

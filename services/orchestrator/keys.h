@@ -2,8 +2,9 @@
  *
  * UPSQUAD_KEK holds one or more KEKs, "kid:hex64[,kid:hex64...]": the FIRST encrypts, every
  * one decrypts (rotation: put the new KEK first and keep the old ones until `keys set` has
- * re-encrypted every row that names them). Each row records its kid. The additional authenticated data is "org_id:provider", so a ciphertext copied to
- * another org or provider does not decrypt. Clear keys are never logged. */
+ * re-encrypted every row that names them). Each row records its kid. The additional authenticated
+ * data is "org_id:provider", so a ciphertext copied to another org or provider does not decrypt.
+ * Clear keys are never logged. */
 #ifndef UPSQUAD_ORCH_KEYS_H
 #define UPSQUAD_ORCH_KEYS_H
 

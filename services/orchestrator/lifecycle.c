@@ -133,8 +133,8 @@ static int get_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
  * case-insensitive. */
 static int parse_filter(const char *f, const char **state, int *status) {
     static const char *states[] = {"initializing", "active", "terminated", "crashed"};
-    static const char *statuses[] = {"unspecified", "thinking", "acting", "complete", "error",
-                                     "suspended"};
+    static const char *statuses[] = {"unspecified", "thinking", "acting",
+                                     "complete",    "error",    "suspended"};
     *state = NULL;
     *status = -1;
     if (!f || !f[0]) return 0;
@@ -179,8 +179,9 @@ static int list_sessions(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
                          rq->status_filter);
     if (rq->page_size < 0)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "page_size: must not be negative");
-    q.page_size = rq->page_size == 0 ? DEFAULT_PAGE : rq->page_size > MAX_PAGE ? MAX_PAGE
-                                                                                 : rq->page_size;
+    q.page_size = rq->page_size == 0         ? DEFAULT_PAGE
+                  : rq->page_size > MAX_PAGE ? MAX_PAGE
+                                             : rq->page_size;
     if (rq->page_token[0] && parse_token(rq->page_token, &q.after_ms, after))
         return rpc_error(call, RPC_INVALID_ARGUMENT, "page_token: not a token this service issued");
     q.agent_id = rq->agent_id;
@@ -189,8 +190,8 @@ static int list_sessions(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     size_t n = 0;
     int more = 0;
     int64_t total = 0;
-    rc = orch_store_session_list(o->pool, rpc_identity(call)->org_id, &q, &rows, &n, &more,
-                                 &total, err, sizeof err);
+    rc = orch_store_session_list(o->pool, rpc_identity(call)->org_id, &q, &rows, &n, &more, &total,
+                                 err, sizeof err);
     if (rc != DB_OK) return store_error(call, "listing sessions", err);
     out->sessions = rpc_alloc(call, (n ? n : 1) * sizeof *out->sessions);
     for (size_t i = 0; i < n && out->sessions; i++) {
@@ -200,8 +201,8 @@ static int list_sessions(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
         out->n_sessions++;
     }
     if (more && n)
-        out->next_page_token = rpc_sprintf(call, "%lld_%s", (long long)rows[n - 1].started_ms,
-                                           rows[n - 1].session_id);
+        out->next_page_token =
+            rpc_sprintf(call, "%lld_%s", (long long)rows[n - 1].started_ms, rows[n - 1].session_id);
     out->total_count = total > INT32_MAX ? INT32_MAX : (int32_t)total;
     free(rows);
     return RPC_OK;
@@ -222,12 +223,14 @@ static void tell_worker(orch *o, const char *worker, const char *sid, const char
     rq.reason = (char *)reason;
     ProtobufCMessage *resp = NULL;
     rpc_call_opts opts = {.timeout_ms = 3000};
-    int code = rpc_unary_call(k->ch, "/upsquad.runtime.v1.RuntimeService/TerminateSession",
-                              &rq.base, &upsquad__runtime__v1__terminate_session_response__descriptor,
-                              &opts, &resp, NULL);
+    int code = rpc_unary_call(
+        k->ch, "/upsquad.runtime.v1.RuntimeService/TerminateSession", &rq.base,
+        &upsquad__runtime__v1__terminate_session_response__descriptor, &opts, &resp, NULL);
     if (code != 0)
-        log_warn("session.terminate_worker", "worker %s did not confirm the end of session %s "
-                 "(status %d); it releases it on its own", k->addr, sid, code);
+        log_warn("session.terminate_worker",
+                 "worker %s did not confirm the end of session %s "
+                 "(status %d); it releases it on its own",
+                 k->addr, sid, code);
     if (resp) protobuf_c_message_free_unpacked(resp, NULL);
 }
 
@@ -328,7 +331,8 @@ static int chat_event(void *ud, const ExecuteStepEvent *ev) {
     if (c->gone) return -1;
     int fwd = relay_project(&c->a, ev, &ae, &why);
     if (!fwd) {
-        if (why && ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STRUCTURED_ANSWER) {
+        if (why &&
+            ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STRUCTURED_ANSWER) {
             metric_inc(c->o->m_dropped);
             log_debug("relay.dropped", "session %s: structured answer dropped: %s", c->sid, why);
         }
@@ -408,16 +412,16 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
         return rpc_error(call, RPC_NOT_FOUND, "session_id: no session %s", sid);
     if (rc != DB_OK) return store_error(call, "reading the session", err);
     if (rq->agent_id[0] && strcasecmp(rq->agent_id, s.agent_id)) {
-        rc = rpc_error(call, RPC_INVALID_ARGUMENT,
-                       "agent_id: session %s belongs to agent %s", sid, s.agent_id);
+        rc = rpc_error(call, RPC_INVALID_ARGUMENT, "agent_id: session %s belongs to agent %s", sid,
+                       s.agent_id);
         goto done;
     }
     rc = orch_store_turn_begin(o->pool, id->org_id, sid, rq->message, (int)o->cfg->prior_turns,
                                (size_t)o->cfg->prior_bytes, &turns, &nturns, parent, state, err,
                                sizeof err);
     if (rc == ORCH_ESTATE) {
-        rc = rpc_error(call, RPC_FAILED_PRECONDITION, "session %s is %s: it takes no messages",
-                       sid, state);
+        rc = rpc_error(call, RPC_FAILED_PRECONDITION, "session %s is %s: it takes no messages", sid,
+                       state);
         goto done;
     }
     if (rc == ORCH_ENOTFOUND) {
@@ -433,8 +437,8 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
         rc = rpc_error(call, RPC_INTERNAL, "the session snapshot could not be read");
         goto done;
     }
-    chat c = {.o = o, .call = call, .org = id->org_id, .sid = sid, .agent = s.agent_id,
-              .parent = parent};
+    chat c = {
+        .o = o, .call = call, .org = id->org_id, .sid = sid, .agent = s.agent_id, .parent = parent};
     orch_sink sink = {chat_event, chat_cancelled, &c};
     int64_t left = rpc_deadline_ms(call);
     int64_t timeout = o->cfg->step_timeout_ms;
@@ -504,7 +508,7 @@ static int unimplemented(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
 #define SVC "/upsquad.runtime.v1.LifecycleService/"
 #define DESC(x) &upsquad__runtime__v1__##x##__descriptor
 #define UNIMPL(name, req, resp)                                                                    \
-    {SVC name, RPC_UNARY, RPC_AUTH_REQUIRED, DESC(req), DESC(resp), unimplemented, NULL, o}
+    { SVC name, RPC_UNARY, RPC_AUTH_REQUIRED, DESC(req), DESC(resp), unimplemented, NULL, o }
 
 int orch_lifecycle_register(rpc_server *srv, orch *o) {
     const rpc_method methods[] = {

@@ -8,6 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ids.h"
 #include "log.h"
 #include "turn.h"
 #include "util.h"
@@ -16,10 +17,9 @@ static orch_config C;
 
 static const cfg_var vars[] = {
     {"UPSQUAD_PG_DSN", CFG_STR, NULL,
-     "Postgres connection string of the orchestrator login role (libpq keywords or URI)",
-     &C.pg_dsn, 0, 0, CFG_REQUIRED | CFG_SECRET},
-    {"UPSQUAD_PG_POOL_SIZE", CFG_INT, "8", "Postgres connections at most", &C.pg_pool_size, 1,
-     256},
+     "Postgres connection string of the orchestrator login role (libpq keywords or URI)", &C.pg_dsn,
+     0, 0, CFG_REQUIRED | CFG_SECRET},
+    {"UPSQUAD_PG_POOL_SIZE", CFG_INT, "8", "Postgres connections at most", &C.pg_pool_size, 1, 256},
     {"UPSQUAD_MIGRATIONS_DIR", CFG_STR, "services/orchestrator/migrations",
      "folder of the schema migrations applied at start; `none`: do not migrate at start (run "
      "`orchestrator --migrate` as a Job instead)",
@@ -29,8 +29,7 @@ static const cfg_var vars[] = {
      "not used",
      &C.redis_url},
     {"UPSQUAD_NATS_URL", CFG_STR, "",
-     "NATS (JetStream) for workflow agent steps; empty: agent steps are not consumed",
-     &C.nats_url},
+     "NATS (JetStream) for workflow agent steps; empty: agent steps are not consumed", &C.nats_url},
     {"UPSQUAD_WORKER_TARGETS", CFG_STR, "",
      "RuntimeService workers: host:port list and/or dns:///name:port (Kubernetes headless "
      "Service); empty: UPSQUAD_DEVWORKER_ADDR when set",
@@ -38,8 +37,8 @@ static const cfg_var vars[] = {
     {"UPSQUAD_WORKER_PROBE", CFG_MS, "1s", "how often every worker target is health-checked",
      &C.worker_probe_ms, 100, 60000},
     {"UPSQUAD_WORKER_HEARTBEAT_TTL", CFG_MS, "15s",
-     "a worker's heartbeat key expires this long after its last heartbeat", &C.worker_ttl_ms,
-     1000, 600000},
+     "a worker's heartbeat key expires this long after its last heartbeat", &C.worker_ttl_ms, 1000,
+     600000},
     {"UPSQUAD_STEP_TIMEOUT", CFG_MS, "10m", "bound on one agent turn (ExecuteStep) on a worker",
      &C.step_timeout_ms, 1000, 3600000},
     {"UPSQUAD_MODEL_REGISTRY_ADDR", CFG_STR, "",
@@ -59,22 +58,21 @@ static const cfg_var vars[] = {
     {"UPSQUAD_CONTEXT_ENGINE_AUDIENCE", CFG_STR, "upsquad-context-engine",
      "`aud` pinned in context_engine_token", &C.context_audience},
     {"UPSQUAD_PRIOR_TURNS", CFG_INT, "20",
-     "prior_turns: the newest N final user/assistant turns sent with each turn", &C.prior_turns,
-     0, 200},
+     "prior_turns: the newest N final user/assistant turns sent with each turn", &C.prior_turns, 0,
+     200},
     {"UPSQUAD_PRIOR_TURNS_BYTES", CFG_INT, "65536",
      "prior_turns: at most this many bytes of text (newest kept)", &C.prior_bytes, 0, 4194304},
     {"UPSQUAD_MESSAGE_MAX", CFG_INT, "65536", "longest user message accepted, in bytes",
      &C.message_max, 1, 1048576},
     {"UPSQUAD_CHECKPOINT_MAX", CFG_INT, "4194304",
-     "largest checkpoint blob accepted (bytes, prefix included)", &C.checkpoint_max, 4,
-     16777216},
+     "largest checkpoint blob accepted (bytes, prefix included)", &C.checkpoint_max, 4, 16777216},
     {"UPSQUAD_CHECKPOINTS_KEEP", CFG_INT, "5",
      "checkpoints kept per session (the newest by loop_iteration)", &C.checkpoints_keep, 1, 1000},
     {"UPSQUAD_AGENT_STEPS_CONCURRENCY", CFG_INT, "4",
      "workflow agent steps run at once by this replica", &C.steps_concurrency, 1, 64},
     {"UPSQUAD_AGENT_STEP_TIMEOUT", CFG_MS, "5m",
-     "bound on a workflow agent step whose dispatch names none", &C.step_default_timeout_ms,
-     1000, 3600000},
+     "bound on a workflow agent step whose dispatch names none", &C.step_default_timeout_ms, 1000,
+     3600000},
 };
 
 const cfg_var *orch_config_vars(size_t *n) {
@@ -98,8 +96,8 @@ static void register_metrics(orch *o) {
     o->m_turns_ok = metrics_counter("orchestrator_turns_total", "agent turns", "outcome=\"ok\"");
     o->m_turns_failed =
         metrics_counter("orchestrator_turns_total", "agent turns", "outcome=\"failed\"");
-    o->m_retries = metrics_counter("orchestrator_turn_retries_total",
-                                   "turns retried on another worker", NULL);
+    o->m_retries =
+        metrics_counter("orchestrator_turn_retries_total", "turns retried on another worker", NULL);
     o->m_no_worker = metrics_counter("orchestrator_no_worker_total",
                                      "turns refused because no worker was live", NULL);
     o->m_cost = metrics_counter("orchestrator_llm_cost_usd_total",
@@ -113,8 +111,8 @@ static void register_metrics(orch *o) {
                                     "outcome=\"completed\"");
     o->m_steps_failed = metrics_counter("orchestrator_agent_steps_total", "workflow agent steps",
                                         "outcome=\"failed\"");
-    o->m_steps_replayed = metrics_counter("orchestrator_agent_steps_total",
-                                          "workflow agent steps", "outcome=\"replayed\"");
+    o->m_steps_replayed = metrics_counter("orchestrator_agent_steps_total", "workflow agent steps",
+                                          "outcome=\"replayed\"");
     o->m_security = metrics_counter("orchestrator_security_events_total",
                                     "security events reported by workers (audited)", NULL);
 }
@@ -136,11 +134,12 @@ kv *orch_kv(const orch *o) {
 
 int orch_mint_agent_tokens(const orch *o, const char *org, const char *agent_id,
                            const char *session_id, char **gateway_token, char **context_token) {
-    char extra[256], err[256];
+    char extra[320], err[256], jti[37];
     *gateway_token = *context_token = NULL;
-    if (!o->signer) return -1;
-    snprintf(extra, sizeof extra, "{\"agent_id\":\"%s\",\"session_id\":\"%s\"}", agent_id,
-             session_id);
+    if (!o->signer || ids_uuid_v4(jti)) return -1;
+    /* jti: every step's bearer is distinct (refreshed per step, never reused) */
+    snprintf(extra, sizeof extra, "{\"agent_id\":\"%s\",\"session_id\":\"%s\",\"jti\":\"%s\"}",
+             agent_id, session_id, jti);
     auth_claims c = {.sub = agent_id,
                      .org_id = org,
                      .audience = o->cfg->gateway_audience,
@@ -203,8 +202,8 @@ int orch_start(orch *o, const orch_config *cfg, char *err, size_t errlen) {
         rpc_channel_opts co = {.target = cfg->model_registry_addr};
         if (rpc_channel_new(&co, &o->registry, e, sizeof e)) goto fail_e;
     }
-    const char *targets = set(cfg->worker_targets) ? cfg->worker_targets
-                                                   : getenv("UPSQUAD_DEVWORKER_ADDR");
+    const char *targets =
+        set(cfg->worker_targets) ? cfg->worker_targets : getenv("UPSQUAD_DEVWORKER_ADDR");
     if (orch_workers_start(targets ? targets : "", cfg->worker_probe_ms, cfg->redis_url,
                            &o->workers, e, sizeof e))
         goto fail_e;

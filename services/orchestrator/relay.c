@@ -25,7 +25,8 @@ int relay_answer_ok(const StructuredAnswerEvent *s, const char **why) {
     if (s->n_rows > RELAY_ROWS_MAX) return *why = "more than 200 rows", -1;
     for (size_t r = 0; r < s->n_rows; r++) {
         if (!s->rows[r]) continue;
-        if (s->rows[r]->n_cells > RELAY_CELLS_MAX) return *why = "a row with more than 32 cells", -1;
+        if (s->rows[r]->n_cells > RELAY_CELLS_MAX)
+            return *why = "a row with more than 32 cells", -1;
         for (size_t c = 0; c < s->rows[r]->n_cells; c++)
             if (strlen(s->rows[r]->cells[c]) > RELAY_CELL_BYTES)
                 return *why = "a cell over 1 KiB", -1;

@@ -152,9 +152,8 @@ static int checkpoint(rpc_call *call, const ProtobufCMessage *req, ProtobufCMess
     if (strcmp(hex, want))
         return rpc_error(call, RPC_INVALID_ARGUMENT,
                          "bytes_sha256: does not match the bytes (integrity check failed)");
-    rc = orch_store_checkpoint(o->pool, rq->session_id, rq->loop_iteration, version,
-                               rq->bytes.data, rq->bytes.len, hex, (int)o->cfg->checkpoints_keep,
-                               err, sizeof err);
+    rc = orch_store_checkpoint(o->pool, rq->session_id, rq->loop_iteration, version, rq->bytes.data,
+                               rq->bytes.len, hex, (int)o->cfg->checkpoints_keep, err, sizeof err);
     switch (rc) {
     case DB_OK:
     case ORCH_EREPLAY: /* same (session, iteration, hash): the idempotent replay */

@@ -16,7 +16,8 @@
 /* model_override: known to model-registry and not deprecated (spec AR-F66; issue). */
 static int check_model(orch *o, const char *model, const char *bearer, char *msg, size_t msglen) {
     if (!o->registry) return RPC_OK; /* not configured: documented, not checked */
-    Upsquad__Runtime__V1__CompareModelsRequest rq = UPSQUAD__RUNTIME__V1__COMPARE_MODELS_REQUEST__INIT;
+    Upsquad__Runtime__V1__CompareModelsRequest rq =
+        UPSQUAD__RUNTIME__V1__COMPARE_MODELS_REQUEST__INIT;
     char *ids[1] = {(char *)model};
     rq.n_model_ids = 1;
     rq.model_ids = ids;
@@ -53,7 +54,8 @@ static int check_model(orch *o, const char *model, const char *bearer, char *msg
                 &q.base, &upsquad__runtime__v1__get_model_recommendation_response__descriptor,
                 &opts, &rec, NULL);
             const char *succ = NULL;
-            if (c2 == RPC_OK && ((Upsquad__Runtime__V1__GetModelRecommendationResponse *)rec)->recommended)
+            if (c2 == RPC_OK &&
+                ((Upsquad__Runtime__V1__GetModelRecommendationResponse *)rec)->recommended)
                 succ = ((Upsquad__Runtime__V1__GetModelRecommendationResponse *)rec)
                            ->recommended->model_id;
             if (succ)
@@ -71,7 +73,8 @@ static int check_model(orch *o, const char *model, const char *bearer, char *msg
     return rc;
 }
 
-static int init_worker(orch *o, const SessionSnapshot *s, char *msg, size_t msglen) {
+static int init_worker(orch *o, const SessionSnapshot *s, char worker[128], char *msg,
+                       size_t msglen) {
     orch_worker *k = orch_workers_pick(o->workers, NULL);
     if (!k) {
         metric_inc(o->m_no_worker);
@@ -81,6 +84,7 @@ static int init_worker(orch *o, const SessionSnapshot *s, char *msg, size_t msgl
     Upsquad__Runtime__V1__InitWorkerSessionRequest rq =
         UPSQUAD__RUNTIME__V1__INIT_WORKER_SESSION_REQUEST__INIT;
     rq.snapshot = (SessionSnapshot *)s;
+    snprintf(worker, 128, "%s", k->addr);
     ProtobufCMessage *resp = NULL;
     rpc_status st = {0};
     rpc_call_opts opts = {.timeout_ms = 10000};
@@ -105,7 +109,7 @@ static int init_worker(orch *o, const SessionSnapshot *s, char *msg, size_t msgl
 }
 
 int orch_session_start(orch *o, const orch_new_session *n, char session_id[37], char hash[65],
-                     char *msg, size_t msglen) {
+                       char *msg, size_t msglen) {
     orch_agent_row a = {0};
     char err[512];
     orch_arena ar = {0};
@@ -139,7 +143,8 @@ int orch_session_start(orch *o, const orch_new_session *n, char session_id[37], 
         goto done;
     }
     snprintf(hash, 65, "%s", s->snapshot_hash);
-    if (n->init_worker && (rc = init_worker(o, s, msg, msglen)) != RPC_OK) goto done;
+    char worker[128] = "";
+    if (n->init_worker && (rc = init_worker(o, s, worker, msg, msglen)) != RPC_OK) goto done;
     size_t len = protobuf_c_message_get_packed_size(&s->base);
     packed = malloc(len ? len : 1);
     if (!packed) {
@@ -155,6 +160,7 @@ int orch_session_start(orch *o, const orch_new_session *n, char session_id[37], 
                             .model_id = s->model_id,
                             .snapshot_hash = hash,
                             .kind = n->kind,
+                            .worker = worker,
                             .execution_mode = s->execution_mode,
                             .max_loops = s->max_loops,
                             .agent_status = 0,
@@ -175,8 +181,8 @@ done:
     return rc;
 }
 
-int orch_request_build(orch *o, orch_arena *a, const orch_session *s, const char *message,
-                       int mode, const orch_turn *turns, size_t nturns, ExecuteStepRequest **out,
+int orch_request_build(orch *o, orch_arena *a, const orch_session *s, const char *message, int mode,
+                       const orch_turn *turns, size_t nturns, ExecuteStepRequest **out,
                        SessionSnapshot **snap) {
     char err[512];
     ExecuteStepRequest *r = orch_arena_alloc(a, sizeof *r);
@@ -212,8 +218,8 @@ int orch_request_build(orch *o, orch_arena *a, const orch_session *s, const char
             for (size_t i = 0; i < n && r->provider_keys; i++) {
                 char *plain = NULL;
                 size_t plen = 0;
-                if (keys_decrypt(&o->ring, rows[i].kid, s->org_id, rows[i].provider,
-                                 rows[i].nonce, rows[i].ct, rows[i].ctlen, &plain, &plen)) {
+                if (keys_decrypt(&o->ring, rows[i].kid, s->org_id, rows[i].provider, rows[i].nonce,
+                                 rows[i].ct, rows[i].ctlen, &plain, &plen)) {
                     log_warn("keys.decrypt", "provider key %s of org %s does not decrypt (kek %s)",
                              rows[i].provider, s->org_id, rows[i].kid);
                     continue;

@@ -17,14 +17,14 @@ typedef struct orch_new_session {
 
 /* Creates a session. On failure returns an RPC_* status with msg filled (nothing stored). */
 int orch_session_start(orch *o, const orch_new_session *n, char session_id[37], char hash[65],
-                     char *msg, size_t msglen);
+                       char *msg, size_t msglen);
 
 /* Builds the ExecuteStep request of a turn in `a`: snapshot from the stored bytes (execution
  * mode overridden when mode != 0), decrypted provider keys, prior turns. *snap receives the
  * unpacked snapshot (caller frees with protobuf_c_message_free_unpacked); keys are wiped by
  * orch_request_wipe. */
-int orch_request_build(orch *o, orch_arena *a, const orch_session *s, const char *message,
-                       int mode, const orch_turn *turns, size_t nturns, ExecuteStepRequest **out,
+int orch_request_build(orch *o, orch_arena *a, const orch_session *s, const char *message, int mode,
+                       const orch_turn *turns, size_t nturns, ExecuteStepRequest **out,
                        SessionSnapshot **snap);
 void orch_request_wipe(ExecuteStepRequest *r);
 

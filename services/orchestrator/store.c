@@ -14,14 +14,14 @@ static void copy(char *dst, size_t cap, const char *src) {
     snprintf(dst, cap, "%s", src ? src : "");
 }
 
-static int64_t to_ms(const char *epoch) {
-    return epoch && epoch[0] ? (int64_t)(atof(epoch) * 1000.0 + 0.5) : 0;
+static int64_t to_ms(const char *ms) {
+    return ms && ms[0] ? (int64_t)atoll(ms) : 0;
 }
 
 /* Runs fn inside one transaction scoped to org; commits when it returns DB_OK. */
 #define TX_BEGIN(org)                                                                              \
     db_tx *tx = NULL;                                                                              \
-    int rc = db_tx_begin(p, (org), &tx, err, errlen);                                             \
+    int rc = db_tx_begin(p, (org), &tx, err, errlen);                                              \
     if (rc != DB_OK) return rc;                                                                    \
     PGconn *c = db_tx_conn(tx)
 
@@ -56,7 +56,11 @@ static int audit_tx(PGconn *c, const char *sid, const char *type, const char *ag
     char id[37];
     PGresult *r = NULL;
     if (ids_uuid_v7(id)) return util_errf(err, errlen, DB_ERR, "no randomness for an action id");
-    const char *v[] = {sid, id, type, agent_id ? agent_id : "", parent ? parent : "",
+    const char *v[] = {sid,
+                       id,
+                       type,
+                       agent_id ? agent_id : "",
+                       parent ? parent : "",
                        detail && detail[0] ? detail : "{}"};
     int rc = db_exec(c, SQL_AUDIT, 6, v, &r, err, errlen);
     if (rc == DB_OK && PQntuples(r) != 1) rc = util_errf(err, errlen, ORCH_ENOTFOUND, "no session");
@@ -165,8 +169,8 @@ int orch_store_agent_list(db_pool *p, const char *org,
 /* ---- provider keys ---- */
 
 int orch_store_key_set(db_pool *p, const char *org, const char *provider, const char *kid,
-                       const unsigned char *nonce, const unsigned char *ct, size_t ctlen,
-                       char *err, size_t errlen) {
+                       const unsigned char *nonce, const unsigned char *ct, size_t ctlen, char *err,
+                       size_t errlen) {
     TX_BEGIN(org);
     const char *v[] = {provider, kid, (const char *)nonce, (const char *)ct};
     int len[] = {0, 0, 12, (int)ctlen}, fmt[] = {0, 0, 1, 1};
@@ -202,8 +206,10 @@ int orch_store_keys_get(db_pool *p, const char *org, orch_key_row **rows, size_t
             if (PQgetlength(r, i, 2) == 12) memcpy(out[i].nonce, PQgetvalue(r, i, 2), 12);
             out[i].ctlen = (size_t)PQgetlength(r, i, 3);
             out[i].ct = malloc(out[i].ctlen ? out[i].ctlen : 1);
-            if (!out[i].ct) rc = DB_ENOMEM;
-            else memcpy(out[i].ct, PQgetvalue(r, i, 3), out[i].ctlen);
+            if (!out[i].ct)
+                rc = DB_ENOMEM;
+            else
+                memcpy(out[i].ct, PQgetvalue(r, i, 3), out[i].ctlen);
         }
         if (rc == DB_OK) {
             *rows = out;
@@ -229,10 +235,12 @@ void orch_session_clear(orch_session *s) {
     s->snapshot = NULL;
 }
 
+/* started_at in whole milliseconds: what page tokens carry and the keyset compares */
+#define STARTED_MS "floor(extract(epoch FROM started_at) * 1000)::bigint"
 #define SESSION_COLS                                                                               \
-    "session_id, org_id, agent_id, user_id, state, agent_status, execution_mode, model_id,"       \
-    " snapshot_hash, loop_count, max_loops, turns, extract(epoch FROM started_at),"               \
-    " coalesce(extract(epoch FROM last_heartbeat), 0), worker"
+    "session_id, org_id, agent_id, user_id, state, agent_status, execution_mode, model_id,"        \
+    " snapshot_hash, loop_count, max_loops, turns, " STARTED_MS ","                                \
+    " coalesce(floor(extract(epoch FROM last_heartbeat) * 1000)::bigint, 0), worker"
 
 static void session_row(PGresult *r, int i, orch_session *o) {
     memset(o, 0, sizeof *o);
@@ -260,18 +268,26 @@ int orch_store_session_create(db_pool *p, const orch_session_new *n, char *actio
     snprintf(loops, sizeof loops, "%d", n->max_loops);
     snprintf(status, sizeof status, "%d", n->agent_status);
     TX_BEGIN(n->org_id);
-    const char *v[] = {n->session_id, n->user_id,       n->agent_id, mode,   n->model_id,
-                       (const char *)n->snapshot, n->snapshot_hash, loops, status,
-                       n->kind ? n->kind : "chat"};
-    int len[] = {0, 0, 0, 0, 0, (int)n->snapshot_len, 0, 0, 0, 0};
-    int fmt[] = {0, 0, 0, 0, 0, 1, 0, 0, 0, 0};
+    const char *v[] = {n->session_id,
+                       n->user_id,
+                       n->agent_id,
+                       mode,
+                       n->model_id,
+                       (const char *)n->snapshot,
+                       n->snapshot_hash,
+                       loops,
+                       status,
+                       n->kind ? n->kind : "chat",
+                       n->worker ? n->worker : ""};
+    int len[] = {0, 0, 0, 0, 0, (int)n->snapshot_len, 0, 0, 0, 0, 0};
+    int fmt[] = {0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0};
     rc = db_exec_bin(c,
                      "INSERT INTO sessions (session_id, org_id, user_id, agent_id, state,"
                      " execution_mode, model_id, snapshot, snapshot_hash, max_loops, agent_status,"
-                     " kind, root_session_id)"
+                     " kind, root_session_id, worker)"
                      " VALUES ($1, current_org(), $2, $3, 'active', $4, $5, $6, $7, $8, $9, $10,"
-                     " $1)",
-                     10, v, len, fmt, 0, NULL, err, errlen);
+                     " $1, $11)",
+                     11, v, len, fmt, 0, NULL, err, errlen);
     if (rc == DB_OK) {
         const char *d[] = {n->session_id};
         rc = db_exec(c,
@@ -295,8 +311,7 @@ int orch_store_session_get(db_pool *p, const char *org, const char *session_id, 
     PGresult *r = NULL;
     memset(out, 0, sizeof *out);
     TX_BEGIN(org);
-    rc = db_exec(c,
-                 "SELECT " SESSION_COLS " FROM sessions WHERE session_id = $1::uuid", 1,
+    rc = db_exec(c, "SELECT " SESSION_COLS " FROM sessions WHERE session_id = $1::uuid", 1,
                  &session_id, &r, err, errlen);
     if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
     if (rc == DB_OK) {
@@ -310,8 +325,10 @@ int orch_store_session_get(db_pool *p, const char *org, const char *session_id, 
         if (rc == DB_OK && PQntuples(r) == 1) {
             out->snapshot_len = (size_t)PQgetlength(r, 0, 0);
             out->snapshot = malloc(out->snapshot_len ? out->snapshot_len : 1);
-            if (!out->snapshot) rc = DB_ENOMEM;
-            else memcpy(out->snapshot, PQgetvalue(r, 0, 0), out->snapshot_len);
+            if (!out->snapshot)
+                rc = DB_ENOMEM;
+            else
+                memcpy(out->snapshot, PQgetvalue(r, 0, 0), out->snapshot_len);
         }
     }
     PQclear(r);
@@ -333,7 +350,7 @@ int orch_store_session_list(db_pool *p, const char *org, const orch_list_query *
     *total = 0;
     snprintf(status, sizeof status, "%d", q->agent_status);
     snprintf(limit, sizeof limit, "%d", q->page_size + 1);
-    snprintf(after, sizeof after, "%.3f", (double)q->after_ms / 1000.0);
+    snprintf(after, sizeof after, "%lld", (long long)q->after_ms);
     const char *v[] = {q->agent_id && q->agent_id[0] ? q->agent_id : NULL,
                        q->state && q->state[0] ? q->state : NULL,
                        q->agent_status >= 0 ? status : NULL,
@@ -347,9 +364,8 @@ int orch_store_session_list(db_pool *p, const char *org, const orch_list_query *
     TX_BEGIN(org);
     snprintf(sql, sizeof sql,
              "SELECT " SESSION_COLS " FROM sessions%s"
-             "   AND ($5::float8 IS NULL OR (date_trunc('milliseconds', started_at), session_id)"
-             "        < (to_timestamp($5::float8), $6::uuid))"
-             " ORDER BY date_trunc('milliseconds', started_at) DESC, session_id DESC"
+             "   AND ($5::bigint IS NULL OR (" STARTED_MS ", session_id) < ($5::bigint, $6::uuid))"
+             " ORDER BY " STARTED_MS " DESC, session_id DESC"
              " LIMIT $4::int",
              FILTER);
     rc = db_exec(c, sql, 6, v, &r, err, errlen);
@@ -420,9 +436,12 @@ int orch_store_session_terminate(db_pool *p, const char *org, const char *sessio
                 fputs("{\"reason\":\"", f);
                 for (const char *s = reason ? reason : ""; *s && s - reason < 1024; s++) {
                     unsigned char ch = (unsigned char)*s;
-                    if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
-                    else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
-                    else fputc(ch, f);
+                    if (ch == '"' || ch == '\\')
+                        fprintf(f, "\\%c", ch);
+                    else if (ch < 0x20)
+                        fprintf(f, "\\u%04x", ch);
+                    else
+                        fputc(ch, f);
                 }
                 fputs("\"}", f);
                 fclose(f);
@@ -546,9 +565,12 @@ static char *json_str(const char *s, size_t max) {
     fputc('"', f);
     size_t i = 0;
     for (const unsigned char *q = (const unsigned char *)(s ? s : ""); *q && i < max; q++, i++) {
-        if (*q == '"' || *q == '\\') fprintf(f, "\\%c", *q);
-        else if (*q < 0x20) fprintf(f, "\\u%04x", *q);
-        else fputc(*q, f);
+        if (*q == '"' || *q == '\\')
+            fprintf(f, "\\%c", *q);
+        else if (*q < 0x20)
+            fprintf(f, "\\u%04x", *q);
+        else
+            fputc(*q, f);
     }
     fputc('"', f);
     fclose(f);
@@ -566,8 +588,14 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
     snprintf(outt, sizeof outt, "%lld", (long long)e->output_tokens);
     snprintf(cost, sizeof cost, "%.9f", e->cost_usd);
     TX_BEGIN(org);
-    const char *v[] = {session_id, status, loops, in, outt, cost,
-                       e->ok ? "" : (e->error_msg ? e->error_msg : ""), e->worker ? e->worker : ""};
+    const char *v[] = {session_id,
+                       status,
+                       loops,
+                       in,
+                       outt,
+                       cost,
+                       e->ok ? "" : (e->error_msg ? e->error_msg : ""),
+                       e->worker ? e->worker : ""};
     rc = db_exec(c,
                  "UPDATE sessions SET agent_status = $2::int, loop_count = loop_count + $3::int,"
                  " input_tokens = input_tokens + $4::bigint,"
@@ -594,8 +622,8 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
                      " VALUES ($1, $2, current_org(), 2, $3)",
                      3, t, NULL, err, errlen);
         if (rc == DB_OK)
-            rc = db_exec(c, "UPDATE sessions SET turns = turns + 1 WHERE session_id = $1::uuid",
-                         1, &session_id, NULL, err, errlen);
+            rc = db_exec(c, "UPDATE sessions SET turns = turns + 1 WHERE session_id = $1::uuid", 1,
+                         &session_id, NULL, err, errlen);
     }
     if (rc == DB_OK) {
         char *code = json_str(e->error_code, 64), *msg = json_str(e->error_msg, 512);
@@ -610,9 +638,8 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
                 fprintf(f,
                         "{\"loop_iterations\":%d,\"input_tokens\":%lld,\"output_tokens\":%lld,"
                         "\"cost_usd\":%.9f,\"bytes\":%zu}",
-                        e->loop_iterations, (long long)e->input_tokens,
-                        (long long)e->output_tokens, e->cost_usd,
-                        e->final_text ? strlen(e->final_text) : 0);
+                        e->loop_iterations, (long long)e->input_tokens, (long long)e->output_tokens,
+                        e->cost_usd, e->final_text ? strlen(e->final_text) : 0);
             else
                 fprintf(f, "{\"code\":%s,\"message\":%s}", code, msg);
             fclose(f);
@@ -632,8 +659,8 @@ int orch_store_session_status(db_pool *p, const char *org, const char *session_i
     snprintf(st, sizeof st, "%d", status);
     TX_BEGIN(org);
     const char *v[] = {session_id, st};
-    rc = db_exec(c, "UPDATE sessions SET agent_status = $2::int WHERE session_id = $1::uuid", 2,
-                 v, NULL, err, errlen);
+    rc = db_exec(c, "UPDATE sessions SET agent_status = $2::int WHERE session_id = $1::uuid", 2, v,
+                 NULL, err, errlen);
     return tx_end(tx, rc, err, errlen);
 }
 
@@ -703,7 +730,7 @@ int orch_store_checkpoint(db_pool *p, const char *session_id, int loop_iteration
                      2, k, &r, err, errlen);
         if (rc == DB_OK)
             rc = PQntuples(r) == 1 && !strcmp(PQgetvalue(r, 0, 0), sha256_hex) ? ORCH_EREPLAY
-                                                                              : ORCH_ECONFLICT;
+                                                                               : ORCH_ECONFLICT;
         PQclear(r);
     }
     if (rc == DB_OK) {
@@ -729,8 +756,8 @@ int orch_store_checkpoint(db_pool *p, const char *session_id, int loop_iteration
 }
 
 int orch_store_checkpoint_latest(db_pool *p, const char *org, const char *session_id,
-                                 int *loop_iteration, unsigned char **state, size_t *len,
-                                 char *err, size_t errlen) {
+                                 int *loop_iteration, unsigned char **state, size_t *len, char *err,
+                                 size_t errlen) {
     PGresult *r = NULL;
     *state = NULL;
     *len = 0;
@@ -742,12 +769,14 @@ int orch_store_checkpoint_latest(db_pool *p, const char *org, const char *sessio
     if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
     if (rc == DB_OK) {
         const unsigned char *b = (const unsigned char *)PQgetvalue(r, 0, 0);
-        *loop_iteration = (int)((uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 |
-                                (uint32_t)b[2] << 8 | b[3]);
+        *loop_iteration =
+            (int)((uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 | (uint32_t)b[2] << 8 | b[3]);
         *len = (size_t)PQgetlength(r, 0, 1);
         *state = malloc(*len ? *len : 1);
-        if (!*state) rc = DB_ENOMEM;
-        else memcpy(*state, PQgetvalue(r, 0, 1), *len);
+        if (!*state)
+            rc = DB_ENOMEM;
+        else
+            memcpy(*state, PQgetvalue(r, 0, 1), *len);
     }
     PQclear(r);
     if (rc == ORCH_ENOTFOUND) {
@@ -779,7 +808,8 @@ int orch_store_step_claim(db_pool *p, const char *org, const char *key, const ch
         !PQgetisnull(r, 0, 1)) {
         *len = (size_t)PQgetlength(r, 0, 1);
         *result = malloc(*len ? *len : 1);
-        if (!*result) rc = DB_ENOMEM;
+        if (!*result)
+            rc = DB_ENOMEM;
         else {
             memcpy(*result, PQgetvalue(r, 0, 1), *len);
             rc = ORCH_EREPLAY;
@@ -796,8 +826,7 @@ int orch_store_step_claim(db_pool *p, const char *org, const char *key, const ch
 int orch_store_step_finish(db_pool *p, const char *org, const char *key, const char *session_id,
                            const unsigned char *result, size_t len, char *err, size_t errlen) {
     TX_BEGIN(org);
-    const char *v[] = {key, session_id && session_id[0] ? session_id : NULL,
-                       (const char *)result};
+    const char *v[] = {key, session_id && session_id[0] ? session_id : NULL, (const char *)result};
     int lens[] = {0, 0, (int)len}, fmt[] = {0, 0, 1};
     rc = db_exec_bin(c,
                      "UPDATE step_results SET state = 'done', session_id = $2::uuid, result = $3,"

@@ -46,8 +46,8 @@ typedef struct orch_key_row {
 } orch_key_row;
 
 int orch_store_key_set(db_pool *p, const char *org, const char *provider, const char *kid,
-                       const unsigned char *nonce, const unsigned char *ct, size_t ctlen,
-                       char *err, size_t errlen);
+                       const unsigned char *nonce, const unsigned char *ct, size_t ctlen, char *err,
+                       size_t errlen);
 /* *rows (heap array, each ct heap): orch_store_keys_free. */
 int orch_store_keys_get(db_pool *p, const char *org, orch_key_row **rows, size_t *n, char *err,
                         size_t errlen);
@@ -73,6 +73,7 @@ void orch_session_clear(orch_session *s);
 
 typedef struct orch_session_new {
     const char *session_id, *org_id, *user_id, *agent_id, *model_id, *snapshot_hash, *kind;
+    const char *worker; /* initialised on (NULL: none) */
     int execution_mode, max_loops, agent_status;
     const unsigned char *snapshot;
     size_t snapshot_len;
@@ -87,11 +88,11 @@ int orch_store_session_get(db_pool *p, const char *org, const char *session_id, 
                            orch_session *out, char *err, size_t errlen);
 
 typedef struct orch_list_query {
-    const char *agent_id;    /* NULL/"": any */
-    const char *state;       /* NULL: any; a lifecycle state */
-    int agent_status;        /* -1: any */
-    int page_size;           /* 1..100 */
-    int64_t after_ms;        /* keyset cursor (started_at, session_id), 0 = first page */
+    const char *agent_id; /* NULL/"": any */
+    const char *state;    /* NULL: any; a lifecycle state */
+    int agent_status;     /* -1: any */
+    int page_size;        /* 1..100 */
+    int64_t after_ms;     /* keyset cursor (started_at, session_id), 0 = first page */
     const char *after_id;
 } orch_list_query;
 
@@ -122,9 +123,9 @@ int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, c
 void orch_turns_free(orch_turn *t, size_t n);
 
 typedef struct orch_turn_end {
-    int ok;                  /* 1 completed, 0 failed */
-    const char *final_text;  /* ok: the assistant turn stored */
-    const char *error_code;  /* !ok */
+    int ok;                 /* 1 completed, 0 failed */
+    const char *final_text; /* ok: the assistant turn stored */
+    const char *error_code; /* !ok */
     const char *error_msg;
     int agent_status;
     int loop_iterations;
@@ -157,8 +158,8 @@ int orch_store_checkpoint(db_pool *p, const char *session_id, int loop_iteration
                           const char *sha256_hex, int keep, char *err, size_t errlen);
 /* The latest checkpoint (tests, resume). *state heap. ORCH_ENOTFOUND when none. */
 int orch_store_checkpoint_latest(db_pool *p, const char *org, const char *session_id,
-                                 int *loop_iteration, unsigned char **state, size_t *len,
-                                 char *err, size_t errlen);
+                                 int *loop_iteration, unsigned char **state, size_t *len, char *err,
+                                 size_t errlen);
 
 /* ---- workflow agent steps ---- */
 /* Claims a dispatch: DB_OK when new (row 'running' inserted) or a stale 'running' one; ORCH_EREPLAY

@@ -146,8 +146,8 @@ static int attempt(orch *o, orch_worker *k, ExecuteStepRequest *req, int64_t tim
             break;
         }
         case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_ERROR:
-            set_error(r, ev->error->code[0] ? ev->error->code : "WORKER_ERROR",
-                      ev->error->message, ev->error->retryable);
+            set_error(r, ev->error->code[0] ? ev->error->code : "WORKER_ERROR", ev->error->message,
+                      ev->error->retryable);
             r->outcome = TURN_FAILED;
             saw_end = 1;
             break;
@@ -157,9 +157,10 @@ static int attempt(orch *o, orch_worker *k, ExecuteStepRequest *req, int64_t tim
             break;
         case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INPUT_REQUIRED:
         case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INTERRUPT_REQUIRED:
-            r->outcome = ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INPUT_REQUIRED
-                             ? TURN_INPUT_REQUIRED
-                             : TURN_INTERRUPT;
+            r->outcome =
+                ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INPUT_REQUIRED
+                    ? TURN_INPUT_REQUIRED
+                    : TURN_INTERRUPT;
             saw_end = 1;
             keep = 1;
             break;

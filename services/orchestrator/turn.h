@@ -23,11 +23,11 @@ typedef struct orch_sink {
 
 enum {
     TURN_COMPLETED = 0,
-    TURN_FAILED = 1,          /* error event, worker failure, stream without completion */
-    TURN_CANCELLED = 2,       /* the caller went away */
-    TURN_NO_WORKER = 3,       /* nothing live to run it on */
-    TURN_INPUT_REQUIRED = 4,  /* the agent asked the user (ask_user) */
-    TURN_INTERRUPT = 5,       /* a tool call needs approval */
+    TURN_FAILED = 1,         /* error event, worker failure, stream without completion */
+    TURN_CANCELLED = 2,      /* the caller went away */
+    TURN_NO_WORKER = 3,      /* nothing live to run it on */
+    TURN_INPUT_REQUIRED = 4, /* the agent asked the user (ask_user) */
+    TURN_INTERRUPT = 5,      /* a tool call needs approval */
 };
 
 typedef struct orch_turn_result {
@@ -37,9 +37,9 @@ typedef struct orch_turn_result {
     double cost_usd;
     char model[97];
     int loop_iterations;
-    int relayed;            /* events that reached the caller */
+    int relayed; /* events that reached the caller */
     char error_code[64];
-    char *error_message;    /* heap */
+    char *error_message; /* heap */
     int retryable;
     char worker[128];       /* the worker that ran it */
     ExecuteStepEvent *stop; /* input_required / interrupt_required event (caller frees) */

@@ -61,7 +61,7 @@ static void add_addr(orch_workers *p, const char *addr) {
 static void resolve(orch_workers *p) {
     char *list = strdup(p->targets), *save = NULL;
     if (!list) return;
-    char (*found)[128] = calloc(ORCH_WORKERS_MAX, sizeof *found);
+    char(*found)[128] = calloc(ORCH_WORKERS_MAX, sizeof *found);
     size_t nf = 0;
     for (char *t = strtok_r(list, ", ", &save); t && found; t = strtok_r(NULL, ", ", &save)) {
         if (strncmp(t, "dns:///", 7) != 0) {
@@ -102,9 +102,9 @@ static int probe_one(orch_worker *k) {
     Grpc__Health__V1__HealthCheckRequest rq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
     rpc_call_opts o = {.timeout_ms = 1000};
-    int code = rpc_unary_call(k->ch, "/grpc.health.v1.Health/Check", &rq.base,
-                              &grpc__health__v1__health_check_response__descriptor, &o, &resp,
-                              NULL);
+    int code =
+        rpc_unary_call(k->ch, "/grpc.health.v1.Health/Check", &rq.base,
+                       &grpc__health__v1__health_check_response__descriptor, &o, &resp, NULL);
     int up = 0;
     if (code == 0) {
         up = ((Grpc__Health__V1__HealthCheckResponse *)resp)->status ==
@@ -240,7 +240,9 @@ void orch_workers_done(orch_workers *p, orch_worker *k) {
 
 void orch_workers_mark_down(orch_workers *p, orch_worker *k) {
     pthread_mutex_lock(&p->mu);
-    if (k->up) log_warn("workers.down", "worker %s failed a call; not chosen until it answers a probe", k->addr);
+    if (k->up)
+        log_warn("workers.down", "worker %s failed a call; not chosen until it answers a probe",
+                 k->addr);
     k->up = 0;
     pthread_mutex_unlock(&p->mu);
 }

@@ -23,10 +23,10 @@
 typedef struct orch_worker {
     char addr[128];
     rpc_channel *ch;
-    int up;         /* under the pool's mutex */
-    int inflight;   /* relays of this replica on it */
-    int hb_load;    /* active_sessions from its heartbeat; -1: unknown */
-    int present;    /* still named by the targets */
+    int up;       /* under the pool's mutex */
+    int inflight; /* relays of this replica on it */
+    int hb_load;  /* active_sessions from its heartbeat; -1: unknown */
+    int present;  /* still named by the targets */
 } orch_worker;
 
 typedef struct orch_workers orch_workers;

@@ -81,7 +81,7 @@ class Orch(unittest.TestCase):
         env = {"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": DSN,
                "UPSQUAD_MIGRATIONS_DIR": MIGRATIONS, "UPSQUAD_REDIS_URL": REDIS,
                "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK, "UPSQUAD_WORKER_PROBE": "200ms",
-               "UPSQUAD_WORKER_TARGETS": cls.fake.addr, "UPSQUAD_LOG_LEVEL": "info"}
+               "UPSQUAD_WORKER_TARGETS": cls.fake.addr + "," + cls.fake2.addr, "UPSQUAD_LOG_LEVEL": "info"}
         if MR_DSN:
             cls.mr = T.Server("model-registry", env={
                 "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": MR_DSN, "UPSQUAD_NATS_URL": "",
@@ -253,8 +253,8 @@ class Orch(unittest.TestCase):
         r2 = self.unary("TerminateSession", req, L.TerminateLifecycleSessionResponse)
         self.assertTrue(r1.success and r2.success)
         self.assertEqual(r1.status, r2.status)
-        self.assertIn(sid, self.fake.terminated)
-        self.assertEqual(self.fake.terminated.count(sid), 1)
+        told = self.fake.terminated + self.fake2.terminated
+        self.assertEqual(told.count(sid), 1)
         c, _ = self.code(lambda: self.send("hi", session_id=sid))
         self.assertEqual(c, grpc.StatusCode.FAILED_PRECONDITION)
         audit = psql("SELECT string_agg(action_type, ',' ORDER BY seq) FROM audit_log WHERE session_id = '%s'" % sid)
@@ -263,6 +263,236 @@ class Orch(unittest.TestCase):
                                             L.TerminateLifecycleSessionRequest(session_id=str(uuid.uuid4())),
                                             L.TerminateLifecycleSessionResponse))
         self.assertEqual(c, grpc.StatusCode.NOT_FOUND)
+
+    # ---- SendMessage ----
+    def requests_of(self, sid):
+        return [r for r in self.fake.requests + self.fake2.requests if r.session_id == sid]
+
+    def test_chat_turn(self):
+        hello = "hello world " + uuid.uuid4().hex
+        evs = self.send(hello)
+        text = "".join(e.token.text for e in evs if e.HasField("token"))
+        self.assertEqual(text, "echo: " + hello)
+        done = [e for e in evs if e.HasField("completion")]
+        self.assertEqual(len(done), 1)
+        self.assertEqual(done[0].completion.final_response, "echo: " + hello)
+        sid = self.sid_of(hello)
+        g = self.get(sid)
+        self.assertEqual(g.status, 3)  # COMPLETE
+        # second turn: prior_turns carry the first, never the current one
+        self.send("second message", session_id=sid, agent_id="")
+        reqs = sorted(self.requests_of(sid), key=lambda r: r.user_message != hello)
+        self.assertEqual(len(reqs), 2)
+        r = reqs[1]
+        self.assertEqual([(t.role, t.text) for t in r.prior_turns],
+                         [(1, hello), (2, "echo: " + hello)])
+        self.assertEqual(len(reqs[0].prior_turns), 0)
+        self.assertEqual(r.user_message, "second message")
+        self.assertEqual(r.tenant_id, self.org)
+        self.assertEqual(r.snapshot.session_id, sid)
+        self.assertEqual(r.snapshot.snapshot_hash, g.snapshot_hash)
+        # bearers: signed, audiences pinned, agent/org/session claims, fresh per step
+        for tokfield, aud, ttl in (("agent_gateway_token", "upsquad-agent-gateway", 600),
+                                   ("context_engine_token", "upsquad-context-engine", 300)):
+            t = getattr(r, tokfield)
+            h, p, sig = t.split(".")
+            claims = json.loads(T.base64.urlsafe_b64decode(p + "=" * (-len(p) % 4)))
+            self.assertEqual(claims["aud"], aud)
+            self.assertEqual(claims["agent_id"], self.agent)
+            self.assertEqual(claims["org_id"], self.org)
+            self.assertEqual(claims["session_id"], sid)
+            self.assertAlmostEqual(claims["exp"] - claims["iat"], ttl, delta=2)
+            self.assertNotEqual(t, getattr(reqs[0], tokfield))
+        self.assertNotEqual(r.agent_gateway_token, r.context_engine_token)
+
+    def sid_of(self, message):
+        """The session of the (unique) turn that carried message."""
+        sids = {r.session_id for r in self.fake.requests + self.fake2.requests if r.user_message == message}
+        self.assertEqual(len(sids), 1, message)
+        return sids.pop()
+
+    def fake_turn(self, events, sid=""):
+        return self.send("#!fake " + json.dumps(events), session_id=sid, agent_id="" if sid else None)
+
+    def test_projection(self):
+        big = "x" * 5000
+        events = [
+            {"status": {"status": "AGENT_STATUS_THINKING", "detail": "thinking"}},
+            {"metrics": {"model": "m", "inputTokens": 5, "outputTokens": 7, "costUsd": 0.5}},
+            {"toolCall": {"toolName": "web_search", "toolCallId": "c1", "arguments": {"q": "x"}}},
+            {"toolResult": {"toolCallId": "c1", "toolName": "web_search", "result": "SECRET-RESULT"}},
+            {"security": {"violationCode": "input_injection_detected", "detail": "SECRET-DETAIL",
+                          "severity": "block", "patternId": "p1"}},
+            {"checkpoint": {"state": "AAAA", "hash": "h"}},
+            {"stepProgress": {"madeToolCalls": True}},
+            {"structuredAnswer": {"summary": "ok", "columns": ["a"], "rows": [{"cells": ["1"]}],
+                                  "followups": ["more"]}},
+            {"structuredAnswer": {"summary": big}},
+            {"structuredAnswer": {"summary": "s", "columns": ["c"] * 33}},
+            {"structuredAnswer": {"summary": "s", "rows": [{"cells": ["1"]}] * 201}},
+            {"structuredAnswer": {"summary": "s", "followups": ["f"] * 9}},
+            {"structuredAnswer": {"summary": "s", "rows": [{"cells": ["y" * 1025]}]}},
+            {"writeConfirm": {"approvalId": "0d5e0000-0000-0000-0000-000000000009",
+                              "summary": "é" * 1500, "deepLink": "https://evil.example/x",
+                              "requiredClearance": 9, "actionType": "trigger_workflow"}},
+            {"writeConfirm": {"approvalId": "<script>", "summary": "s", "deepLink": "/approvals/1",
+                              "requiredClearance": -3, "actionType": "Bad Type!"}},
+            {"token": {"text": "after", "index": 0}},
+            {"completion": {"finalResponse": "after", "tokenUsage": {"inputTokens": 1, "outputTokens": 1}}},
+        ]
+        evs = self.fake_turn(events)
+        kinds = [e.WhichOneof("event") for e in evs]
+        self.assertEqual(kinds, ["status", "structured_answer", "write_confirm", "write_confirm",
+                                 "token", "completion"])
+        self.assertEqual(evs[1].structured_answer.summary, "ok")
+        w1, w2 = evs[2].write_confirm, evs[3].write_confirm
+        self.assertEqual(w1.approval_id, "0d5e0000-0000-0000-0000-000000000009")
+        self.assertLessEqual(len(w1.summary.encode()), 2048)
+        self.assertEqual(w1.summary, "\u00e9" * 1024)  # never a cut character
+        self.assertEqual(w1.deep_link, "")
+        self.assertEqual(w1.required_clearance, 5)
+        self.assertEqual(w1.action_type, "trigger_workflow")
+        self.assertEqual((w2.approval_id, w2.deep_link, w2.required_clearance, w2.action_type),
+                         ("", "/approvals/1", 0, ""))
+        raw = b"".join(e.SerializeToString() for e in evs)
+        for leak in (b"SECRET-DETAIL", b"SECRET-RESULT", b"web_search", b"input_injection"):
+            self.assertNotIn(leak, raw)
+
+    def test_retry_on_another_worker(self):
+        msg = "#!fail-once\nretried " + uuid.uuid4().hex
+        evs = self.send(msg)
+        self.assertEqual("".join(e.token.text for e in evs if e.HasField("token")),
+                         "echo: " + msg.split("\n")[1])
+        sid = self.sid_of(msg)
+        self.assertEqual(len(self.requests_of(sid)), 2)
+
+    def test_worker_fails_after_relaying(self):
+        msg = "#!fail-after\n" + uuid.uuid4().hex
+        evs = self.send(msg)
+        kinds = [e.WhichOneof("event") for e in evs]
+        self.assertEqual(kinds, ["token", "error"])
+        self.assertTrue(evs[1].error.code.startswith("WORKER_"))
+        sid = self.sid_of(msg)
+        self.assertEqual(len(self.requests_of(sid)), 1)  # no retry once something was relayed
+        self.assertEqual(self.get(sid).status, 4)  # ERROR
+
+    def test_cancel_reaches_worker(self):
+        for f in (self.fake, self.fake2):
+            f.cancelled.clear()
+        fn = self.ch.unary_stream(LC + "SendMessage",
+                                  request_serializer=L.SendMessageRequest.SerializeToString,
+                                  response_deserializer=L.AgentEvent.FromString)
+        call = fn(L.SendMessageRequest(agent_id=self.agent, message="#!hang"),
+                  metadata=[("authorization", "Bearer " + self.tok())], timeout=30)
+        first = next(call)
+        self.assertEqual(first.token.text, "waiting")
+        t0 = time.time()
+        call.cancel()
+        ok = False
+        while time.time() - t0 < 5 and not ok:
+            ok = self.fake.cancelled.is_set() or self.fake2.cancelled.is_set()
+            time.sleep(0.02)
+        self.assertTrue(ok, "the worker's ExecuteStep was not cancelled")
+        self.assertLess(time.time() - t0, 2.0)
+
+    def test_send_bad_input(self):
+        for kw, field in (({"message": ""}, "message"), ({"message": "x", "session_id": "nope"}, "session_id"),
+                          ({"message": "x", "agent_id": ""}, "agent_id")):
+            c, d = self.code(lambda: self.send(kw["message"], session_id=kw.get("session_id", ""),
+                                               agent_id=kw.get("agent_id")))
+            self.assertEqual(c, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(field, d)
+        c, _ = self.code(lambda: self.send("x", agent_id=str(uuid.uuid4())))
+        self.assertEqual(c, grpc.StatusCode.NOT_FOUND)
+        c, _ = self.code(lambda: self.send("x" * 70000))
+        self.assertEqual(c, grpc.StatusCode.INVALID_ARGUMENT)
+
+    def test_provider_keys_encrypted(self):
+        org = str(uuid.uuid4())
+        agent = apply_agent(org, AGENT)
+        key = "sk-test-" + secrets.token_hex(16)
+        out = agents_tool(org, "keys", "set", "anthropic", stdin=key + "\n")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertNotIn(key, out.stdout + out.stderr)
+        evs = self.send("keys please", agent_id=agent, token=self.tok(org=org))
+        self.assertTrue(any(e.HasField("completion") for e in evs))
+        reqs = [r for r in self.fake.requests + self.fake2.requests if r.tenant_id == org]
+        self.assertEqual(dict(reqs[-1].provider_keys), {"anthropic": key})
+        admin = os.environ.get("UPSQUAD_PG_ADMIN_DSN")
+        if admin:
+            dump = subprocess.run(["psql", admin, "-X", "-Atq", "-c",
+                                   "SELECT encode(ciphertext, 'escape'), kek_id FROM orchestrator.provider_keys"
+                                   " WHERE org_id = '%s'" % org], capture_output=True, text=True).stdout
+            self.assertIn("k1", dump)
+            self.assertNotIn(key, dump)
+            self.assertNotIn(key.encode().hex(), dump)
+        # a key of another org is never sent
+        reqs2 = [r for r in self.fake.requests + self.fake2.requests if r.tenant_id == self.org]
+        self.assertTrue(all("anthropic" not in dict(r.provider_keys) for r in reqs2))
+
+    # ---- Heartbeat / Checkpoint ----
+    def rt(self, method, req, resp, token=None):
+        return self.unary(method, req, resp, token=token or self.worker_tok(), svc=RT)
+
+    def test_heartbeat(self):
+        sid = self.create().session_id
+        r = self.rt("Heartbeat", R.HeartbeatRequest(session_id=sid, worker_id="w-test", active_sessions=3),
+                    R.HeartbeatResponse)
+        self.assertTrue(r.acknowledged)
+        g = self.get(sid)
+        self.assertAlmostEqual(g.last_heartbeat.seconds, time.time(), delta=30)
+        c, _ = self.code(lambda: self.rt("Heartbeat", R.HeartbeatRequest(worker_id="w"), R.HeartbeatResponse,
+                                         token=self.tok()))
+        self.assertEqual(c, grpc.StatusCode.PERMISSION_DENIED)
+        c, _ = self.code(lambda: self.rt("Heartbeat", R.HeartbeatRequest(), R.HeartbeatResponse))
+        self.assertEqual(c, grpc.StatusCode.INVALID_ARGUMENT)
+        c, _ = self.code(lambda: self.rt("Heartbeat", R.HeartbeatRequest(worker_id="w", session_id=str(uuid.uuid4())),
+                                         R.HeartbeatResponse))
+        self.assertEqual(c, grpc.StatusCode.NOT_FOUND)
+
+    def test_checkpoint(self):
+        sid = self.create().session_id
+        blob = struct.pack(">I", 1) + b"state-" + os.urandom(16)
+        sha = hashlib.sha256(blob).hexdigest()
+        req = R.CheckpointRequest(session_id=sid, bytes=blob, bytes_sha256=sha, loop_iteration=1)
+        r = self.rt("Checkpoint", req, R.CheckpointResponse)
+        self.assertEqual(r.hash, sha)
+        self.rt("Checkpoint", req, R.CheckpointResponse)  # idempotent replay
+        other = struct.pack(">I", 1) + b"different"
+        c, _ = self.code(lambda: self.rt("Checkpoint", R.CheckpointRequest(
+            session_id=sid, bytes=other, bytes_sha256=hashlib.sha256(other).hexdigest(), loop_iteration=1),
+            R.CheckpointResponse))
+        self.assertEqual(c, grpc.StatusCode.ALREADY_EXISTS)
+        for bad in (R.CheckpointRequest(session_id=sid, bytes=b"\x00\x00", bytes_sha256=hashlib.sha256(b"\x00\x00").hexdigest(), loop_iteration=2),
+                    R.CheckpointRequest(session_id=sid, bytes=blob, bytes_sha256="0" * 64, loop_iteration=2),
+                    R.CheckpointRequest(session_id=sid, bytes=blob, bytes_sha256="xyz", loop_iteration=2),
+                    R.CheckpointRequest(session_id="nope", bytes=blob, bytes_sha256=sha, loop_iteration=2),
+                    R.CheckpointRequest(session_id=sid, bytes=blob, bytes_sha256=sha, loop_iteration=-1)):
+            c, _ = self.code(lambda: self.rt("Checkpoint", bad, R.CheckpointResponse))
+            self.assertEqual(c, grpc.StatusCode.INVALID_ARGUMENT)
+        huge = struct.pack(">I", 1) + b"\0" * (4 << 20)
+        c, _ = self.code(lambda: self.rt("Checkpoint", R.CheckpointRequest(
+            session_id=sid, bytes=huge, bytes_sha256=hashlib.sha256(huge).hexdigest(), loop_iteration=3),
+            R.CheckpointResponse))
+        self.assertIn(c, (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED))
+        c, _ = self.code(lambda: self.rt("Checkpoint", req, R.CheckpointResponse, token=self.tok()))
+        self.assertEqual(c, grpc.StatusCode.PERMISSION_DENIED)
+        c, _ = self.code(lambda: self.rt("Checkpoint", R.CheckpointRequest(
+            session_id=str(uuid.uuid4()), bytes=blob, bytes_sha256=sha, loop_iteration=1), R.CheckpointResponse))
+        self.assertEqual(c, grpc.StatusCode.NOT_FOUND)
+        # pruning: only the newest N (5) per session are kept
+        for i in range(2, 10):
+            b = struct.pack(">I", 1) + bytes([i])
+            self.rt("Checkpoint", R.CheckpointRequest(session_id=sid, bytes=b, bytes_sha256=hashlib.sha256(b).hexdigest(),
+                                                      loop_iteration=i), R.CheckpointResponse)
+        admin = os.environ.get("UPSQUAD_PG_ADMIN_DSN")
+        if admin:
+            its = subprocess.run(["psql", admin, "-X", "-Atq", "-c",
+                                  "SELECT string_agg(loop_iteration::text, ',' ORDER BY loop_iteration)"
+                                  " FROM orchestrator.checkpoints WHERE session_id = '%s'" % sid],
+                                 capture_output=True, text=True).stdout.strip()
+            self.assertEqual(its, "5,6,7,8,9")
+        self.assertEqual(self.get(sid).loop_count, 9)
 
     # ---- the other seven ----
     def test_unimplemented(self):

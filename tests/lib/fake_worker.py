@@ -20,6 +20,7 @@ from google.protobuf import json_format
 from upsquad.runtime.v1 import runtime_pb2 as R
 
 SVC = "upsquad.runtime.v1.RuntimeService"
+FAILED_ONCE = set()  # sessions whose first attempt already failed (#!fail-once), all workers
 
 
 class FakeWorker:
@@ -64,9 +65,14 @@ class FakeWorker:
             for ev in json.loads(first[len("#!fake"):].strip() or rest):
                 yield json_format.ParseDict(ev, R.ExecuteStepEvent())
             return
+        if first == "#!fail-once":
+            if req.session_id not in FAILED_ONCE:
+                FAILED_ONCE.add(req.session_id)
+                ctx.abort(grpc.StatusCode.UNAVAILABLE, "worker going away")
+            msg = rest or "retried"
         if first == "#!fail-before":
             ctx.abort(grpc.StatusCode.UNAVAILABLE, "worker going away")
-        if first == "#!fail-after":
+        if first.startswith("#!fail-after"):
             yield R.ExecuteStepEvent(token=R.TokenEvent(text="partial", index=0))
             ctx.abort(grpc.StatusCode.INTERNAL, "worker crashed")
         if first == "#!hang":
