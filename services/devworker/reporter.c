@@ -1,0 +1,315 @@
+/* The reporter thread: heartbeats and queued checkpoints to the orchestrator
+ * (RuntimeService.Heartbeat / .Checkpoint), with a bearer the worker mints itself.
+ *
+ *   - Every heartbeat interval: one worker-level heartbeat (session_id empty, active_sessions =
+ *     the steps in flight), then one per session with a step in flight (at most
+ *     HB_MAX_SESSIONS), so the orchestrator can refresh each session's last_heartbeat. The
+ *     worker's address rides as metadata x-upsquad-worker-addr; worker_id defaults to it.
+ *   - Checkpoints go out in queue order while the orchestrator answers. A transport failure
+ *     (UNAVAILABLE, DEADLINE_EXCEEDED) keeps the checkpoint at the head of the queue; any
+ *     other status (ALREADY_EXISTS for a conflicting hash, INVALID_ARGUMENT) is final: logged,
+ *     counted, dropped.
+ *   - Unreachable orchestrator: the worker keeps serving; retries back off from 200 ms,
+ *     doubling up to UPSQUAD_DEVWORKER_HEARTBEAT_BACKOFF_MAX; "orchestrator.unreachable" and
+ *     "orchestrator.reachable" are logged once per change of state.
+ *
+ * Tokens: HS256 with UPSQUAD_JWT_SECRET, aud UPSQUAD_JWT_AUDIENCE, sub = worker id, scope
+ * "runtime.worker", clearance 1; org_id = the session's tenant on a checkpoint, the nil UUID
+ * on a heartbeat (a worker belongs to no tenant). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "upsquad/runtime/v1/runtime.pb-c.h"
+#include "worker.h"
+
+#define SVC "/upsquad.runtime.v1.RuntimeService/"
+#define HB_MAX_SESSIONS 64
+#define BACKOFF_MIN_MS 200
+#define NIL_ORG "00000000-0000-0000-0000-000000000000"
+
+typedef struct reporter {
+    dw_worker *w;
+    int state;              /* -1 unknown, 0 unreachable, 1 reachable */
+    long long backoff;      /* next retry wait while unreachable */
+    int64_t next_hb;        /* monotonic ms */
+    char *hb_token;         /* cached heartbeat bearer */
+    int64_t hb_token_renew; /* monotonic ms at which it is re-minted */
+} reporter;
+
+static int64_t mono_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* The advertised address and worker id, once the server has its port. */
+static int resolve_identity(dw_worker *w) {
+    const dw_config *c = w->cfg;
+    int port = rpc_server_port(w->srv);
+    if (port <= 0) return -1;
+    pthread_mutex_lock(&w->mu); /* steps read them (inspect) */
+    if (c->advertise_addr && c->advertise_addr[0]) {
+        snprintf(w->addr, sizeof w->addr, "%s", c->advertise_addr);
+    } else {
+        char host[200] = "";
+        const char *a = c->grpc_addr ? c->grpc_addr : "";
+        const char *colon = strrchr(a, ':');
+        size_t hl = colon ? (size_t)(colon - a) : 0;
+        if (hl >= sizeof host) hl = sizeof host - 1;
+        memcpy(host, a, hl);
+        host[hl] = 0;
+        if (!host[0] || strcmp(host, "0.0.0.0") == 0 || strcmp(host, "[::]") == 0) {
+            if (gethostname(host, sizeof host - 1) != 0) snprintf(host, sizeof host, "localhost");
+            host[sizeof host - 1] = 0;
+        }
+        snprintf(w->addr, sizeof w->addr, "%s:%d", host, port);
+    }
+    dw_copy_id(w->id, (c->worker_id && c->worker_id[0]) ? c->worker_id : w->addr);
+    pthread_mutex_unlock(&w->mu);
+    return 0;
+}
+
+/* A fresh bearer for org (caller frees), or NULL (logged). */
+static char *mint(reporter *r, const char *org) {
+    dw_worker *w = r->w;
+    char extra[400], err[256], *tok = NULL;
+    snprintf(extra, sizeof extra, "{\"scope\":\"runtime.worker\"}");
+    auth_claims cl = {.sub = w->id,
+                      .org_id = (org && org[0]) ? org : NIL_ORG,
+                      .audience = w->cfg->jwt_audience,
+                      .issuer = w->cfg->jwt_issuer,
+                      .clearance = 1,
+                      .ttl_s = w->cfg->token_ttl_ms / 1000,
+                      .extra_json = extra};
+    if (auth_mint(w->signer, &cl, &tok, err, sizeof err) != AUTH_OK) {
+        log_error("reporter.token", "cannot mint the worker's bearer: %s", err);
+        return NULL;
+    }
+    return tok;
+}
+
+static const char *hb_token(reporter *r) {
+    int64_t now = mono_ms();
+    if (r->hb_token == NULL || now >= r->hb_token_renew) {
+        char *t = mint(r, NULL);
+        if (t == NULL) return NULL;
+        free(r->hb_token);
+        r->hb_token = t;
+        r->hb_token_renew = now + r->w->cfg->token_ttl_ms / 2;
+    }
+    return r->hb_token;
+}
+
+static int transient(int code) {
+    return code == RPC_UNAVAILABLE || code == RPC_DEADLINE_EXCEEDED || code == RPC_CANCELLED ||
+           code == RPC_UNKNOWN || code == RPC_RESOURCE_EXHAUSTED;
+}
+
+static void set_state(reporter *r, int up, const char *why) {
+    if (r->state == up) return;
+    r->state = up;
+    if (up)
+        log_info("orchestrator.reachable", "heartbeats to %s acknowledged (worker %s at %s)",
+                 r->w->cfg->orchestrator_addr, r->w->id, r->w->addr);
+    else
+        log_warn("orchestrator.unreachable",
+                 "%s: %s; serving on, retrying with back-off up to %lld ms",
+                 r->w->cfg->orchestrator_addr, why, r->w->cfg->backoff_max_ms);
+}
+
+/* One Heartbeat call; the status code. */
+static int heartbeat(reporter *r, const char *session_id, int active, char *why, size_t whylen) {
+    dw_worker *w = r->w;
+    Upsquad__Runtime__V1__HeartbeatRequest rq = UPSQUAD__RUNTIME__V1__HEARTBEAT_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    rpc_status st = {0};
+    const char *tok = hb_token(r);
+    if (tok == NULL) {
+        snprintf(why, whylen, "no bearer");
+        return RPC_INTERNAL;
+    }
+    rq.session_id = (char *)session_id;
+    rq.worker_id = w->id;
+    rq.active_sessions = active;
+    rpc_md md[] = {{"x-upsquad-worker-addr", w->addr}};
+    rpc_call_opts o = {.timeout_ms = w->cfg->rpc_timeout_ms, .bearer = tok, .md = md, .n_md = 1};
+    int code =
+        rpc_unary_call(w->orch, SVC "Heartbeat", &rq.base,
+                       &upsquad__runtime__v1__heartbeat_response__descriptor, &o, &resp, &st);
+    if (code != RPC_OK)
+        snprintf(why, whylen, "Heartbeat: status %d %s", code, st.message ? st.message : "");
+    if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+    rpc_status_clear(&st);
+    if (code == RPC_OK)
+        metric_inc(w->m_hb_ok);
+    else
+        metric_inc(w->m_hb_fail);
+    return code;
+}
+
+/* The worker-level heartbeat, then one per session in flight. 0 when the orchestrator
+ * answered (any non-transient status counts as reachable: it is there, it said no). */
+static int heartbeat_round(reporter *r, char *why, size_t whylen) {
+    dw_worker *w = r->w;
+    char(*ids)[DW_ID_MAX] = malloc(HB_MAX_SESSIONS * sizeof *ids);
+    int n = 0, active, code;
+    if (ids == NULL) return -1;
+    pthread_mutex_lock(&w->mu);
+    active = w->n_steps;
+    for (dw_step_ref *s = w->steps; s && n < HB_MAX_SESSIONS; s = s->next) {
+        int dup = 0;
+        for (int i = 0; i < n && !dup; i++)
+            dup = strcmp(ids[i], s->session_id) == 0;
+        if (!dup) dw_copy_id(ids[n++], s->session_id);
+    }
+    pthread_mutex_unlock(&w->mu);
+    code = heartbeat(r, "", active, why, whylen);
+    if (code == RPC_UNAUTHENTICATED || code == RPC_PERMISSION_DENIED)
+        log_warn("heartbeat.refused", "%s", why); /* a key or audience mismatch: say it */
+    for (int i = 0; i < n && !transient(code); i++)
+        code = heartbeat(r, ids[i], active, why, whylen);
+    free(ids);
+    return transient(code) ? -1 : 0;
+}
+
+/* Takes the head of the queue (caller owns c->bytes), 0 when empty. */
+static int take_head(dw_worker *w, dw_ckpt *c) {
+    int got = 0;
+    pthread_mutex_lock(&w->mu);
+    if (w->ckq_len > 0) {
+        *c = w->ckq[w->ckq_head];
+        w->ckq_head = (w->ckq_head + 1) % w->ckq_cap;
+        w->ckq_len--;
+        got = 1;
+    }
+    pthread_mutex_unlock(&w->mu);
+    return got;
+}
+
+/* Puts a checkpoint back at the head (after a transport failure); dropped when the queue
+ * filled meanwhile (newer checkpoints win). */
+static void put_back(dw_worker *w, dw_ckpt *c) {
+    pthread_mutex_lock(&w->mu);
+    if (w->ckq_len < w->ckq_cap) {
+        w->ckq_head = (w->ckq_head + w->ckq_cap - 1) % w->ckq_cap;
+        w->ckq[w->ckq_head] = *c;
+        w->ckq_len++;
+        c->bytes = NULL;
+    }
+    pthread_mutex_unlock(&w->mu);
+    if (c->bytes) {
+        metric_inc(w->m_ck_dropped);
+        free(c->bytes);
+    }
+}
+
+/* Sends one checkpoint; -1 on a transport failure (kept for a retry). */
+static int send_checkpoint(reporter *r, dw_ckpt *c, char *why, size_t whylen) {
+    dw_worker *w = r->w;
+    Upsquad__Runtime__V1__CheckpointRequest rq = UPSQUAD__RUNTIME__V1__CHECKPOINT_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    rpc_status st = {0};
+    char *tok = mint(r, c->tenant);
+    int code;
+    rq.session_id = c->session_id;
+    rq.bytes.data = c->bytes;
+    rq.bytes.len = c->len;
+    rq.bytes_sha256 = c->sha256;
+    rq.loop_iteration = c->loop_iteration;
+    rpc_md md[] = {{"x-upsquad-worker-addr", w->addr}};
+    rpc_call_opts o = {.timeout_ms = w->cfg->rpc_timeout_ms, .bearer = tok, .md = md, .n_md = 1};
+    code =
+        tok ? rpc_unary_call(w->orch, SVC "Checkpoint", &rq.base,
+                             &upsquad__runtime__v1__checkpoint_response__descriptor, &o, &resp, &st)
+            : RPC_INTERNAL;
+    free(tok);
+    if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+    if (code != RPC_OK)
+        snprintf(why, whylen, "Checkpoint: status %d %s", code, st.message ? st.message : "");
+    rpc_status_clear(&st);
+    if (code == RPC_OK) {
+        metric_inc(w->m_ck_ok);
+        free(c->bytes);
+        return 0;
+    }
+    if (transient(code)) {
+        metric_inc(w->m_ck_fail);
+        put_back(w, c);
+        return -1;
+    }
+    metric_inc(w->m_ck_refused);
+    log_warn("checkpoint.refused", "session %s iteration %d: %s", c->session_id, c->loop_iteration,
+             why);
+    free(c->bytes);
+    return 0;
+}
+
+static void wait_until(dw_worker *w, int64_t deadline, int want_queue) {
+    pthread_mutex_lock(&w->mu);
+    while (!w->stop && !(want_queue && w->ckq_len > 0)) {
+        int64_t left = deadline - mono_ms();
+        if (left <= 0) break;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += left / 1000;
+        ts.tv_nsec += (left % 1000) * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+    }
+    pthread_mutex_unlock(&w->mu);
+}
+
+static int stopping(dw_worker *w) {
+    pthread_mutex_lock(&w->mu);
+    int s = w->stop;
+    pthread_mutex_unlock(&w->mu);
+    return s;
+}
+
+void *dw_reporter_main(void *arg) {
+    dw_worker *w = arg;
+    reporter r = {.w = w, .state = -1, .backoff = BACKOFF_MIN_MS};
+    char why[512];
+    log_set_trace("devworker-reporter");
+    while (resolve_identity(w) != 0 && !stopping(w))
+        wait_until(w, mono_ms() + 20, 0);
+    if (w->orch == NULL) { /* nothing to report to: idle until stopped */
+        wait_until(w, INT64_MAX, 0);
+        return NULL;
+    }
+    log_info("reporter.start", "worker %s at %s heartbeats to %s every %lld ms", w->id, w->addr,
+             w->cfg->orchestrator_addr, w->cfg->heartbeat_ms);
+    r.next_hb = mono_ms();
+    while (!stopping(w)) {
+        if (mono_ms() >= r.next_hb) {
+            if (heartbeat_round(&r, why, sizeof why) == 0) {
+                set_state(&r, 1, NULL);
+                r.backoff = BACKOFF_MIN_MS;
+                r.next_hb = mono_ms() + w->cfg->heartbeat_ms;
+            } else {
+                set_state(&r, 0, why);
+                r.next_hb = mono_ms() + r.backoff;
+                r.backoff =
+                    r.backoff * 2 > w->cfg->backoff_max_ms ? w->cfg->backoff_max_ms : r.backoff * 2;
+            }
+        }
+        dw_ckpt c;
+        while (r.state == 1 && !stopping(w) && take_head(w, &c)) {
+            if (send_checkpoint(&r, &c, why, sizeof why) != 0) {
+                set_state(&r, 0, why);
+                r.next_hb = mono_ms() + r.backoff;
+                break;
+            }
+        }
+        wait_until(w, r.next_hb, r.state == 1);
+    }
+    free(r.hb_token);
+    return NULL;
+}

@@ -1,0 +1,142 @@
+/* devworker: a RuntimeService worker with a scripted, deterministic "model" (docs/devworker.md).
+ *
+ * The process state shared by the handlers (handlers.c), the step runner (step.c) and the
+ * reporter thread (reporter.c): configuration, the bounded table of sessions this worker was
+ * told about, the in-flight steps, and the outgoing queue of checkpoints for the orchestrator.
+ *
+ * Locking: w->mu guards sessions, steps and the checkpoint queue; it is never held across an
+ * RPC or a sleep. */
+#ifndef UPSQUAD_DW_WORKER_H
+#define UPSQUAD_DW_WORKER_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "auth.h"
+#include "cfg.h"
+#include "metrics.h"
+#include "rpc.h"
+#include "rpc_client.h"
+
+#define DW_ID_MAX 128           /* session / tenant / model id, including the NUL */
+#define DW_CHECKPOINT_VERSION 1 /* default schema version written in the 4-byte prefix */
+
+typedef struct dw_config {
+    char *orchestrator_addr;    /* UPSQUAD_ORCHESTRATOR_ADDR; empty: no heartbeats/checkpoints */
+    char *worker_id;            /* UPSQUAD_DEVWORKER_ID; empty: the advertised address */
+    char *advertise_addr;       /* UPSQUAD_DEVWORKER_ADVERTISE_ADDR; empty: from the listen addr */
+    char *grpc_addr;            /* UPSQUAD_GRPC_ADDR (read again for the advertised address) */
+    char *require_scope;        /* UPSQUAD_DEVWORKER_REQUIRE_SCOPE; empty: any valid token */
+    long long heartbeat_ms;     /* UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL */
+    long long backoff_max_ms;   /* UPSQUAD_DEVWORKER_HEARTBEAT_BACKOFF_MAX */
+    long long rpc_timeout_ms;   /* UPSQUAD_DEVWORKER_ORCHESTRATOR_TIMEOUT */
+    long long token_ttl_ms;     /* UPSQUAD_DEVWORKER_TOKEN_TTL */
+    long long max_sessions;     /* UPSQUAD_DEVWORKER_MAX_SESSIONS */
+    long long checkpoint_queue; /* UPSQUAD_DEVWORKER_CHECKPOINT_QUEUE */
+    long long checkpoint_ver;   /* UPSQUAD_DEVWORKER_CHECKPOINT_VERSION */
+    long long max_script;       /* UPSQUAD_DEVWORKER_MAX_SCRIPT_ELEMENTS */
+    int checkpoints_enabled;    /* UPSQUAD_DEVWORKER_CHECKPOINTS */
+    /* signing (shared variables, read again here: the worker mints its own bearer) */
+    char *jwt_secret, *jwt_audience, *jwt_issuer;
+    /* the service's certificate doubles as the client certificate towards the orchestrator */
+    char *tls_cert, *tls_key, *tls_ca;
+} dw_config;
+
+/* A session this worker was initialised for (InitWorkerSession) or ran a step of. */
+typedef struct dw_session {
+    char id[DW_ID_MAX];
+    char tenant[DW_ID_MAX];
+    char model[DW_ID_MAX];
+    int32_t next_iter; /* loop_iteration of the next checkpoint */
+    uint8_t *state;    /* latest checkpoint blob (prefix + body), owned; NULL: none */
+    size_t state_len;
+    char state_hash[65];
+    uint64_t last_used; /* LRU eviction when the table is full */
+} dw_session;
+
+/* An ExecuteStep in flight: heartbeats name its session, TerminateSession stops it. */
+typedef struct dw_step_ref {
+    char session_id[DW_ID_MAX];
+    atomic_int terminated;
+    struct dw_step_ref *next;
+} dw_step_ref;
+
+/* One checkpoint waiting to be sent to the orchestrator (owned by the queue). */
+typedef struct dw_ckpt {
+    char session_id[DW_ID_MAX];
+    char tenant[DW_ID_MAX];
+    int32_t loop_iteration;
+    uint8_t *bytes;
+    size_t len;
+    char sha256[65];
+} dw_ckpt;
+
+typedef struct dw_worker {
+    const dw_config *cfg;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;    /* reporter wake-ups: a checkpoint queued, stop */
+    dw_session *sessions; /* cfg->max_sessions slots; id[0] == 0: free */
+    size_t n_sessions;
+    uint64_t clock;     /* LRU counter */
+    dw_step_ref *steps; /* in-flight steps (list) */
+    int n_steps;
+    dw_ckpt *ckq; /* ring of cfg->checkpoint_queue entries */
+    size_t ckq_head, ckq_len, ckq_cap;
+    int stop;
+    rpc_server *srv;    /* borrowed: the advertised port */
+    char addr[256];     /* advertised address, once known */
+    char id[DW_ID_MAX]; /* worker id, once known */
+    auth_signer *signer;
+    rpc_channel *orch;
+    pthread_t reporter;
+    int reporter_started;
+    metric *m_steps, *m_steps_cancelled, *m_tokens, *m_scripts_invalid;
+    metric *m_hb_ok, *m_hb_fail, *m_ck_ok, *m_ck_fail, *m_ck_dropped, *m_ck_refused;
+    metric *m_inflight;
+} dw_worker;
+
+const cfg_var *dw_config_vars(size_t *n);
+dw_config *dw_config_get(void);
+
+/* Loads the signing variables, opens the orchestrator channel, starts the reporter thread. */
+int dw_worker_start(dw_worker *w, const dw_config *cfg, rpc_server *srv, char *err, size_t errlen);
+void dw_worker_stop(dw_worker *w);
+
+/* Sessions (thread-safe). dw_session_touch creates the entry when absent (evicting the least
+ * recently used one when the table is full) and fills tenant/model when given; it returns the
+ * next loop iteration to use. */
+int32_t dw_session_touch(dw_worker *w, const char *id, const char *tenant, const char *model);
+/* Reserves the session's next loop iteration (two steps of one session in flight on this
+ * worker never use the same number). */
+int32_t dw_session_reserve_iter(dw_worker *w, const char *id);
+/* Records the blob as the session's latest state (copied) and advances next_iter past iter. */
+void dw_session_set_state(dw_worker *w, const char *id, int32_t iter, const uint8_t *blob,
+                          size_t len, const char *hash);
+/* Copies the latest state into the call arena; RPC_NOT_FOUND when the session has none. */
+int dw_session_get_state(dw_worker *w, rpc_call *call, const char *id, uint8_t **blob, size_t *len,
+                         char **hash);
+/* Initialises (or re-initialises) a session; next_iter = next. */
+void dw_session_init(dw_worker *w, const char *id, const char *tenant, const char *model,
+                     int32_t next);
+/* Forgets the session and marks its in-flight steps terminated. */
+void dw_session_terminate(dw_worker *w, const char *id);
+/* The model id recorded for a session ("" when unknown), copied into out. */
+void dw_session_model(dw_worker *w, const char *id, char out[DW_ID_MAX]);
+
+void dw_step_register(dw_worker *w, dw_step_ref *s);
+void dw_step_unregister(dw_worker *w, dw_step_ref *s);
+
+/* Queues a checkpoint for the orchestrator (copied). Full queue: the oldest is dropped. */
+void dw_checkpoint_enqueue(dw_worker *w, const char *session_id, const char *tenant, int32_t iter,
+                           const uint8_t *blob, size_t len, const char *sha256);
+
+/* Reporter thread (reporter.c). */
+void *dw_reporter_main(void *arg);
+
+/* Copies s into a fixed buffer, truncating at a UTF-8 boundary is not needed for ids: ids
+ * longer than DW_ID_MAX-1 are refused by the handlers. */
+void dw_copy_id(char dst[DW_ID_MAX], const char *s);
+
+#endif
