@@ -210,7 +210,8 @@ static int list_sessions(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
 
 /* ---- TerminateSession ---- */
 
-static void tell_worker(orch *o, const char *worker, const char *sid, const char *reason) {
+static void tell_worker(orch *o, const char *org, const char *worker, const char *sid,
+                        const char *reason) {
     orch_worker *k = worker && worker[0] ? orch_workers_find(o->workers, worker) : NULL;
     if (!k) {
         k = orch_workers_pick(o->workers, NULL);
@@ -222,7 +223,8 @@ static void tell_worker(orch *o, const char *worker, const char *sid, const char
     rq.session_id = (char *)sid;
     rq.reason = (char *)reason;
     ProtobufCMessage *resp = NULL;
-    rpc_call_opts opts = {.timeout_ms = 3000};
+    char *bearer = orch_mint_call_token(o, org);
+    rpc_call_opts opts = {.timeout_ms = 3000, .bearer = bearer};
     int code = rpc_unary_call(
         k->ch, "/upsquad.runtime.v1.RuntimeService/TerminateSession", &rq.base,
         &upsquad__runtime__v1__terminate_session_response__descriptor, &opts, &resp, NULL);
@@ -232,6 +234,7 @@ static void tell_worker(orch *o, const char *worker, const char *sid, const char
                  "(status %d); it releases it on its own",
                  k->addr, sid, code);
     if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+    free(bearer);
 }
 
 static int terminate_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
@@ -256,7 +259,7 @@ static int terminate_session(rpc_call *call, const ProtobufCMessage *req, Protob
     if (orch_store_session_get(o->pool, org, rq->session_id, 0, &s, err, sizeof err) == DB_OK) {
         out->status = (Upsquad__Runtime__V1__AgentStatus)s.agent_status;
         /* the worker of its last turn (no affinity: else any live one) releases it */
-        if (!was) tell_worker(o, s.worker, rq->session_id, rq->reason);
+        if (!was) tell_worker(o, org, s.worker, rq->session_id, rq->reason);
         orch_session_clear(&s);
     }
     out->success = 1;

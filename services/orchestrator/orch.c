@@ -158,6 +158,21 @@ int orch_mint_agent_tokens(const orch *o, const char *org, const char *agent_id,
     return 0;
 }
 
+char *orch_mint_call_token(const orch *o, const char *org) {
+    char err[256], *tok = NULL;
+    const char *aud = getenv("UPSQUAD_JWT_AUDIENCE");
+    if (!o->signer) return NULL;
+    auth_claims c = {.sub = "orchestrator",
+                     .org_id = org && org[0] ? org : "00000000-0000-0000-0000-000000000000",
+                     .audience = aud && aud[0] ? aud : "upsquad",
+                     .issuer = "upsquad-orchestrator",
+                     .clearance = 1,
+                     .ttl_s = 300,
+                     .extra_json = "{\"scope\":\"" ORCH_CALLER_SCOPE "\"}"};
+    if (auth_mint(o->signer, &c, &tok, err, sizeof err)) return NULL;
+    return tok;
+}
+
 static int open_pool(const orch_config *cfg, db_pool **out, char *err, size_t errlen) {
     db_pool_opts po;
     db_pool_opts_default(&po);

@@ -19,6 +19,8 @@
 #define ORCH_SCHEMA "orchestrator"
 /* The scope claim a worker's token must carry for Heartbeat and Checkpoint. */
 #define ORCH_WORKER_SCOPE "runtime.worker"
+/* The scope of the bearer this service sends on its calls to workers. */
+#define ORCH_CALLER_SCOPE "runtime.orchestrator"
 
 typedef struct orch_config {
     char *pg_dsn;
@@ -77,6 +79,10 @@ kv *orch_kv(const orch *o);
 /* Mints the per-step agent-scoped bearers (never persisted, never logged). Caller frees. */
 int orch_mint_agent_tokens(const orch *o, const char *org, const char *agent_id,
                            const char *session_id, char **gateway_token, char **context_token);
+
+/* A short-lived bearer for calls to workers (sub "orchestrator", scope runtime.orchestrator,
+ * aud UPSQUAD_JWT_AUDIENCE); NULL without a signing key. Caller frees. */
+char *orch_mint_call_token(const orch *o, const char *org);
 
 /* LifecycleService and RuntimeService handlers (lifecycle.c, runtime.c). */
 int orch_lifecycle_register(rpc_server *srv, orch *o);

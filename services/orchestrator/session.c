@@ -87,7 +87,8 @@ static int init_worker(orch *o, const SessionSnapshot *s, char worker[128], char
     snprintf(worker, 128, "%s", k->addr);
     ProtobufCMessage *resp = NULL;
     rpc_status st = {0};
-    rpc_call_opts opts = {.timeout_ms = 10000};
+    char *bearer = orch_mint_call_token(o, s->tenant_id);
+    rpc_call_opts opts = {.timeout_ms = 10000, .bearer = bearer};
     int code = rpc_unary_call(k->ch, INIT_WORKER, &rq.base,
                               &upsquad__runtime__v1__init_worker_session_response__descriptor,
                               &opts, &resp, &st);
@@ -105,6 +106,7 @@ static int init_worker(orch *o, const SessionSnapshot *s, char worker[128], char
     orch_workers_done(o->workers, k);
     if (resp) protobuf_c_message_free_unpacked(resp, NULL);
     rpc_status_clear(&st);
+    free(bearer);
     return rc;
 }
 

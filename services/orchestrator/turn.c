@@ -112,7 +112,8 @@ static int attempt(orch *o, orch_worker *k, ExecuteStepRequest *req, int64_t tim
     orch_mint_agent_tokens(o, req->tenant_id, req->agent_id, req->session_id, &gw, &ce);
     req->agent_gateway_token = gw ? gw : (char *)"";
     req->context_engine_token = ce ? ce : (char *)"";
-    rpc_call_opts opts = {.timeout_ms = timeout_ms > 0 ? timeout_ms : 0};
+    char *bearer = orch_mint_call_token(o, req->tenant_id);
+    rpc_call_opts opts = {.timeout_ms = timeout_ms > 0 ? timeout_ms : 0, .bearer = bearer};
     snprintf(r->worker, sizeof r->worker, "%s", k->addr);
     rpc_stream_open(k->ch, EXECUTE_STEP, &req->base,
                     &upsquad__runtime__v1__execute_step_event__descriptor, &opts, &rd);
@@ -121,6 +122,7 @@ static int attempt(orch *o, orch_worker *k, ExecuteStepRequest *req, int64_t tim
     req->context_engine_token = (char *)"";
     free(gw);
     free(ce);
+    free(bearer);
     watch w = {rd, sink, 0};
     int watched = watch_add(&w);
     for (;;) {

@@ -90,7 +90,7 @@ class Orch(unittest.TestCase):
             cls.procs.append(cls.mr)
             env["UPSQUAD_MODEL_REGISTRY_ADDR"] = cls.mr.addr
         cls.env = env
-        cls.orch = T.Server("orchestrator", env=env)
+        cls.orch = drain(T.Server("orchestrator", env=env))
         cls.procs.append(cls.orch)
         cls.ch = grpc.insecure_channel(cls.orch.addr)
         cls.org = str(uuid.uuid4())
@@ -426,6 +426,8 @@ class Orch(unittest.TestCase):
             self.assertIn("k1", dump)
             self.assertNotIn(key, dump)
             self.assertNotIn(key.encode().hex(), dump)
+        # never in the service's log either
+        self.assertNotIn(key, "".join(self.orch.log))
         # a key of another org is never sent
         reqs2 = [r for r in self.fake.requests + self.fake2.requests if r.tenant_id == self.org]
         self.assertTrue(all("anthropic" not in dict(r.provider_keys) for r in reqs2))
@@ -505,6 +507,143 @@ class Orch(unittest.TestCase):
                              ("TerminateSubagentTree", L.TerminateSubagentTreeRequest, L.TerminateSubagentTreeResponse)):
             c, _ = self.code(lambda: self.unary(m, req(), resp))
             self.assertEqual(c, grpc.StatusCode.UNIMPLEMENTED, m)
+
+
+def drain(server):
+    """Keeps a process's stderr (its log) flowing into server.log, so a full pipe never blocks
+    it and tests can grep what it wrote."""
+    server.log = []
+    t = threading.Thread(target=lambda: [server.log.append(l) for l in iter(server.proc.stderr.readline, "")],
+                         daemon=True)
+    t.start()
+    return server
+
+
+@unittest.skipUnless(os.path.exists(DEVWORKER), "build/bin/devworker is not built")
+class WithDevworkers(unittest.TestCase):
+    """Two orchestrator replicas and two devworkers (heartbeating and checkpointing to replica A)."""
+    procs = []
+
+    @classmethod
+    def setUpClass(cls):
+        base = {"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": DSN, "UPSQUAD_MIGRATIONS_DIR": MIGRATIONS,
+                "UPSQUAD_REDIS_URL": REDIS, "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK,
+                "UPSQUAD_WORKER_PROBE": "200ms", "UPSQUAD_LOG_LEVEL": "info"}
+        cls.base = base
+        # replica A first (workers report to it), then the workers, then replica B
+        cls.a = drain(T.Server("orchestrator", env=dict(base, UPSQUAD_WORKER_TARGETS="127.0.0.1:1")))
+        cls.procs.append(cls.a)
+        cls.w = [cls.start_worker() for _ in range(2)]
+        targets = ",".join(w.addr for w in cls.w)
+        cls.b = drain(T.Server("orchestrator", env=dict(base, UPSQUAD_WORKER_TARGETS=targets)))
+        cls.procs.append(cls.b)
+        cls.ch = grpc.insecure_channel(cls.b.addr)
+        cls.org = str(uuid.uuid4())
+        cls.user = str(uuid.uuid4())
+        cls.agent = apply_agent(cls.org, AGENT)
+
+    @classmethod
+    def start_worker(cls):
+        w = drain(T.Server("devworker", env={"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info",
+                                             "UPSQUAD_ORCHESTRATOR_ADDR": cls.a.addr,
+                                             "UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL": "200ms"}))
+        cls.procs.append(w)
+        return w
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.ch.close()
+        for p in cls.procs:
+            p.stop()
+
+    tok = Orch.tok
+    unary = Orch.unary
+    code = Orch.code
+    send = Orch.send
+    get = Orch.get
+
+    def test_chat_turn_through_devworker(self):
+        msg = "hello devworker " + uuid.uuid4().hex
+        evs = self.send(msg)
+        self.assertEqual("".join(e.token.text for e in evs if e.HasField("token")), "echo: " + msg)
+        c = [e.completion for e in evs if e.HasField("completion")]
+        self.assertEqual(len(c), 1)
+        self.assertEqual(c[0].token_usage.output_tokens, len(("echo: " + msg).split()))
+        lst = self.unary("ListSessions", L.ListSessionsRequest(page_size=100), L.ListSessionsResponse)
+        sid = [s for s in lst.sessions][0].session_id
+        # the worker checkpointed its iteration to replica A (same database): loop_count follows
+        deadline = time.time() + 5
+        while time.time() < deadline and self.get(sid).loop_count < 1:
+            time.sleep(0.1)
+        self.assertGreaterEqual(self.get(sid).loop_count, 1)
+        # a script: projection through a real worker
+        script = [{"status": "THINKING"}, {"tool_call": {"tool_name": "search", "arguments": {"q": "w"}}},
+                  {"tool_result": {"result": {"temp": 21}}}, {"security": {"violation_code": "x", "detail": "HIDDEN"}},
+                  {"metrics": {"model": "m", "cost_usd": 0.1}}, {"tokens": "it is warm"}, {"complete": "It is warm."}]
+        evs = self.send("#!script\n" + json.dumps(script), session_id=sid, agent_id="")
+        kinds = [e.WhichOneof("event") for e in evs]
+        self.assertEqual(kinds[0], "status")
+        self.assertEqual(kinds[-1], "completion")
+        self.assertEqual(set(kinds[1:-1]), {"token"})
+        self.assertNotIn(b"HIDDEN", b"".join(e.SerializeToString() for e in evs))
+
+    def test_cancel_through_devworker(self):
+        fn = self.ch.unary_stream(LC + "SendMessage", request_serializer=L.SendMessageRequest.SerializeToString,
+                                  response_deserializer=L.AgentEvent.FromString)
+        script = [{"token": "started"}, {"hang": True}]
+        call = fn(L.SendMessageRequest(agent_id=self.agent, message="#!script\n" + json.dumps(script)),
+                  metadata=[("authorization", "Bearer " + self.tok())], timeout=30)
+        self.assertEqual(next(call).token.text, "started")
+        t0 = time.time()
+        call.cancel()
+        deadline = t0 + 5
+        seen = False
+        while time.time() < deadline and not seen:
+            seen = any("cancel" in l for w in self.w for l in w.log)
+            time.sleep(0.05)
+        self.assertTrue(seen, "the devworker did not log the cancelled step")
+
+    def test_worker_crash_mid_stream(self):
+        script = [{"token": "before"}, {"sleep_ms": 100}, {"crash": True}]
+        evs = self.send("#!script\n" + json.dumps(script))
+        kinds = [e.WhichOneof("event") for e in evs]
+        self.assertEqual(kinds, ["token", "error"])
+        self.assertTrue(evs[1].error.code.startswith("WORKER_"))
+        # the surviving worker serves the next turn (the dead one is marked down)
+        deadline = time.time() + 5
+        ok = False
+        while time.time() < deadline and not ok:
+            evs = self.send("still there")
+            ok = any(e.HasField("completion") for e in evs)
+        self.assertTrue(ok)
+        # replace the crashed worker for the other tests
+        for i, w in enumerate(self.w):
+            if w.proc.poll() is not None:
+                self.w[i] = self.start_worker()
+
+    def test_no_live_worker(self):
+        c = drain(T.Server("orchestrator", env=dict(self.base, UPSQUAD_WORKER_TARGETS="127.0.0.1:1")))
+        try:
+            ch = grpc.insecure_channel(c.addr)
+            code, d = self.code(lambda: self.send("anyone?", ch=ch))
+            self.assertEqual(code, grpc.StatusCode.UNAVAILABLE)
+            self.assertIn("worker", d)
+            code, _ = self.code(lambda: self.unary("CreateSession", L.CreateSessionRequest(agent_id=self.agent),
+                                                   L.CreateSessionResponse, ch=ch))
+            self.assertEqual(code, grpc.StatusCode.UNAVAILABLE)
+            ch.close()
+        finally:
+            c.stop()
+
+    def test_heartbeats_recorded(self):
+        # devworkers heartbeat to replica A: their liveness keys exist in Redis with a TTL
+        out = subprocess.run(["redis-cli", "-u", REDIS, "--scan", "--pattern", "orch:worker:*"],
+                             capture_output=True, text=True, timeout=10).stdout
+        for w in self.w:
+            self.assertIn("orch:worker:" + w.addr, out)
+            ttl = subprocess.run(["redis-cli", "-u", REDIS, "PTTL", "orch:worker:" + w.addr],
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+            self.assertGreater(int(ttl), 0)
 
 
 if __name__ == "__main__":
