@@ -60,8 +60,9 @@ static int check_model(orch *o, const char *model, const char *bearer, char *msg
                            ->recommended->model_id;
             if (succ)
                 snprintf(msg, msglen,
-                         "model_override: model \"%s\" is deprecated; use \"%s\" instead", model,
-                         succ);
+                         "model_override: model \"%s\" is deprecated (the catalogue recommends "
+                         "\"%s\" of the same provider)",
+                         model, succ);
             else
                 snprintf(msg, msglen, "model_override: model \"%s\" is deprecated", model);
             if (rec) protobuf_c_message_free_unpacked(rec, NULL);

@@ -33,6 +33,9 @@ import grpc  # noqa: E402
 from upsquad.runtime.v1 import lifecycle_pb2 as L  # noqa: E402
 from upsquad.runtime.v1 import runtime_pb2 as R  # noqa: E402
 import fake_worker  # noqa: E402
+import mini_nats  # noqa: E402
+from upsquad.internal.v1 import agent_step_pb2 as AS  # noqa: E402
+from upsquad.internal.v1 import node_io_pb2 as NIO  # noqa: E402
 
 SECRET = secrets.token_hex(32)
 KEK = "k1:" + secrets.token_hex(32)
@@ -634,6 +637,73 @@ class WithDevworkers(unittest.TestCase):
             ch.close()
         finally:
             c.stop()
+
+    # ---- workflow agent steps ----
+    def dispatch(self, nc, goal, role="assistant", key=None, msg_id=None):
+        run = str(uuid.uuid4())
+        key = key or hashlib.sha256(("%s:step:0:1" % run).encode()).hexdigest()
+        d = AS.AgentStepDispatch(idempotency_key=key, org_id=self.org, run_id=run,
+                                 workflow_id=str(uuid.uuid4()), action_id=str(uuid.uuid4()),
+                                 step_name="draft", iteration=0, attempt=1, agent_role=role, goal=goal)
+        return d
+
+    def run_step(self, nc, d, msg_id=None):
+        res_subj = "agent.step.result.%s.%s" % (d.org_id, d.run_id)
+        io_subj = "wfio.%s.%s" % (d.org_id, d.run_id)
+        nc.subscribe(res_subj)
+        nc.subscribe(io_subj)
+        nc.js_publish("agent.step.dispatch", d.SerializeToString(), msg_id=msg_id or d.idempotency_key)
+        frames, result = [], None
+        for subj, hdrs, data in nc.next(timeout=15):
+            if subj == io_subj:
+                frames.append(NIO.NodeIOEvent.FromString(data))
+            elif subj == res_subj:
+                result = AS.AgentStepResult.FromString(data)
+                self.assertEqual(hdrs.get("Nats-Msg-Id"), d.idempotency_key)
+                break
+        return result, frames
+
+    def test_agent_step(self):
+        nc = mini_nats.MiniNats(NATS)
+        try:
+            script = [{"status": "THINKING"}, {"tokens": " ".join("w%d" % i for i in range(40))},
+                      {"tool_call": {"tool_name": "search", "tool_call_id": "t1", "arguments": {"q": "x"}}},
+                      {"tool_result": {"tool_call_id": "t1", "result": {"hits": 3}}},
+                      {"complete": "{\"answer\": 42}"}]
+            d = self.dispatch(nc, "#!script\n" + json.dumps(script))
+            result, frames = self.run_step(nc, d)
+            self.assertIsNotNone(result, "no AgentStepResult")
+            self.assertEqual(result.WhichOneof("outcome"), "completed")
+            self.assertEqual(result.completed.text, '{"answer": 42}')
+            self.assertEqual(result.completed.output["answer"], 42)
+            self.assertEqual((result.run_id, result.step_name, result.attempt), (d.run_id, "draft", 1))
+            self.assertEqual(result.agent_id, self.agent)
+            self.assertEqual(len(result.session_id), 36)
+            live = [f.frame for f in frames if f.HasField("frame")]
+            self.assertEqual([f.seq for f in live], list(range(1, len(live) + 1)))
+            self.assertTrue(all(f.session_id == result.session_id and f.node_id == "draft" for f in live))
+            kinds = [f.WhichOneof("event") for f in live]
+            self.assertEqual(kinds[0], "status")
+            toks = "".join(f.token_text for f in live if f.WhichOneof("event") == "token_text")
+            self.assertEqual(toks.split(), ["w%d" % i for i in range(40)])
+            self.assertLess(kinds.count("token_text"), 40)  # coalesced
+            self.assertIn("tool_call", kinds)
+            self.assertIn("tool_result", kinds)
+            tr = [f.transcript.event_type for f in frames if f.HasField("transcript")]
+            self.assertEqual(tr, ["tool_call", "tool_result", "assistant_message"])
+            # redelivered (another message id, so JetStream stores it): answered from the record
+            again, frames2 = self.run_step(nc, d, msg_id=uuid.uuid4().hex)
+            self.assertIsNotNone(again)
+            self.assertEqual(again.session_id, result.session_id)
+            self.assertEqual(again.completed.text, result.completed.text)
+            self.assertEqual([f for f in frames2 if f.HasField("frame")], [])
+            # unknown role: failed, not retryable
+            bad, _ = self.run_step(nc, self.dispatch(nc, "hi", role="astronaut"))
+            self.assertEqual(bad.WhichOneof("outcome"), "failed")
+            self.assertEqual(bad.failed.code, "agent_not_found")
+            self.assertFalse(bad.failed.retryable)
+        finally:
+            nc.close()
 
     def test_heartbeats_recorded(self):
         # devworkers heartbeat to replica A: their liveness keys exist in Redis with a TTL
