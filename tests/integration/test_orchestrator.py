@@ -74,6 +74,52 @@ def apply_agent(org, doc, tmpdir="/tmp"):
         os.unlink(path)
 
 
+def canonical(s):
+    """The documented canonical encoding of a SessionSnapshot (docs/orchestrator.md), written
+    independently of the C code: field number, then big-endian lengths/values, fields 11, 19 and
+    20 left out."""
+    out = [b"upsquad.snapshot.v1\n"]
+
+    def st(n, v):
+        b = v.encode()
+        out.append(struct.pack(">BI", n, len(b)) + b)
+
+    def i64(n, v):
+        out.append(struct.pack(">Bq", n, v))
+
+    def strs(n, vs):
+        out.append(struct.pack(">BI", n, len(vs)) + b"".join(struct.pack(">I", len(x.encode())) + x.encode() for x in vs))
+
+    st(1, s.session_id); st(2, s.tenant_id); st(3, s.agent_id); st(4, s.model_id)
+    out.append(struct.pack(">Bd", 5, s.temperature + 0.0))
+    i64(6, s.max_tokens); strs(7, list(s.tools)); strs(8, list(s.guardrail_hashes))
+    g = sorted(s.rbac_grants.items(), key=lambda kv: kv[0].encode())
+    out.append(struct.pack(">BI", 9, len(g)) + b"".join(
+        struct.pack(">I", len(k.encode())) + k.encode() + struct.pack(">I", len(v.encode())) + v.encode() for k, v in g))
+    st(10, s.persona); i64(12, s.max_loops); i64(13, s.execution_mode)
+    if s.HasField("fallback_chain"):
+        out.append(b"\x0e\x01")
+        st(1, s.fallback_chain.primary_model); st(2, s.fallback_chain.secondary_model); st(3, s.fallback_chain.tertiary_model)
+    else:
+        out.append(b"\x0e\x00")
+    st(15, s.context_engine_address)
+    if s.HasField("security_config"):
+        c = s.security_config
+        out.append(b"\x10\x01")
+        st(1, c.input_filter_mode); st(2, c.output_filter_mode)
+        out.append(struct.pack(">BBBBBB", 3, c.redact_secrets, 4, c.redact_pii, 5, c.redact_system_prompt))
+        st(6, c.schema_validation_mode); out.append(struct.pack(">BB", 7, c.tool_scan_enabled))
+        i64(8, c.tool_result_max_bytes)
+        for n, pats in ((9, c.custom_block_patterns), (10, c.custom_pii_patterns)):
+            out.append(struct.pack(">BI", n, len(pats)))
+            for p in pats:
+                st(1, p.id); st(2, p.regex); st(3, p.severity); st(4, p.category); st(5, p.description)
+    else:
+        out.append(b"\x10\x00")
+    st(17, s.runtime); st(18, s.llm_base_url)
+    return hashlib.sha256(b"".join(out)).hexdigest()
+
+
 class Orch(unittest.TestCase):
     procs = []
 
@@ -163,6 +209,13 @@ class Orch(unittest.TestCase):
         self.assertEqual(init[0].snapshot.snapshot_hash, r.snapshot_hash)
         self.assertEqual(init[0].snapshot.tenant_id, self.org)
         self.assertEqual(list(init[0].snapshot.tools), ["web_search"])
+        # the hash follows the documented encoding, recomputed here independently
+        self.assertEqual(canonical(init[0].snapshot), r.snapshot_hash)
+        snap = R.SessionSnapshot()
+        snap.CopyFrom(init[0].snapshot)
+        snap.org_version_seq = 99
+        snap.mcp_servers["x"].prefix = "y"
+        self.assertEqual(canonical(snap), r.snapshot_hash)
 
     def test_create_bad_input(self):
         c, d = self.code(lambda: self.create(agent_id="not-a-uuid"))
@@ -261,7 +314,29 @@ class Orch(unittest.TestCase):
         c, _ = self.code(lambda: self.send("hi", session_id=sid))
         self.assertEqual(c, grpc.StatusCode.FAILED_PRECONDITION)
         audit = psql("SELECT string_agg(action_type, ',' ORDER BY seq) FROM audit_log WHERE session_id = '%s'" % sid)
-        self.assertEqual(audit, "")  # RLS: the test's login sees no tenant rows without app.org_id
+        self.assertEqual(audit, "")  # RLS: the service's role sees no tenant rows without app.org_id
+        admin = os.environ.get("UPSQUAD_PG_ADMIN_DSN")
+        if admin:
+            rows = subprocess.run(
+                ["psql", admin, "-X", "-Atq", "-F", "\t", "-c",
+                 "SELECT seq, action_id, action_type, coalesce(parent_action_id::text, ''), detail::text,"
+                 " prev_hash, hash FROM orchestrator.audit_log WHERE session_id = '%s' ORDER BY seq" % sid],
+                capture_output=True, text=True).stdout.strip().split("\n")
+            prev = "0" * 64
+            types = []
+            for line in rows:
+                seq, aid, typ, parent, detail, p, h = line.split("\t")
+                self.assertEqual(p, prev)
+                want = hashlib.sha256("|".join([prev, seq, aid, typ, parent, detail]).encode()).hexdigest()
+                self.assertEqual(h, want)
+                prev = h
+                types.append(typ)
+            self.assertEqual(types, ["session_started", "session_terminated"])
+            # append-only, even for the owner
+            out = subprocess.run(["psql", admin, "-X", "-Atq", "-c",
+                                  "UPDATE orchestrator.audit_log SET action_type = 'x' WHERE session_id = '%s'" % sid],
+                                 capture_output=True, text=True)
+            self.assertNotEqual(out.returncode, 0)
         c, _ = self.code(lambda: self.unary("TerminateSession",
                                             L.TerminateLifecycleSessionRequest(session_id=str(uuid.uuid4())),
                                             L.TerminateLifecycleSessionResponse))
