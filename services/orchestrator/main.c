@@ -1,5 +1,6 @@
 /* orchestrator: wiring only. */
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "orch.h"
 #include "service.h"
@@ -27,6 +28,11 @@ static void fini(void *st) {
 
 int main(int argc, char **argv) {
     size_t n;
+    /* Unary handlers block on Postgres and on worker calls (InitWorkerSession), and every chat
+     * turn holds a stream worker for its whole relay: defaults sized for that, unless the
+     * environment says otherwise (docs/orchestrator.md). */
+    setenv("UPSQUAD_RPC_UNARY_THREADS", "4", 0);
+    setenv("UPSQUAD_RPC_STREAM_WORKERS", "64", 0);
     const cfg_var *vars = orch_config_vars(&n);
     svc_def def = {
         .name = "orchestrator",

@@ -213,13 +213,17 @@ int orch_start(orch *o, const orch_config *cfg, char *err, size_t errlen) {
     if (!o->signer)
         log_warn("tokens.none", "no signing key: workers get no agent_gateway_token/"
                                 "context_engine_token (MCP and context calls disabled)");
+    o->tls = (rpc_client_tls){.ca_file = cfg->client_ca,
+                              .cert_file = set(cfg->client_cert) ? cfg->client_cert : NULL,
+                              .key_file = set(cfg->client_key) ? cfg->client_key : NULL};
+    const rpc_client_tls *tlsp = set(cfg->client_ca) ? &o->tls : NULL;
     if (set(cfg->model_registry_addr)) {
-        rpc_channel_opts co = {.target = cfg->model_registry_addr};
+        rpc_channel_opts co = {.target = cfg->model_registry_addr, .tls = tlsp};
         if (rpc_channel_new(&co, &o->registry, e, sizeof e)) goto fail_e;
     }
     const char *targets =
         set(cfg->worker_targets) ? cfg->worker_targets : getenv("UPSQUAD_DEVWORKER_ADDR");
-    if (orch_workers_start(targets ? targets : "", cfg->worker_probe_ms, cfg->redis_url,
+    if (orch_workers_start(targets ? targets : "", cfg->worker_probe_ms, cfg->redis_url, tlsp,
                            &o->workers, e, sizeof e))
         goto fail_e;
     log_info("workers.configured", "targets \"%s\", %d live", targets ? targets : "",

@@ -45,6 +45,7 @@ typedef struct orch_config {
     long long checkpoints_keep;
     long long steps_concurrency;
     long long step_default_timeout_ms;
+    char *client_ca, *client_cert, *client_key; /* TLS/mTLS towards workers and model-registry */
 } orch_config;
 
 const cfg_var *orch_config_vars(size_t *n);
@@ -59,6 +60,7 @@ typedef struct orch {
     auth_signer *signer;
     keys_ring ring; /* n == 0: no KEK configured (provider keys are not sent) */
     rpc_channel *registry;
+    rpc_client_tls tls; /* towards workers and model-registry (used when tls.ca_file is set) */
     orch_workers *workers;
     orch_steps *steps;
     char instance[128];

@@ -22,6 +22,7 @@ struct orch_workers {
     char *targets;
     long long probe_ms;
     char *redis_url;
+    const rpc_client_tls *tls;
     kv *kv; /* the probe thread's */
     int stop;
     unsigned rr;
@@ -47,7 +48,7 @@ static void add_addr(orch_workers *p, const char *addr) {
     snprintf(k->addr, sizeof k->addr, "%s", addr);
     k->hb_load = -1;
     k->present = 1;
-    rpc_channel_opts o = {.target = k->addr};
+    rpc_channel_opts o = {.target = k->addr, .tls = p->tls};
     if (rpc_channel_new(&o, &k->ch, err, sizeof err)) {
         log_warn("workers.channel", "%s: %s", addr, err);
         free(k);
@@ -172,9 +173,10 @@ static void *probe_main(void *arg) {
 }
 
 int orch_workers_start(const char *targets, long long probe_ms, const char *redis_url,
-                       orch_workers **out, char *err, size_t errlen) {
+                       const rpc_client_tls *tls, orch_workers **out, char *err, size_t errlen) {
     orch_workers *p = calloc(1, sizeof *p);
     if (!p) return util_errf(err, errlen, -1, "out of memory");
+    p->tls = tls;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     p->targets = strdup(targets ? targets : "");

@@ -32,8 +32,9 @@ typedef struct orch_worker {
 typedef struct orch_workers orch_workers;
 
 /* Parses targets and starts the probe thread (redis_url may be NULL: no heartbeat loads). */
+/* tls: NULL for plaintext; borrowed, must outlive the pool. */
 int orch_workers_start(const char *targets, long long probe_ms, const char *redis_url,
-                       orch_workers **out, char *err, size_t errlen);
+                       const rpc_client_tls *tls, orch_workers **out, char *err, size_t errlen);
 void orch_workers_stop(orch_workers *w);
 
 /* The least loaded live worker other than `avoid` (NULL ok), with its in-flight count raised;
