@@ -423,7 +423,7 @@ int orch_store_session_terminate(db_pool *p, const char *org, const char *sessio
             copy(agent, sizeof agent, PQgetvalue(r, 0, 1));
             rc = db_exec(c,
                          "UPDATE sessions SET state = 'terminated', ended_at = now(),"
-                         " agent_status = CASE WHEN agent_status IN (1, 2) THEN 3"
+                         " agent_status = CASE WHEN agent_status IN (0, 1, 2, 5) THEN 3"
                          "                     ELSE agent_status END"
                          " WHERE session_id = $1::uuid",
                          1, &session_id, NULL, err, errlen);
