@@ -2,6 +2,7 @@
 #include "orch.h"
 
 #include <openssl/crypto.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,19 +118,33 @@ static void register_metrics(orch *o) {
                                     "security events reported by workers (audited)", NULL);
 }
 
-static __thread kv *tl_kv;
+/* One Redis connection per handler thread (kv is not thread-safe), closed when the thread
+ * exits (the key's destructor). */
+static pthread_key_t kv_key;
+static pthread_once_t kv_once = PTHREAD_ONCE_INIT;
 static __thread time_t tl_kv_retry;
+
+static void kv_destroy(void *k) {
+    kv_close(k);
+}
+
+static void kv_key_init(void) {
+    pthread_key_create(&kv_key, kv_destroy);
+}
 
 kv *orch_kv(const orch *o) {
     char err[256];
-    if (tl_kv) return tl_kv;
+    kv *k;
+    pthread_once(&kv_once, kv_key_init);
+    if ((k = pthread_getspecific(kv_key))) return k;
     if (!set(o->cfg->redis_url) || time(NULL) < tl_kv_retry) return NULL;
-    if (kv_connect(o->cfg->redis_url, 1000, &tl_kv, err, sizeof err) != KV_OK) {
+    if (kv_connect(o->cfg->redis_url, 1000, &k, err, sizeof err) != KV_OK) {
         log_warn("redis.connect", "%s", err);
         tl_kv_retry = time(NULL) + 2;
-        tl_kv = NULL;
+        return NULL;
     }
-    return tl_kv;
+    pthread_setspecific(kv_key, k);
+    return k;
 }
 
 int orch_mint_agent_tokens(const orch *o, const char *org, const char *agent_id,
