@@ -48,7 +48,8 @@ static int open_turn(rpc_channel *ch, int relay, const char *agent, const char *
                      const char *token, rpc_reader **rd) {
     rpc_call_opts o = {.timeout_ms = 120000, .bearer = token};
     if (relay) {
-        Upsquad__Runtime__V1__SendMessageRequest r = UPSQUAD__RUNTIME__V1__SEND_MESSAGE_REQUEST__INIT;
+        Upsquad__Runtime__V1__SendMessageRequest r =
+            UPSQUAD__RUNTIME__V1__SEND_MESSAGE_REQUEST__INIT;
         r.agent_id = (char *)agent;
         r.message = (char *)msg;
         return rpc_stream_open(ch, "/upsquad.runtime.v1.LifecycleService/SendMessage", &r.base,
@@ -78,11 +79,16 @@ int main(int argc, char **argv) {
     const char *target = NULL, *mode = NULL, *token = NULL, *agent = "";
     long count = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--target")) target = argv[i + 1];
-        else if (!strcmp(argv[i], "--mode")) mode = argv[i + 1];
-        else if (!strcmp(argv[i], "--token")) token = argv[i + 1];
-        else if (!strcmp(argv[i], "--agent")) agent = argv[i + 1];
-        else if (!strcmp(argv[i], "--count")) count = strtol(argv[i + 1], NULL, 10);
+        if (!strcmp(argv[i], "--target"))
+            target = argv[i + 1];
+        else if (!strcmp(argv[i], "--mode"))
+            mode = argv[i + 1];
+        else if (!strcmp(argv[i], "--token"))
+            token = argv[i + 1];
+        else if (!strcmp(argv[i], "--agent"))
+            agent = argv[i + 1];
+        else if (!strcmp(argv[i], "--count"))
+            count = strtol(argv[i + 1], NULL, 10);
     }
     if (!target || !mode || count <= 0 || count > 10000000) {
         fprintf(stderr, "usage: orchestrator-relay --mode relay|direct|first --target HOST:PORT "
@@ -136,8 +142,10 @@ int main(int argc, char **argv) {
     while (rpc_reader_next(rd, &m) == 1) {
         if (is_token(relay, m)) {
             uint64_t t = now_ns();
-            if (n == 0) t_first = t;
-            else v[n - 1] = t - t_prev;
+            if (n == 0)
+                t_first = t;
+            else
+                v[n - 1] = t - t_prev;
             t_prev = t;
             n++;
         }

@@ -92,8 +92,7 @@ static int load(const char *file, doc *d) {
     d->file = file;
     d->root = strlen(text) == len ? cJSON_ParseWithOpts(text, &end, 1) : NULL;
     if (!d->root) {
-        fprintf(stderr, "%s: not valid JSON near byte %ld\n", file,
-                end ? (long)(end - text) : 0L);
+        fprintf(stderr, "%s: not valid JSON near byte %ld\n", file, end ? (long)(end - text) : 0L);
         free(text);
         return -1;
     }
@@ -199,16 +198,16 @@ done:
 }
 
 int main(int argc, char **argv) {
-    static const struct option opts[] = {{"org", required_argument, 0, 'o'},
-                                         {"help", no_argument, 0, 'h'},
-                                         {0, 0, 0, 0}};
+    static const struct option opts[] = {
+        {"org", required_argument, 0, 'o'}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     char err[1024];
     const char *org = NULL;
     db_pool *p = NULL;
     int opt, rc = 2;
     log_init_env("upsquad-agents");
     while ((opt = getopt_long(argc, argv, "+o:h", opts, NULL)) != -1) {
-        if (opt == 'o') org = optarg;
+        if (opt == 'o')
+            org = optarg;
         else {
             usage(opt == 'h' ? stdout : stderr);
             return opt == 'h' ? 0 : 2;

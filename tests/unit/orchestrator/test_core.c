@@ -31,8 +31,7 @@ static SessionSnapshot *freeze(orch_arena *a, const char *json) {
     assert_non_null(doc);
     char err[256];
     assert_int_equal(agentdef_validate(doc, err, sizeof err), 0);
-    SessionSnapshot *s =
-        agentdef_freeze(a, doc, VECTOR_SESSION, VECTOR_ORG, VECTOR_AGENT, NULL, 0);
+    SessionSnapshot *s = agentdef_freeze(a, doc, VECTOR_SESSION, VECTOR_ORG, VECTOR_AGENT, NULL, 0);
     assert_non_null(s);
     /* the snapshot borrows nothing from doc */
     cJSON_Delete(doc);
@@ -87,33 +86,87 @@ static void test_every_other_field(void **state) {
     for (int f = 0; f < 27; f++) {
         SessionSnapshot *s = freeze(&a, VECTOR_DOC);
         switch (f) {
-        case 0: s->session_id = (char *)"x"; break;
-        case 1: s->tenant_id = (char *)"x"; break;
-        case 2: s->agent_id = (char *)"x"; break;
-        case 3: s->model_id = (char *)"x"; break;
-        case 4: s->temperature = 0.3; break;
-        case 5: s->max_tokens = 1; break;
-        case 6: s->n_tools = 2; break;
-        case 7: s->guardrail_hashes = s->tools, s->n_guardrail_hashes = 1; break;
-        case 8: s->rbac_grants[0]->value = (char *)"write"; break;
-        case 9: s->persona = (char *)"be long"; break;
-        case 10: s->max_loops = 6; break;
-        case 11: s->execution_mode = 2; break;
-        case 12: s->fallback_chain->secondary_model = (char *)"gpt"; break;
-        case 13: s->context_engine_address = (char *)"ce:1"; break;
-        case 14: s->security_config->input_filter_mode = (char *)"strict"; break;
-        case 15: s->security_config->redact_pii = !s->security_config->redact_pii; break;
-        case 16: s->security_config->tool_result_max_bytes = 1; break;
-        case 17: s->runtime = (char *)"claude_sdk"; break;
-        case 18: s->llm_base_url = (char *)"https://x"; break;
-        case 19: s->fallback_chain = NULL; break;
-        case 20: s->security_config->output_filter_mode = (char *)"strict"; break;
-        case 21: s->security_config->redact_secrets = !s->security_config->redact_secrets; break;
-        case 22: s->security_config->schema_validation_mode = (char *)"block"; break;
-        case 23: s->security_config->tool_scan_enabled = !s->security_config->tool_scan_enabled; break;
-        case 24: s->security_config->redact_system_prompt = !s->security_config->redact_system_prompt; break;
-        case 25: s->rbac_grants[0]->key = (char *)"repo:x"; break;
-        case 26: s->security_config = NULL; break;
+        case 0:
+            s->session_id = (char *)"x";
+            break;
+        case 1:
+            s->tenant_id = (char *)"x";
+            break;
+        case 2:
+            s->agent_id = (char *)"x";
+            break;
+        case 3:
+            s->model_id = (char *)"x";
+            break;
+        case 4:
+            s->temperature = 0.3;
+            break;
+        case 5:
+            s->max_tokens = 1;
+            break;
+        case 6:
+            s->n_tools = 2;
+            break;
+        case 7:
+            s->guardrail_hashes = s->tools, s->n_guardrail_hashes = 1;
+            break;
+        case 8:
+            s->rbac_grants[0]->value = (char *)"write";
+            break;
+        case 9:
+            s->persona = (char *)"be long";
+            break;
+        case 10:
+            s->max_loops = 6;
+            break;
+        case 11:
+            s->execution_mode = 2;
+            break;
+        case 12:
+            s->fallback_chain->secondary_model = (char *)"gpt";
+            break;
+        case 13:
+            s->context_engine_address = (char *)"ce:1";
+            break;
+        case 14:
+            s->security_config->input_filter_mode = (char *)"strict";
+            break;
+        case 15:
+            s->security_config->redact_pii = !s->security_config->redact_pii;
+            break;
+        case 16:
+            s->security_config->tool_result_max_bytes = 1;
+            break;
+        case 17:
+            s->runtime = (char *)"claude_sdk";
+            break;
+        case 18:
+            s->llm_base_url = (char *)"https://x";
+            break;
+        case 19:
+            s->fallback_chain = NULL;
+            break;
+        case 20:
+            s->security_config->output_filter_mode = (char *)"strict";
+            break;
+        case 21:
+            s->security_config->redact_secrets = !s->security_config->redact_secrets;
+            break;
+        case 22:
+            s->security_config->schema_validation_mode = (char *)"block";
+            break;
+        case 23:
+            s->security_config->tool_scan_enabled = !s->security_config->tool_scan_enabled;
+            break;
+        case 24:
+            s->security_config->redact_system_prompt = !s->security_config->redact_system_prompt;
+            break;
+        case 25:
+            s->rbac_grants[0]->key = (char *)"repo:x";
+            break;
+        case 26:
+            s->security_config = NULL;
+            break;
         }
         hash_of(s, h);
         if (strcmp(h, h0) == 0) fail_msg("mutation %d left the hash unchanged", f);
@@ -191,8 +244,10 @@ static void test_keys(void **state) {
     size_t plen = 0, ctlen = 0;
     unsigned char nonce[12], *ct = NULL;
     const char *kid = NULL;
-    const char *spec = "new:" "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
-                       ",old:" "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100";
+    const char *spec = "new:"
+                       "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
+                       ",old:"
+                       "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100";
     assert_int_equal(keys_ring_parse(spec, &r, err, sizeof err), 0);
     assert_int_equal(r.n, 2);
     assert_int_equal(keys_encrypt(&r, "org", "anthropic", (const unsigned char *)"sk-secret", 9,
@@ -201,16 +256,21 @@ static void test_keys(void **state) {
     assert_string_equal(kid, "new");
     assert_int_equal(ctlen, 9 + 16);
     assert_null(memmem(ct, ctlen, "sk-secret", 9));
-    assert_int_equal(keys_decrypt(&r, "new", "org", "anthropic", nonce, ct, ctlen, &plain, &plen), 0);
+    assert_int_equal(keys_decrypt(&r, "new", "org", "anthropic", nonce, ct, ctlen, &plain, &plen),
+                     0);
     assert_string_equal(plain, "sk-secret");
     free(plain);
     /* bound to its org and provider (AAD), and to its kek */
-    assert_int_equal(keys_decrypt(&r, "new", "org2", "anthropic", nonce, ct, ctlen, &plain, &plen), -1);
+    assert_int_equal(keys_decrypt(&r, "new", "org2", "anthropic", nonce, ct, ctlen, &plain, &plen),
+                     -1);
     assert_int_equal(keys_decrypt(&r, "new", "org", "openai", nonce, ct, ctlen, &plain, &plen), -1);
-    assert_int_equal(keys_decrypt(&r, "old", "org", "anthropic", nonce, ct, ctlen, &plain, &plen), -1);
-    assert_int_equal(keys_decrypt(&r, "gone", "org", "anthropic", nonce, ct, ctlen, &plain, &plen), -1);
+    assert_int_equal(keys_decrypt(&r, "old", "org", "anthropic", nonce, ct, ctlen, &plain, &plen),
+                     -1);
+    assert_int_equal(keys_decrypt(&r, "gone", "org", "anthropic", nonce, ct, ctlen, &plain, &plen),
+                     -1);
     ct[0] ^= 1;
-    assert_int_equal(keys_decrypt(&r, "new", "org", "anthropic", nonce, ct, ctlen, &plain, &plen), -1);
+    assert_int_equal(keys_decrypt(&r, "new", "org", "anthropic", nonce, ct, ctlen, &plain, &plen),
+                     -1);
     free(ct);
     assert_int_equal(keys_ring_parse("k:1234", &r, err, sizeof err), -1);
     assert_null(strstr(err, "1234"));
@@ -220,9 +280,12 @@ static void test_keys(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_vector),         cmocka_unit_test(test_excluded_fields),
-        cmocka_unit_test(test_every_other_field), cmocka_unit_test(test_validation),
-        cmocka_unit_test(test_answer_budgets), cmocka_unit_test(test_clamp_utf8),
+        cmocka_unit_test(test_vector),
+        cmocka_unit_test(test_excluded_fields),
+        cmocka_unit_test(test_every_other_field),
+        cmocka_unit_test(test_validation),
+        cmocka_unit_test(test_answer_budgets),
+        cmocka_unit_test(test_clamp_utf8),
         cmocka_unit_test(test_keys),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
