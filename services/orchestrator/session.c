@@ -14,7 +14,10 @@
 #define INIT_WORKER "/upsquad.runtime.v1.RuntimeService/InitWorkerSession"
 
 /* model_override: known to model-registry and not deprecated (spec AR-F66; issue). */
-static int check_model(orch *o, const char *model, const char *bearer, char *msg, size_t msglen) {
+/* canon (97 bytes): the catalogue's spelling of the model id (ids match case-insensitively). */
+static int check_model(orch *o, const char *model, const char *bearer, char canon[97], char *msg,
+                       size_t msglen) {
+    snprintf(canon, 97, "%s", model);
     if (!o->registry) return RPC_OK; /* not configured: documented, not checked */
     Upsquad__Runtime__V1__CompareModelsRequest rq =
         UPSQUAD__RUNTIME__V1__COMPARE_MODELS_REQUEST__INIT;
@@ -39,6 +42,7 @@ static int check_model(orch *o, const char *model, const char *bearer, char *msg
     } else {
         Upsquad__Runtime__V1__CompareModelsResponse *r =
             (Upsquad__Runtime__V1__CompareModelsResponse *)resp;
+        if (r->n_models == 1) snprintf(canon, 97, "%s", r->models[0]->model_id);
         if (r->n_models == 1 && r->models[0]->is_deprecated) {
             /* the catalogue names no successor on the wire: suggest its best active model of
              * the same provider */
@@ -128,8 +132,9 @@ int orch_session_start(orch *o, const orch_new_session *n, char session_id[37], 
         snprintf(msg, msglen, "the agent could not be read");
         return RPC_UNAVAILABLE;
     }
+    char model[97] = "";
     if (n->model_override && n->model_override[0]) {
-        rc = check_model(o, n->model_override, n->bearer, msg, msglen);
+        rc = check_model(o, n->model_override, n->bearer, model, msg, msglen);
         if (rc != RPC_OK) goto done;
     }
     doc = cJSON_Parse(a.definition);
@@ -138,8 +143,7 @@ int orch_session_start(orch *o, const orch_new_session *n, char session_id[37], 
         rc = RPC_INTERNAL;
         goto done;
     }
-    SessionSnapshot *s =
-        agentdef_freeze(&ar, doc, session_id, n->org, a.agent_id, n->model_override, n->mode);
+    SessionSnapshot *s = agentdef_freeze(&ar, doc, session_id, n->org, a.agent_id, model, n->mode);
     if (!s) {
         snprintf(msg, msglen, "out of memory freezing the snapshot");
         rc = RPC_RESOURCE_EXHAUSTED;

@@ -228,8 +228,8 @@ class Orch(unittest.TestCase):
 
     @unittest.skipUnless(MR_DSN, "model-registry database not configured")
     def test_model_override(self):
-        r = self.create(model_override="gpt-6.1-terra")
-        self.assertEqual(self.get(r.session_id).model_id, "gpt-6.1-terra")
+        r = self.create(model_override="GPT-6.1-Terra")
+        self.assertEqual(self.get(r.session_id).model_id, "gpt-6.1-terra")  # the catalogue's id
         c, d = self.code(lambda: self.create(model_override="no-such-model"))
         self.assertEqual(c, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("no-such-model", d)
