@@ -472,10 +472,14 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
         e.error_msg = "no live worker";
         rc = rpc_error(call, RPC_UNAVAILABLE, "no live worker: the agent runtime is not reachable");
         break;
-    case TURN_INPUT_REQUIRED:
     case TURN_INTERRUPT:
-        e.error_code = res.outcome == TURN_INPUT_REQUIRED ? "INPUT_REQUIRED" : "APPROVAL_REQUIRED";
-        e.error_msg = "the agent paused for a human; pausing sessions is not served yet";
+        /* relayed as InterruptRequiredEvent; parking the session comes with pause/resume */
+        e.error_code = "APPROVAL_REQUIRED";
+        e.error_msg = "a tool call needs approval";
+        break;
+    case TURN_INPUT_REQUIRED:
+        e.error_code = "INPUT_REQUIRED";
+        e.error_msg = "the agent asked the user; prompts on the chat path are not served yet";
         send_error(call, e.error_code, e.error_msg, 0);
         break;
     default:

@@ -114,9 +114,23 @@ int relay_project(orch_arena *a, const ExecuteStepEvent *ev, AgentEvent *out, co
         return *why = "tool events are audited, not relayed", 0;
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_DECOMPOSITION:
         return *why = "plans belong to the autonomous loop", 0;
-    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INTERRUPT_REQUIRED:
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INTERRUPT_REQUIRED: {
+        /* the client-safe projection: the gated tool's name and call id only; the raw intent
+         * (pending_tool_intent) never leaves the service */
+        Upsquad__Runtime__V1__InterruptRequiredEvent *e = orch_arena_alloc(a, sizeof *e);
+        if (!e) return *why = "out of memory", 0;
+        upsquad__runtime__v1__interrupt_required_event__init(e);
+        e->tool_name = clamped(a, ev->interrupt_required->tool_name, RELAY_WC_ACTION_TYPE * 2);
+        e->tool_call_id =
+            clamped(a, ev->interrupt_required->tool_call_id, RELAY_WC_APPROVAL_ID * 2);
+        e->reason = orch_arena_strdup(a, "requires approval");
+        if (a->failed) return *why = "out of memory", 0;
+        out->event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_INTERRUPT_REQUIRED;
+        out->interrupt_required = e;
+        return 1;
+    }
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INPUT_REQUIRED:
-        return *why = "interrupts are audited (approval routing is not served yet)", 0;
+        return *why = "ask_user is audited (prompts are not served on the chat path yet)", 0;
     default:
         return *why = "unknown event", 0;
     }

@@ -9,8 +9,10 @@
  *                                         bytes); over budget: dropped whole, debug log, the
  *                                         stream goes on
  *   write_confirm                         forwarded with every field re-clamped (relay.c)
+ *   interrupt_required                    InterruptRequiredEvent with the tool's name and call
+ *                                         id only (never pending_tool_intent)
  *   metrics, checkpoint, security, step_progress, tool_call, tool_result, decomposition,
- *   interrupt_required, input_required    never reach the caller (recorded / audited) */
+ *   input_required                        never reach the caller (recorded / audited) */
 #ifndef UPSQUAD_ORCH_RELAY_H
 #define UPSQUAD_ORCH_RELAY_H
 

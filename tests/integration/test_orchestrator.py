@@ -436,6 +436,15 @@ class Orch(unittest.TestCase):
         for leak in (b"SECRET-DETAIL", b"SECRET-RESULT", b"web_search", b"input_injection"):
             self.assertNotIn(leak, raw)
 
+    def test_interrupt_projection(self):
+        evs = self.fake_turn([{"token": {"text": "checking", "index": 0}},
+                              {"interruptRequired": {"toolCallId": "call-7", "toolName": "deploy",
+                                                     "idempotencyKey": "k", "pendingToolIntent": "U0VDUkVULUlOVEVOVA=="}}])
+        self.assertEqual([e.WhichOneof("event") for e in evs], ["token", "interrupt_required"])
+        ir = evs[1].interrupt_required
+        self.assertEqual((ir.tool_name, ir.tool_call_id), ("deploy", "call-7"))
+        self.assertNotIn(b"SECRET-INTENT", b"".join(e.SerializeToString() for e in evs))
+
     def test_retry_on_another_worker(self):
         msg = "#!fail-once\nretried " + uuid.uuid4().hex
         evs = self.send(msg)
