@@ -673,6 +673,10 @@ class WithDevworkers(unittest.TestCase):
         self.assertEqual(kinds[-1], "completion")
         self.assertEqual(set(kinds[1:-1]), {"token"})
         self.assertNotIn(b"HIDDEN", b"".join(e.SerializeToString() for e in evs))
+        # a step in flight is heartbeated per session (to replica A): last_heartbeat is set
+        self.send("#!script\n" + json.dumps([{"token": "a"}, {"sleep_ms": 700}, {"complete": "done"}]),
+                  session_id=sid, agent_id="")
+        self.assertAlmostEqual(self.get(sid).last_heartbeat.seconds, time.time(), delta=30)
 
     def test_cancel_through_devworker(self):
         fn = self.ch.unary_stream(LC + "SendMessage", request_serializer=L.SendMessageRequest.SerializeToString,
