@@ -547,10 +547,11 @@ print_access() {
 # Applies examples/agents/*.json for the development org once the orchestrator has migrated its
 # schema, prints their ids and exports the assistant's id as UPSQUAD_DEV_AGENT_ID in the env file.
 provision_agents() {
-    local tool="$BUILD/bin/upsquad-agents" out id
+    local tool="$BUILD/bin/upsquad-agents" out id line
     [[ -x "$tool" ]] || return 0
     pid_of "$RUN_DIR/pids/orchestrator.pid" orchestrator >/dev/null || return 0
     compgen -G "$ROOT/examples/agents/*.json" >/dev/null || return 0
+    # shellcheck disable=SC1091
     if ! out=$(source "$RUN_DIR/env" && UPSQUAD_PG_DSN=$UPSQUAD_PG_DSN_ORCHESTRATOR \
         "$tool" --org "$DEV_ORG_ID" apply "$ROOT"/examples/agents/*.json 2>&1); then
         say "upsquad-agents apply failed: $out"
@@ -558,7 +559,7 @@ provision_agents() {
         return 0
     fi
     say "development agents (org $DEV_ORG_ID):"
-    sed 's/^/  /' <<<"$out" >&2
+    while read -r line; do echo "  $line" >&2; done <<<"$out"
     id=$(awk '$2 == "assistant" {print $1}' <<<"$out")
     if [[ -n "$id" ]]; then
         local f="$RUN_DIR/env"

@@ -56,13 +56,13 @@ port_of() {
 }
 
 common=(UPSQUAD_LOG_LEVEL=warn UPSQUAD_GRPC_ADDR=127.0.0.1:0 UPSQUAD_METRICS_ADDR=
-    UPSQUAD_JWT_SECRET=$SECRET UPSQUAD_JWT_AUDIENCE=upsquad)
+    "UPSQUAD_JWT_SECRET=$SECRET" UPSQUAD_JWT_AUDIENCE=upsquad)
 env -u UPSQUAD_ORCHESTRATOR_ADDR "${common[@]}" "$BIN/devworker" >"$TMP/dw.out" 2>"$TMP/dw.err" &
 PID[dw]=$!
 port_of dw
 env "${common[@]}" UPSQUAD_PG_DSN="$UPSQUAD_PG_DSN_ORCHESTRATOR" UPSQUAD_NATS_URL= \
     UPSQUAD_MIGRATIONS_DIR=services/orchestrator/migrations UPSQUAD_MODEL_REGISTRY_ADDR= \
-    UPSQUAD_WORKER_TARGETS=127.0.0.1:${PORT[dw]} UPSQUAD_WORKER_PROBE=200ms \
+    "UPSQUAD_WORKER_TARGETS=127.0.0.1:${PORT[dw]}" UPSQUAD_WORKER_PROBE=200ms \
     "$BIN/orchestrator" >"$TMP/orch.out" 2>"$TMP/orch.err" &
 PID[orch]=$!
 port_of orch

@@ -279,8 +279,18 @@ typedef struct chat {
 
 static void audit_event(chat *c, const ExecuteStepEvent *ev) {
     char err[256];
-    cJSON *d = cJSON_CreateObject();
+    cJSON *d = NULL;
     const char *type = NULL;
+    switch (ev->event_case) {
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOKEN: /* the hot path: nothing */
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STATUS:
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_COMPLETION:
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_ERROR:
+        return;
+    default:
+        break;
+    }
+    d = cJSON_CreateObject();
     switch (ev->event_case) {
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_CALL:
         type = "tool_call";
