@@ -583,6 +583,56 @@ class Orch(unittest.TestCase):
             self.assertEqual(its, "5,6,7,8,9")
         self.assertEqual(self.get(sid).loop_count, 9)
 
+    # ---- upsquad-agents ----
+    def test_upsquad_agents(self):
+        org = str(uuid.uuid4())
+        d = "/tmp/agents-%s" % uuid.uuid4().hex
+        os.makedirs(d)
+        try:
+            good = os.path.join(d, "good.json")
+            bad = os.path.join(d, "bad.json")
+            with open(good, "w") as f:
+                json.dump([dict(AGENT, role="writer"), dict(AGENT, role="planner")], f)
+            with open(bad, "w") as f:
+                json.dump(dict(AGENT, role="x", security_config={"redact_pii": "yes"}), f)
+            out = agents_tool(org, "apply", good, bad)
+            self.assertEqual(out.returncode, 1)
+            self.assertIn("bad.json: /security_config/redact_pii", out.stderr)
+            self.assertEqual(agents_tool(org, "list").stdout.strip(), "")  # nothing changed
+            out = agents_tool(org, "apply", good)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            ids = [l.split()[0] for l in out.stdout.splitlines()]
+            self.assertEqual([l.split()[2] for l in out.stdout.splitlines()], ["created", "created"])
+            again = agents_tool(org, "apply", good)
+            self.assertEqual([l.split()[0] for l in again.stdout.splitlines()], ids)  # stable ids
+            self.assertEqual([l.split()[2] for l in again.stdout.splitlines()], ["updated", "updated"])
+            shown = json.loads(agents_tool(org, "show", ids[0]).stdout)
+            self.assertEqual(shown["definition"]["role"], "writer")
+            self.assertEqual(agents_tool(str(uuid.uuid4()), "show", ids[0]).returncode, 1)  # other org
+            with open(bad, "w") as f:
+                f.write("{not json")
+            self.assertEqual(agents_tool(org, "apply", bad).returncode, 1)
+            self.assertNotEqual(agents_tool(org, "keys", "set", "anthropic", stdin="").returncode, 0)
+        finally:
+            subprocess.run(["rm", "-rf", d])
+
+    def test_status_filters_and_worker_side_methods(self):
+        self.send("filter me " + uuid.uuid4().hex)
+        r = self.unary("ListSessions", L.ListSessionsRequest(status_filter="AGENT_STATUS_COMPLETE", page_size=100),
+                       L.ListSessionsResponse)
+        self.assertTrue(r.total_count >= 1 and all(s.status == 3 for s in r.sessions))
+        r2 = self.unary("ListSessions", L.ListSessionsRequest(status_filter="complete", page_size=100),
+                        L.ListSessionsResponse)
+        self.assertEqual(r.total_count, r2.total_count)
+        # the worker side of RuntimeService is not the orchestrator's
+        c, _ = self.code(lambda: self.rt("InitWorkerSession", R.InitWorkerSessionRequest(), R.InitWorkerSessionResponse))
+        self.assertEqual(c, grpc.StatusCode.UNIMPLEMENTED)
+        # a worker token signed with another key is unauthenticated
+        forged = T.mint("y" * 32, sub="w", org="system", extra={"scope": "runtime.worker"})
+        c, _ = self.code(lambda: self.rt("Heartbeat", R.HeartbeatRequest(worker_id="w"), R.HeartbeatResponse,
+                                         token=forged))
+        self.assertEqual(c, grpc.StatusCode.UNAUTHENTICATED)
+
     # ---- the other seven ----
     def test_unimplemented(self):
         for m, req, resp in (("PauseSession", L.PauseSessionRequest, L.PauseSessionResponse),
