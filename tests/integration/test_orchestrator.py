@@ -539,6 +539,23 @@ class Orch(unittest.TestCase):
                                          R.HeartbeatResponse))
         self.assertEqual(c, grpc.StatusCode.NOT_FOUND)
 
+    def test_worker_choice_by_heartbeat_load(self):
+        def load(w, n):
+            self.rt("Heartbeat", R.HeartbeatRequest(worker_id=w.addr, active_sessions=n), R.HeartbeatResponse)
+        try:
+            for busy, idle in ((self.fake, self.fake2), (self.fake2, self.fake)):
+                load(busy, 1000)
+                load(idle, 0)
+                time.sleep(0.6)  # the next probe round reads the loads
+                msgs = ["load %s %d" % (uuid.uuid4().hex, i) for i in range(4)]
+                for m in msgs:
+                    self.send(m)
+                self.assertEqual(sorted(r.user_message for r in idle.requests if r.user_message in msgs),
+                                 sorted(msgs))
+        finally:
+            load(self.fake, 0)
+            load(self.fake2, 0)
+
     def test_checkpoint(self):
         sid = self.create().session_id
         blob = struct.pack(">I", 1) + b"state-" + os.urandom(16)
