@@ -513,18 +513,50 @@ typedef struct thread_arg {
 } thread_arg;
 
 static thread_arg args[STEPS_MAX_THREADS];
+static pthread_mutex_t setup_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void pause_ms(long ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* Streams and the durable, made idempotently; retried until NATS answers (a replica starting
+ * while NATS is down serves its RPCs meanwhile and picks steps up once NATS is back). */
+static int setup(orch_steps *s, int i) {
+    const char *steps[] = {STREAM_AGENT_STEPS_SUBJECTS};
+    const char *results[] = {STREAM_AGENT_RESULTS_SUBJECTS};
+    const char *wfio[] = {STREAM_WFIO_SUBJECTS};
+    char err[256];
+    bus *b = s->o->bus;
+    if (!bus_connected(b)) return -1; /* no JetStream call waits on a server that is away */
+    pthread_mutex_lock(&setup_mu);
+    int rc =
+        bus_js_stream_ensure(b, STREAM_AGENT_STEPS, steps, 1, BUS_RETENTION_WORKQUEUE,
+                             STREAM_AGENT_STEPS_MAX_AGE_S, NULL, err, sizeof err) ||
+        bus_js_stream_ensure(b, STREAM_AGENT_RESULTS, results, 1, BUS_RETENTION_WORKQUEUE,
+                             STREAM_AGENT_RESULTS_MAX_AGE_S, NULL, err, sizeof err) ||
+        bus_js_stream_ensure(b, STREAM_WFIO, wfio, 1, BUS_RETENTION_LIMITS, STREAM_WFIO_MAX_AGE_S,
+                             NULL, err, sizeof err) ||
+        bus_js_pull_subscribe(b, STREAM_AGENT_STEPS, DURABLE_AGENT_STEPS, SUBJ_AGENT_STEP_DISPATCH,
+                              ACK_WAIT_MS, -1, &s->pull[i], err, sizeof err);
+    pthread_mutex_unlock(&setup_mu);
+    if (rc) log_warn("steps.setup", "agent steps not consumed yet (%s); retrying", err);
+    return rc;
+}
 
 static void *consume(void *arg) {
     thread_arg *ta = arg;
     orch_steps *s = ta->s;
     char err[256];
+    while (!s->stop && !s->pull[ta->i]) {
+        if (setup(s, ta->i) == 0) break;
+        for (int w = 0; w < 20 && !s->stop; w++)
+            pause_ms(100);
+    }
     while (!s->stop) {
         natsMsgList list = {0};
         if (bus_js_fetch(s->pull[ta->i], 1, 1000, &list, err, sizeof err) != BUS_OK) {
-            if (!s->stop) {
-                struct timespec ts = {0, 200000000};
-                nanosleep(&ts, NULL);
-            }
+            if (!s->stop) pause_ms(200);
             continue;
         }
         for (int k = 0; k < list.Count; k++)
@@ -536,33 +568,19 @@ static void *consume(void *arg) {
 
 int orch_steps_start(orch *o, char *err, size_t errlen) {
     orch_steps *s = calloc(1, sizeof *s);
-    const char *steps[] = {STREAM_AGENT_STEPS_SUBJECTS};
-    const char *results[] = {STREAM_AGENT_RESULTS_SUBJECTS};
-    const char *wfio[] = {STREAM_WFIO_SUBJECTS};
+    bus_opts bo;
     if (!s) return snprintf(err, errlen, "out of memory"), -1;
     s->o = o;
     o->steps = s;
-    if (bus_connect(o->cfg->nats_url, "orchestrator", &o->bus, err, errlen) ||
-        bus_js_stream_ensure(o->bus, STREAM_AGENT_STEPS, steps, 1, BUS_RETENTION_WORKQUEUE,
-                             STREAM_AGENT_STEPS_MAX_AGE_S, NULL, err, errlen) ||
-        bus_js_stream_ensure(o->bus, STREAM_AGENT_RESULTS, results, 1, BUS_RETENTION_WORKQUEUE,
-                             STREAM_AGENT_RESULTS_MAX_AGE_S, NULL, err, errlen) ||
-        bus_js_stream_ensure(o->bus, STREAM_WFIO, wfio, 1, BUS_RETENTION_LIMITS,
-                             STREAM_WFIO_MAX_AGE_S, NULL, err, errlen))
-        return -1;
+    bus_opts_default(&bo);
+    bo.connect_retry = 1; /* NATS down at start: connect in the background */
+    if (bus_connect_ex(o->cfg->nats_url, "orchestrator", &bo, &o->bus, err, errlen)) return -1;
     int n = (int)o->cfg->steps_concurrency;
     if (n > STEPS_MAX_THREADS) n = STEPS_MAX_THREADS;
     for (int i = 0; i < n; i++) {
-        if (bus_js_pull_subscribe(o->bus, STREAM_AGENT_STEPS, DURABLE_AGENT_STEPS,
-                                  SUBJ_AGENT_STEP_DISPATCH, ACK_WAIT_MS, -1, &s->pull[i], err,
-                                  errlen))
-            return -1;
         args[i] = (thread_arg){s, i};
-        if (pthread_create(&s->th[i], NULL, consume, &args[i])) {
-            bus_pull_close(s->pull[i]);
-            s->pull[i] = NULL;
+        if (pthread_create(&s->th[i], NULL, consume, &args[i]))
             return snprintf(err, errlen, "cannot start agent step threads"), -1;
-        }
         s->n++;
     }
     log_info("steps.started", "%d consumers of %s (durable %s)", s->n, STREAM_AGENT_STEPS,

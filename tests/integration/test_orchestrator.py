@@ -780,7 +780,9 @@ class WithDevworkers(unittest.TestCase):
                 self.w[i] = self.start_worker()
 
     def test_no_live_worker(self):
-        c = drain(T.Server("orchestrator", env=dict(self.base, UPSQUAD_WORKER_TARGETS="127.0.0.1:1")))
+        # (and NATS unreachable: the replica serves its RPCs, agent steps wait for NATS)
+        c = drain(T.Server("orchestrator", env=dict(self.base, UPSQUAD_WORKER_TARGETS="127.0.0.1:1",
+                                                    UPSQUAD_NATS_URL="nats://127.0.0.1:1")))
         try:
             ch = grpc.insecure_channel(c.addr)
             code, d = self.code(lambda: self.send("anyone?", ch=ch))
