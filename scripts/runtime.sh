@@ -426,6 +426,8 @@ write_env() {
         echo "export UPSQUAD_DEV_ORG_ID=$DEV_ORG_ID"
         echo "export UPSQUAD_DEV_USER_ID=$DEV_USER_ID"
         echo "export UPSQUAD_DEV_TEAM_ID=$DEV_TEAM_ID"
+        # key-encryption key of BYOK provider keys (orchestrator, upsquad-agents keys set)
+        echo "export UPSQUAD_KEK=dev:$(secret kek 32)"
         while read -r name idx role; do
             [[ -z "$name" ]] && continue
             echo "export UPSQUAD_$(env_name "$name")_ADDR=127.0.0.1:$((PORT_BASE + GRPC_OFFSET + idx))"
@@ -597,6 +599,31 @@ print_access() {
     fi
 }
 
+# ---- development agents (orchestrator) ----
+# Applies examples/agents/*.json for the development org once the orchestrator has migrated its
+# schema, prints their ids and exports the assistant's id as UPSQUAD_DEV_AGENT_ID in the env file.
+provision_agents() {
+    local tool="$BUILD/bin/upsquad-agents" out id line
+    [[ -x "$tool" ]] || return 0
+    pid_of "$RUN_DIR/pids/orchestrator.pid" orchestrator >/dev/null || return 0
+    compgen -G "$ROOT/examples/agents/*.json" >/dev/null || return 0
+    # shellcheck disable=SC1091
+    if ! out=$(source "$RUN_DIR/env" && UPSQUAD_PG_DSN=$UPSQUAD_PG_DSN_ORCHESTRATOR \
+        "$tool" --org "$DEV_ORG_ID" apply "$ROOT"/examples/agents/*.json 2>&1); then
+        say "upsquad-agents apply failed: $out"
+        FAILED=1
+        return 0
+    fi
+    say "development agents (org $DEV_ORG_ID):"
+    while read -r line; do echo "  $line" >&2; done <<<"$out"
+    id=$(awk '$2 == "assistant" {print $1}' <<<"$out")
+    if [[ -n "$id" ]]; then
+        local f="$RUN_DIR/env"
+        (umask 077 && grep -v '^export UPSQUAD_DEV_AGENT_ID=' "$f" >"$f.tmp" &&
+            echo "export UPSQUAD_DEV_AGENT_ID=$id" >>"$f.tmp" && mv "$f.tmp" "$f")
+    fi
+}
+
 # ---- commands ----
 cmd_up() {
     mkdir -p "$RUN_DIR"/{pids,logs,secrets}
@@ -622,6 +649,7 @@ cmd_up() {
     write_env
     if [[ "$START_SERVICES" != 0 ]]; then devtools_up; fi
     if [[ "$START_SERVICES" != 0 ]]; then each_service service_up; fi
+    if [[ "$START_SERVICES" != 0 ]]; then provision_agents; fi
     echo
     print_status
     print_access

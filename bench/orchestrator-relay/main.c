@@ -1,0 +1,175 @@
+/* orchestrator-relay: the client of bench/orchestrator-relay/bench.sh.
+ *
+ *   orchestrator-relay --mode relay  --target ORCH --token T --agent A --count N
+ *       one SendMessage whose message is a devworker burst script of N tokens (a new session),
+ *       read through the orchestrator;
+ *   orchestrator-relay --mode direct --target WORKER --token T --count N
+ *       the same script as one ExecuteStep read from the devworker directly;
+ *   orchestrator-relay --mode first  --target ORCH --token T --agent A --count K
+ *       K SendMessage calls without a session (session create + InitWorkerSession + turn),
+ *       each timed to its first token.
+ * Prints one JSON line: tokens/s, first-token ms and per-token gap p50/p99 (relay, direct), or
+ * first-token p50/p99 (first). Exit 1 when a stream fails or a token is missing. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "rpc_client.h"
+#include "upsquad/runtime/v1/lifecycle.pb-c.h"
+#include "upsquad/runtime/v1/runtime.pb-c.h"
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static char *burst_script(long n) {
+    const char head[] = "#!script\n[{\"tokens\": \"", tail[] = "\"}]";
+    size_t len = sizeof head + (size_t)n * 4 + sizeof tail;
+    char *s = malloc(len), *p = s;
+    if (s == NULL) return NULL;
+    p += sprintf(p, "%s", head);
+    for (long i = 0; i < n; i++)
+        p += sprintf(p, i ? " tok" : "tok");
+    sprintf(p, "%s", tail);
+    return s;
+}
+
+/* Opens the stream of one turn. */
+static int open_turn(rpc_channel *ch, int relay, const char *agent, const char *msg,
+                     const char *token, rpc_reader **rd) {
+    rpc_call_opts o = {.timeout_ms = 120000, .bearer = token};
+    if (relay) {
+        Upsquad__Runtime__V1__SendMessageRequest r =
+            UPSQUAD__RUNTIME__V1__SEND_MESSAGE_REQUEST__INIT;
+        r.agent_id = (char *)agent;
+        r.message = (char *)msg;
+        return rpc_stream_open(ch, "/upsquad.runtime.v1.LifecycleService/SendMessage", &r.base,
+                               &upsquad__runtime__v1__agent_event__descriptor, &o, rd);
+    }
+    Upsquad__Runtime__V1__ExecuteStepRequest sr = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_REQUEST__INIT;
+    Upsquad__Runtime__V1__SessionSnapshot snap = UPSQUAD__RUNTIME__V1__SESSION_SNAPSHOT__INIT;
+    sr.session_id = "00000000-0000-4000-8000-00000000be0c";
+    sr.tenant_id = "00000000-0000-4000-8000-0000000000be";
+    sr.user_message = (char *)msg;
+    snap.model_id = "claude-sonnet-4-6";
+    sr.snapshot = &snap;
+    return rpc_stream_open(ch, "/upsquad.runtime.v1.RuntimeService/ExecuteStep", &sr.base,
+                           &upsquad__runtime__v1__execute_step_event__descriptor, &o, rd);
+}
+
+/* 1 when m is a token event (either message type). */
+static int is_token(int relay, ProtobufCMessage *m) {
+    if (relay)
+        return ((Upsquad__Runtime__V1__AgentEvent *)m)->event_case ==
+               UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_TOKEN;
+    return ((Upsquad__Runtime__V1__ExecuteStepEvent *)m)->event_case ==
+           UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOKEN;
+}
+
+int main(int argc, char **argv) {
+    const char *target = NULL, *mode = NULL, *token = NULL, *agent = "";
+    long count = 0;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "--target"))
+            target = argv[i + 1];
+        else if (!strcmp(argv[i], "--mode"))
+            mode = argv[i + 1];
+        else if (!strcmp(argv[i], "--token"))
+            token = argv[i + 1];
+        else if (!strcmp(argv[i], "--agent"))
+            agent = argv[i + 1];
+        else if (!strcmp(argv[i], "--count"))
+            count = strtol(argv[i + 1], NULL, 10);
+    }
+    if (!target || !mode || count <= 0 || count > 10000000) {
+        fprintf(stderr, "usage: orchestrator-relay --mode relay|direct|first --target HOST:PORT "
+                        "--count N [--token T] [--agent A]\n");
+        return 2;
+    }
+    int first = !strcmp(mode, "first"), relay = first || !strcmp(mode, "relay");
+    rpc_channel *ch = NULL;
+    char err[256];
+    rpc_channel_opts co = {.target = target};
+    if (rpc_channel_new(&co, &ch, err, sizeof err)) {
+        fprintf(stderr, "orchestrator-relay: %s\n", err);
+        return 1;
+    }
+    uint64_t *v = malloc((size_t)count * sizeof *v);
+    if (!v) return 1;
+    if (first) {
+        for (long k = 0; k < count; k++) {
+            rpc_reader *rd = NULL;
+            ProtobufCMessage *m;
+            uint64_t t0 = now_ns();
+            int got = 0;
+            open_turn(ch, 1, agent, "hello bench", token, &rd);
+            while (rpc_reader_next(rd, &m) == 1) {
+                if (!got && is_token(1, m)) {
+                    v[k] = now_ns() - t0;
+                    got = 1;
+                }
+                protobuf_c_message_free_unpacked(m, NULL);
+            }
+            rpc_status st = {0};
+            int code = rpc_reader_close(rd, &st);
+            if (code || !got) {
+                fprintf(stderr, "orchestrator-relay: turn %ld: status %d (%s)\n", k, code,
+                        st.message ? st.message : "no token");
+                return 1;
+            }
+            rpc_status_clear(&st);
+        }
+        qsort(v, (size_t)count, sizeof *v, cmp_u64);
+        printf("{\"mode\":\"first\",\"turns\":%ld,\"first_p50_ms\":%.3f,\"first_p99_ms\":%.3f}\n",
+               count, (double)v[count / 2] / 1e6, (double)v[count * 99 / 100] / 1e6);
+        return 0;
+    }
+    char *script = burst_script(count);
+    rpc_reader *rd = NULL;
+    uint64_t t0 = now_ns(), t_first = 0, t_prev = 0;
+    long n = 0;
+    ProtobufCMessage *m;
+    open_turn(ch, relay, agent, script, token, &rd);
+    while (rpc_reader_next(rd, &m) == 1) {
+        if (is_token(relay, m)) {
+            uint64_t t = now_ns();
+            if (n == 0)
+                t_first = t;
+            else
+                v[n - 1] = t - t_prev;
+            t_prev = t;
+            n++;
+        }
+        protobuf_c_message_free_unpacked(m, NULL);
+    }
+    uint64_t t_end = t_prev;
+    rpc_status st = {0};
+    int code = rpc_reader_close(rd, &st);
+    if (code || n != count) {
+        fprintf(stderr, "orchestrator-relay: status %d (%s), %ld of %ld tokens\n", code,
+                st.message ? st.message : "", n, count);
+        return 1;
+    }
+    size_t ng = (size_t)(n - 1);
+    qsort(v, ng, sizeof *v, cmp_u64);
+    /* the stream's rate from its first token to its last (session set-up is timed apart) */
+    double secs = (double)(t_end - t_first) / 1e9;
+    printf("{\"mode\":\"%s\",\"tokens\":%ld,\"seconds\":%.6f,\"tokens_per_s\":%.1f,"
+           "\"first_ms\":%.3f,\"gap_p50_us\":%.2f,\"gap_p99_us\":%.2f}\n",
+           mode, n, secs, secs > 0 ? (double)(n - 1) / secs : 0.0, (double)(t_first - t0) / 1e6,
+           ng ? (double)v[ng / 2] / 1e3 : 0.0, ng ? (double)v[ng * 99 / 100] / 1e3 : 0.0);
+    rpc_status_clear(&st);
+    free(v);
+    free(script);
+    rpc_channel_free(ch);
+    return 0;
+}

@@ -1,0 +1,209 @@
+/* RuntimeService, worker -> orchestrator side: Heartbeat and Checkpoint (spec
+ * runtime.proto). Both require a worker token: a valid bearer (signature, aud, exp as for any
+ * caller) whose `scope` claim holds "runtime.worker" (docs/orchestrator.md, "Worker tokens").
+ * A user's token is PERMISSION_DENIED. The other RuntimeService methods are the worker's: this
+ * service answers them UNIMPLEMENTED. */
+#include <cjson/cJSON.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "ids.h"
+#include "log.h"
+#include "orch.h"
+#include "store.h"
+#include "upsquad/runtime/v1/runtime.pb-c.h"
+
+typedef Upsquad__Runtime__V1__HeartbeatRequest HeartbeatRequest;
+typedef Upsquad__Runtime__V1__HeartbeatResponse HeartbeatResponse;
+typedef Upsquad__Runtime__V1__CheckpointRequest CheckpointRequest;
+typedef Upsquad__Runtime__V1__CheckpointResponse CheckpointResponse;
+
+static int b64url_decode(const char *in, size_t n, char *out, size_t cap, size_t *len) {
+    static const char *A = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    unsigned acc = 0;
+    int bits = 0;
+    size_t o = 0;
+    for (size_t i = 0; i < n; i++) {
+        const char *q = in[i] ? strchr(A, in[i]) : NULL;
+        if (!q) return -1;
+        acc = (acc << 6) | (unsigned)(q - A);
+        bits += 6;
+        if (bits >= 8) {
+            bits -= 8;
+            if (o + 1 >= cap) return -1;
+            out[o++] = (char)(acc >> bits);
+        }
+    }
+    out[o] = 0;
+    *len = o;
+    return 0;
+}
+
+/* The token was verified by the server before the handler ran; here only its scope claim is
+ * read (a string with space-separated scopes, or an array of them). */
+static int worker_scope(rpc_call *call) {
+    const char *h = rpc_metadata(call, "authorization");
+    char payload[8192];
+    size_t len;
+    int ok = 0;
+    if (!h) return 0;
+    while (*h == ' ')
+        h++;
+    if (!strncasecmp(h, "bearer ", 7)) h += 7;
+    const char *dot1 = strchr(h, '.');
+    const char *dot2 = dot1 ? strchr(dot1 + 1, '.') : NULL;
+    if (!dot2 || b64url_decode(dot1 + 1, (size_t)(dot2 - dot1 - 1), payload, sizeof payload, &len))
+        return 0;
+    cJSON *j = cJSON_ParseWithLength(payload, len);
+    const cJSON *sc = cJSON_GetObjectItemCaseSensitive(j, "scope");
+    if (cJSON_IsString(sc)) {
+        char *copy = strdup(sc->valuestring), *save = NULL;
+        for (char *t = copy ? strtok_r(copy, " ", &save) : NULL; t; t = strtok_r(NULL, " ", &save))
+            if (!strcmp(t, ORCH_WORKER_SCOPE)) ok = 1;
+        free(copy);
+    } else if (cJSON_IsArray(sc)) {
+        for (const cJSON *e = sc->child; e; e = e->next)
+            if (cJSON_IsString(e) && !strcmp(e->valuestring, ORCH_WORKER_SCOPE)) ok = 1;
+    }
+    cJSON_Delete(j);
+    return ok;
+}
+
+static int require_worker(rpc_call *call) {
+    if (worker_scope(call)) return RPC_OK;
+    return rpc_error(call, RPC_PERMISSION_DENIED,
+                     "this method is for agent workers: the token needs scope " ORCH_WORKER_SCOPE);
+}
+
+static int heartbeat(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                     void *ud) {
+    orch *o = ud;
+    const HeartbeatRequest *rq = (const HeartbeatRequest *)req;
+    char err[512], key[256], val[32];
+    int rc = require_worker(call);
+    if (rc) return rc;
+    if (!rq->worker_id[0] || strlen(rq->worker_id) > 128)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "worker_id: required, at most 128 bytes");
+    if (rq->active_sessions < 0)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "active_sessions: must not be negative");
+    if (rq->session_id[0] && !ids_uuid_valid(rq->session_id))
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "session_id: not a UUID");
+    /* liveness and load: a key that expires unless the next heartbeat refreshes it */
+    kv *k = orch_kv(o);
+    snprintf(key, sizeof key, ORCH_WORKER_KEY "%s", rq->worker_id);
+    snprintf(val, sizeof val, "%d", rq->active_sessions);
+    if (!k || kv_set_ttl(k, key, val, strlen(val), (int)o->cfg->worker_ttl_ms) != KV_OK)
+        log_warn("heartbeat.redis", "worker %s: liveness not recorded (Redis unreachable)",
+                 rq->worker_id);
+    if (rq->session_id[0]) {
+        rc = orch_store_heartbeat(o->pool, rq->session_id, err, sizeof err);
+        if (rc == ORCH_ENOTFOUND)
+            return rpc_error(call, RPC_NOT_FOUND, "session_id: no session %s", rq->session_id);
+        if (rc != DB_OK) {
+            log_error("heartbeat.store", "%s", err);
+            return rpc_error(call, RPC_UNAVAILABLE, "the heartbeat could not be recorded");
+        }
+    }
+    metric_inc(o->m_heartbeats);
+    ((HeartbeatResponse *)resp)->acknowledged = 1;
+    return RPC_OK;
+}
+
+static int hexdigest_ok(const char *s) {
+    if (strlen(s) != 64) return 0;
+    for (const char *p = s; *p; p++)
+        if (!((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f') || (*p >= 'A' && *p <= 'F')))
+            return 0;
+    return 1;
+}
+
+static int checkpoint(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                      void *ud) {
+    orch *o = ud;
+    const CheckpointRequest *rq = (const CheckpointRequest *)req;
+    CheckpointResponse *out = (CheckpointResponse *)resp;
+    char err[512], hex[65], want[65];
+    int rc = require_worker(call);
+    if (rc) return rc;
+    if (!ids_uuid_valid(rq->session_id))
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "session_id: not a UUID");
+    if (rq->loop_iteration < 0)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "loop_iteration: must not be negative");
+    /* the blob: a 4-byte big-endian schema version, then the opaque state */
+    if (rq->bytes.len < 4)
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "bytes: shorter than the 4-byte schema version prefix");
+    if ((long long)rq->bytes.len > o->cfg->checkpoint_max)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "bytes: %zu bytes, more than the %lld allowed",
+                         rq->bytes.len, o->cfg->checkpoint_max);
+    const uint8_t *b = rq->bytes.data;
+    uint32_t version = (uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 | (uint32_t)b[2] << 8 | b[3];
+    if (version == 0)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "bytes: schema version prefix is 0");
+    if (!hexdigest_ok(rq->bytes_sha256))
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "bytes_sha256: not a SHA-256 hex digest");
+    ids_sha256_hex(rq->bytes.data, rq->bytes.len, hex);
+    snprintf(want, sizeof want, "%s", rq->bytes_sha256);
+    for (char *p = want; *p; p++)
+        if (*p >= 'A' && *p <= 'F') *p = (char)(*p - 'A' + 'a');
+    if (strcmp(hex, want))
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "bytes_sha256: does not match the bytes (integrity check failed)");
+    rc = orch_store_checkpoint(o->pool, rq->session_id, rq->loop_iteration, version, rq->bytes.data,
+                               rq->bytes.len, hex, (int)o->cfg->checkpoints_keep, err, sizeof err);
+    switch (rc) {
+    case DB_OK:
+    case ORCH_EREPLAY: /* same (session, iteration, hash): the idempotent replay */
+        metric_inc(o->m_checkpoints);
+        out->hash = rpc_strdup(call, hex);
+        return RPC_OK;
+    case ORCH_ECONFLICT:
+        return rpc_error(call, RPC_ALREADY_EXISTS,
+                         "loop_iteration %d of session %s is already checkpointed with another "
+                         "hash",
+                         rq->loop_iteration, rq->session_id);
+    case ORCH_ENOTFOUND:
+        return rpc_error(call, RPC_NOT_FOUND, "session_id: no session %s", rq->session_id);
+    default:
+        log_error("checkpoint.store", "%s", err);
+        return rpc_error(call, RPC_UNAVAILABLE, "the checkpoint could not be stored");
+    }
+}
+
+static int not_ours(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp, void *ud) {
+    (void)req;
+    (void)resp;
+    (void)ud;
+    return rpc_error(call, RPC_UNIMPLEMENTED,
+                     "%s is served by agent workers, not by the orchestrator",
+                     rpc_method_path(call));
+}
+
+static int not_ours_stream(rpc_call *call, const ProtobufCMessage *req, void *ud) {
+    (void)req;
+    (void)ud;
+    return rpc_error(call, RPC_UNIMPLEMENTED,
+                     "ExecuteStep is served by agent workers, not by the orchestrator");
+}
+
+#define SVC "/upsquad.runtime.v1.RuntimeService/"
+#define DESC(x) &upsquad__runtime__v1__##x##__descriptor
+
+int orch_runtime_register(rpc_server *srv, orch *o) {
+    const rpc_method methods[] = {
+        {SVC "Heartbeat", RPC_UNARY, RPC_AUTH_REQUIRED, DESC(heartbeat_request),
+         DESC(heartbeat_response), heartbeat, NULL, o},
+        {SVC "Checkpoint", RPC_UNARY, RPC_AUTH_REQUIRED, DESC(checkpoint_request),
+         DESC(checkpoint_response), checkpoint, NULL, o},
+        {SVC "InitWorkerSession", RPC_UNARY, RPC_AUTH_REQUIRED, DESC(init_worker_session_request),
+         DESC(init_worker_session_response), not_ours, NULL, o},
+        {SVC "TerminateSession", RPC_UNARY, RPC_AUTH_REQUIRED, DESC(terminate_session_request),
+         DESC(terminate_session_response), not_ours, NULL, o},
+        {SVC "ExecuteStep", RPC_SERVER_STREAM, RPC_AUTH_REQUIRED, DESC(execute_step_request),
+         DESC(execute_step_event), NULL, not_ours_stream, o},
+    };
+    return rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
+}

@@ -1,0 +1,604 @@
+/* Workflow agent steps (docs/orchestrator.md, "Agent steps for workflows").
+ *
+ * UPSQUAD_AGENT_STEPS_CONCURRENCY threads per replica bind the durable pull consumer
+ * DURABLE_AGENT_STEPS of the work-queue stream AGENT_STEPS (replicas share it). For each
+ * AgentStepDispatch:
+ *   1. claim the idempotency key in step_results: a key whose result is recorded is answered by
+ *      publishing that result again (same Nats-Msg-Id), never run twice;
+ *   2. run one stateless single turn with the agent of the step's role in the run's org, in a
+ *      fresh session (kind 'step'), on the worker pool;
+ *   3. tee its live frames to wfio.<org>.<run> (NodeIOEvent: token text coalesced up to 256 bytes
+ *      or 50 ms, tool calls and results, status; seq monotonic per (run, step, session); tool
+ *      events and the final assistant message also carry their TranscriptEvent);
+ *   4. record the AgentStepResult, publish it on agent.step.result.<org>.<run> (Nats-Msg-Id =
+ *      the idempotency key), then ack the dispatch.
+ * A long step keeps its dispatch with in-progress acks every 10 s. An undecodable dispatch is
+ * terminated (never redelivered) with an error log. */
+#include <cjson/cJSON.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "ids.h"
+#include "log.h"
+#include "orch.h"
+#include "pbjson.h"
+#include "session.h"
+#include "subjects.h"
+#include "upsquad/internal/v1/agent_step.pb-c.h"
+#include "upsquad/internal/v1/node_io.pb-c.h"
+
+typedef Upsquad__Internal__V1__AgentStepDispatch Dispatch;
+typedef Upsquad__Internal__V1__AgentStepResult StepResult;
+typedef Upsquad__Internal__V1__NodeIOEvent NodeIOEvent;
+typedef Upsquad__Workflow__V1__NodeIOFrame NodeIOFrame;
+
+#define STEPS_MAX_THREADS 64
+#define COALESCE_BYTES 256
+#define COALESCE_MS 50
+#define ACK_WAIT_MS 30000
+#define IN_PROGRESS_MS 10000
+#define SUMMARY_MAX 512
+
+struct orch_steps {
+    orch *o;
+    bus_pull *pull[STEPS_MAX_THREADS];
+    pthread_t th[STEPS_MAX_THREADS];
+    int n;
+    volatile int stop;
+};
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- the tee ---- */
+
+typedef struct tee {
+    orch *o;
+    const Dispatch *d;
+    const char *session_id;
+    char subject[256];
+    pthread_mutex_t mu;
+    int64_t seq;  /* frames published (NodeIOFrame.seq) */
+    int32_t tseq; /* transcript events (TranscriptEvent.seq) */
+    char buf[COALESCE_BYTES * 4 + 64];
+    size_t blen;
+    int64_t first_ms;
+    natsMsg *msg; /* the dispatch (in-progress acks) */
+    int64_t last_progress;
+    int cancelled;
+} tee;
+
+static void publish(tee *t, NodeIOFrame *frame, Upsquad__Workflow__V1__TranscriptEvent *tr) {
+    NodeIOEvent ev = UPSQUAD__INTERNAL__V1__NODE_IOEVENT__INIT;
+    char err[256];
+    ev.org_id = t->d->org_id;
+    ev.run_id = t->d->run_id;
+    ev.action_id = t->d->action_id;
+    ev.step_name = t->d->step_name;
+    ev.iteration = t->d->iteration;
+    if (frame) {
+        frame->node_id = t->d->step_name;
+        frame->session_id = (char *)t->session_id;
+        frame->iteration = t->d->iteration;
+        frame->seq = ++t->seq;
+        ev.frame = frame;
+    }
+    ev.transcript = tr;
+    size_t len = protobuf_c_message_get_packed_size(&ev.base);
+    uint8_t *b = malloc(len ? len : 1);
+    if (!b) return;
+    protobuf_c_message_pack(&ev.base, b);
+    /* a JetStream publish also reaches the hub's live (core) subscribers: one publish */
+    if (bus_js_publish(t->o->bus, t->subject, b, (int)len, NULL, NULL, err, sizeof err) != BUS_OK)
+        log_warn("steps.wfio",
+                 "run %s step %s: frame %lld not published (%s); the seq gap "
+                 "tells readers",
+                 t->d->run_id, t->d->step_name, (long long)t->seq, err);
+    free(b);
+}
+
+static void flush_locked(tee *t) {
+    if (t->blen == 0) return;
+    NodeIOFrame f = UPSQUAD__WORKFLOW__V1__NODE_IOFRAME__INIT;
+    t->buf[t->blen] = 0;
+    f.event_case = UPSQUAD__WORKFLOW__V1__NODE_IOFRAME__EVENT_TOKEN_TEXT;
+    f.token_text = t->buf;
+    publish(t, &f, NULL);
+    t->blen = 0;
+}
+
+static Upsquad__Workflow__V1__TranscriptEvent *transcript(tee *t, const char *type, cJSON *content,
+                                                          Google__Protobuf__Struct **s) {
+    Upsquad__Workflow__V1__TranscriptEvent *e = calloc(1, sizeof *e);
+    Google__Protobuf__Timestamp *ts = calloc(1, sizeof *ts);
+    char err[128];
+    if (!e || !ts || pbjson_struct_from_json(content, s, err, sizeof err)) {
+        free(e);
+        free(ts);
+        return NULL;
+    }
+    upsquad__workflow__v1__transcript_event__init(e);
+    pbjson_ts_now(ts);
+    e->session_id = (char *)t->session_id;
+    e->seq = ++t->tseq;
+    e->event_type = (char *)type;
+    e->content = *s;
+    e->created_at = ts;
+    return e;
+}
+
+static void transcript_free(Upsquad__Workflow__V1__TranscriptEvent *e,
+                            Google__Protobuf__Struct *s) {
+    if (s) pbjson_struct_free(s);
+    if (e) free(e->created_at);
+    free(e);
+}
+
+static char *clamp(const char *s, char *out, size_t cap) {
+    size_t n = strlen(s);
+    if (n >= cap) {
+        n = cap - 4;
+        while (n > 0 && ((unsigned char)s[n] & 0xC0) == 0x80)
+            n--;
+        memcpy(out, s, n);
+        memcpy(out + n, "...", 4);
+    } else {
+        memcpy(out, s, n + 1);
+    }
+    return out;
+}
+
+static const char *status_name(int s) {
+    static const char *n[] = {"unspecified", "thinking", "acting",
+                              "complete",    "error",    "suspended"};
+    return s >= 0 && s <= 5 ? n[s] : "unspecified";
+}
+
+static int tee_event(void *ud, const ExecuteStepEvent *ev) {
+    tee *t = ud;
+    NodeIOFrame f = UPSQUAD__WORKFLOW__V1__NODE_IOFRAME__INIT;
+    Upsquad__Workflow__V1__NodeToolCall tc = UPSQUAD__WORKFLOW__V1__NODE_TOOL_CALL__INIT;
+    Upsquad__Workflow__V1__NodeToolResult tr = UPSQUAD__WORKFLOW__V1__NODE_TOOL_RESULT__INIT;
+    char summary[SUMMARY_MAX];
+    pthread_mutex_lock(&t->mu);
+    switch (ev->event_case) {
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOKEN: {
+        const char *x = ev->token->text;
+        size_t n = strlen(x);
+        if (t->blen + n > sizeof t->buf - 1) flush_locked(t);
+        if (n > sizeof t->buf - 1) n = sizeof t->buf - 1;
+        if (t->blen == 0) t->first_ms = now_ms();
+        memcpy(t->buf + t->blen, x, n);
+        t->blen += n;
+        if (t->blen >= COALESCE_BYTES) flush_locked(t);
+        break;
+    }
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STATUS:
+        flush_locked(t);
+        f.event_case = UPSQUAD__WORKFLOW__V1__NODE_IOFRAME__EVENT_STATUS;
+        f.status = (char *)status_name(ev->status->status);
+        publish(t, &f, NULL);
+        break;
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_CALL: {
+        flush_locked(t);
+        cJSON *args = ev->tool_call->arguments ? pbjson_struct_to_json(ev->tool_call->arguments)
+                                               : cJSON_CreateObject();
+        char *a = args ? cJSON_PrintUnformatted(args) : NULL;
+        tc.tool_name = ev->tool_call->tool_name;
+        tc.tool_call_id = ev->tool_call->tool_call_id;
+        tc.args_summary = clamp(a ? a : "{}", summary, sizeof summary);
+        f.event_case = UPSQUAD__WORKFLOW__V1__NODE_IOFRAME__EVENT_TOOL_CALL;
+        f.tool_call = &tc;
+        cJSON *c = cJSON_CreateObject();
+        cJSON_AddStringToObject(c, "tool_name", tc.tool_name);
+        cJSON_AddStringToObject(c, "tool_call_id", tc.tool_call_id);
+        cJSON_AddItemToObject(c, "arguments", args ? args : cJSON_CreateObject());
+        Google__Protobuf__Struct *s = NULL;
+        Upsquad__Workflow__V1__TranscriptEvent *te = transcript(t, "tool_call", c, &s);
+        publish(t, &f, te);
+        transcript_free(te, s);
+        cJSON_Delete(c);
+        free(a);
+        break;
+    }
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_RESULT: {
+        flush_locked(t);
+        const Upsquad__Runtime__V1__ToolResultEvent *r = ev->tool_result;
+        tr.tool_call_id = r->tool_call_id;
+        tr.tool_name = r->tool_name;
+        tr.summary = clamp(r->result, summary, sizeof summary);
+        tr.is_error = r->is_error;
+        tr.duration_ms = r->duration_ms;
+        f.event_case = UPSQUAD__WORKFLOW__V1__NODE_IOFRAME__EVENT_TOOL_RESULT;
+        f.tool_result = &tr;
+        cJSON *c = cJSON_CreateObject();
+        cJSON_AddStringToObject(c, "tool_call_id", r->tool_call_id);
+        cJSON_AddStringToObject(c, "tool_name", r->tool_name);
+        cJSON_AddStringToObject(c, "result", r->result);
+        cJSON_AddBoolToObject(c, "is_error", r->is_error);
+        cJSON_AddNumberToObject(c, "duration_ms", r->duration_ms);
+        Google__Protobuf__Struct *s = NULL;
+        Upsquad__Workflow__V1__TranscriptEvent *te = transcript(t, "tool_result", c, &s);
+        publish(t, &f, te);
+        transcript_free(te, s);
+        cJSON_Delete(c);
+        break;
+    }
+    default:
+        break; /* metrics, security, checkpoints, ...: not node I/O */
+    }
+    pthread_mutex_unlock(&t->mu);
+    return 1;
+}
+
+/* Polled by the cancellation watcher every ~20 ms: flushes coalesced tokens after 50 ms and
+ * keeps the dispatch from being redelivered while the step runs. */
+static int tee_poll(void *ud) {
+    tee *t = ud;
+    int64_t now = now_ms();
+    pthread_mutex_lock(&t->mu);
+    if (t->blen && now - t->first_ms >= COALESCE_MS) flush_locked(t);
+    if (now - t->last_progress >= IN_PROGRESS_MS) {
+        bus_in_progress(t->msg);
+        t->last_progress = now;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return 0;
+}
+
+/* ---- one dispatch ---- */
+
+static char *compose(const Dispatch *d) {
+    char *out = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&out, &len);
+    if (!f) return NULL;
+    fputs(d->goal, f);
+    if (d->input && d->input->n_fields) {
+        cJSON *j = pbjson_struct_to_json(d->input);
+        char *s = j ? cJSON_PrintUnformatted(j) : NULL;
+        if (s) fprintf(f, "\n\nInput: %s", s);
+        free(s);
+        cJSON_Delete(j);
+    }
+    if (d->n_expects) {
+        fputs("\n\nAnswer with a JSON object with these fields:", f);
+        for (size_t i = 0; i < d->n_expects; i++)
+            fprintf(f, "\n- %s (%s%s)%s%s", d->expects[i]->name, d->expects[i]->type,
+                    d->expects[i]->required ? ", required" : "",
+                    d->expects[i]->description[0] ? ": " : "", d->expects[i]->description);
+    }
+    if (d->feedback[0]) fprintf(f, "\n\nThe previous attempt was rejected: %s", d->feedback);
+    fclose(f);
+    return out;
+}
+
+static Google__Protobuf__Struct *output_of(const char *text) {
+    cJSON *j = cJSON_Parse(text);
+    Google__Protobuf__Struct *s = NULL;
+    char err[128];
+    if (!cJSON_IsObject(j)) {
+        cJSON_Delete(j);
+        j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "text", text);
+    }
+    if (pbjson_struct_from_json(j, &s, err, sizeof err)) s = NULL;
+    cJSON_Delete(j);
+    return s;
+}
+
+static int publish_result(orch *o, const Dispatch *d, const uint8_t *b, size_t len) {
+    char subj[256], err[256];
+    int dup = 0;
+    if (bus_subject(subj, sizeof subj, "agent", "step", "result", d->org_id, d->run_id, NULL))
+        return -1;
+    if (bus_js_publish(o->bus, subj, b, (int)len, d->idempotency_key, &dup, err, sizeof err)) {
+        log_warn("steps.result",
+                 "run %s step %s: result not published (%s); retried on "
+                 "redelivery",
+                 d->run_id, d->step_name, err);
+        return -1;
+    }
+    return 0;
+}
+
+static void fail(StepResult *r, Upsquad__Internal__V1__StepFailed *f, const char *code,
+                 const char *msg, int retryable) {
+    f->code = (char *)code;
+    f->message = (char *)msg;
+    f->retryable = retryable;
+    r->outcome_case = UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_FAILED;
+    r->failed = f;
+}
+
+/* Returns 0 to ack, -1 to nak (retry later). */
+static int run_step(orch *o, const Dispatch *d, natsMsg *msg) {
+    char err[512], sid[37] = "", hash[65], emsg[768];
+    unsigned char *prior = NULL;
+    size_t plen = 0;
+    int rc = orch_store_step_claim(o->pool, d->org_id, d->idempotency_key, d->run_id, &prior, &plen,
+                                   err, sizeof err);
+    if (rc == ORCH_EREPLAY) {
+        /* answered from the record: the turn never runs twice */
+        metric_inc(o->m_steps_replayed);
+        log_info("steps.replayed", "run %s step %s: redelivered dispatch answered from the record",
+                 d->run_id, d->step_name);
+        rc = publish_result(o, d, prior, plen);
+        free(prior);
+        return rc;
+    }
+    if (rc != DB_OK) {
+        log_error("steps.claim", "run %s step %s: %s", d->run_id, d->step_name, err);
+        return -1;
+    }
+    StepResult r = UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__INIT;
+    Upsquad__Internal__V1__StepFailed failed = UPSQUAD__INTERNAL__V1__STEP_FAILED__INIT;
+    Upsquad__Internal__V1__StepCompleted done = UPSQUAD__INTERNAL__V1__STEP_COMPLETED__INIT;
+    Upsquad__Runtime__V1__TokenUsage usage = UPSQUAD__RUNTIME__V1__TOKEN_USAGE__INIT;
+    Google__Protobuf__Timestamp fin = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    orch_agent_row agent = {0};
+    orch_session s = {0};
+    orch_arena a = {0};
+    orch_turn_result res = {0};
+    SessionSnapshot *snap = NULL;
+    ExecuteStepRequest *req = NULL;
+    char *message = NULL;
+    r.idempotency_key = d->idempotency_key;
+    r.org_id = d->org_id;
+    r.run_id = d->run_id;
+    r.action_id = d->action_id;
+    r.step_name = d->step_name;
+    r.iteration = d->iteration;
+    r.attempt = d->attempt;
+    rc = orch_store_agent_by_role(o->pool, d->org_id, d->agent_role, &agent, err, sizeof err);
+    if (rc == ORCH_ENOTFOUND) {
+        snprintf(emsg, sizeof emsg, "no agent with role \"%s\" in org %s", d->agent_role,
+                 d->org_id);
+        fail(&r, &failed, "agent_not_found", emsg, 0);
+        goto record;
+    }
+    if (rc != DB_OK) goto retry;
+    r.agent_id = agent.agent_id;
+    orch_new_session n = {.org = d->org_id,
+                          .user = d->triggered_by[0] ? d->triggered_by : "workflow",
+                          .agent_id = agent.agent_id,
+                          .kind = "step",
+                          .mode = 1 /* stateless single turn */};
+    rc = orch_session_start(o, &n, sid, hash, emsg, sizeof emsg);
+    if (rc != RPC_OK) {
+        if (rc == RPC_UNAVAILABLE) goto retry;
+        fail(&r, &failed, "session_failed", emsg, 0);
+        goto record;
+    }
+    r.session_id = sid;
+    message = compose(d);
+    if (!message ||
+        orch_store_session_get(o->pool, d->org_id, sid, 1, &s, err, sizeof err) != DB_OK ||
+        orch_request_build(o, &a, &s, message, 1, NULL, 0, &req, &snap))
+        goto retry;
+    req->ask_user_resume = d->ask_user_resume;
+    tee t = {.o = o, .d = d, .session_id = sid, .msg = msg, .last_progress = now_ms()};
+    pthread_mutex_init(&t.mu, NULL);
+    bus_subject(t.subject, sizeof t.subject, SUBJ_WFIO, d->org_id, d->run_id, NULL);
+    orch_sink sink = {tee_event, tee_poll, &t};
+    int64_t timeout = d->timeout_ms > 0 ? d->timeout_ms : o->cfg->step_default_timeout_ms;
+    orch_turn_run(o, req, timeout, &sink, &res);
+    orch_request_wipe(req);
+    pthread_mutex_lock(&t.mu);
+    flush_locked(&t);
+    if (res.outcome == TURN_COMPLETED) {
+        /* the final assistant message: a transcript entry without a live frame */
+        cJSON *c = cJSON_CreateObject();
+        cJSON_AddStringToObject(c, "text", res.final_text ? res.final_text : "");
+        Google__Protobuf__Struct *st = NULL;
+        Upsquad__Workflow__V1__TranscriptEvent *te = transcript(&t, "assistant_message", c, &st);
+        if (te) publish(&t, NULL, te);
+        transcript_free(te, st);
+        cJSON_Delete(c);
+    }
+    pthread_mutex_unlock(&t.mu);
+    pthread_mutex_destroy(&t.mu);
+    if (res.outcome == TURN_NO_WORKER) goto retry;
+    usage.input_tokens = (int32_t)res.input_tokens;
+    usage.output_tokens = (int32_t)res.output_tokens;
+    usage.model = res.model[0] ? res.model : s.model_id;
+    usage.cost_usd = res.cost_usd;
+    r.usage = &usage;
+    switch (res.outcome) {
+    case TURN_COMPLETED:
+        done.text = res.final_text ? res.final_text : (char *)"";
+        done.output = output_of(done.text);
+        r.outcome_case = UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_COMPLETED;
+        r.completed = &done;
+        break;
+    case TURN_INPUT_REQUIRED:
+        r.outcome_case = UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INPUT_REQUIRED;
+        r.input_required = res.stop->input_required;
+        break;
+    case TURN_INTERRUPT:
+        r.outcome_case = UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INTERRUPT_REQUIRED;
+        r.interrupt_required = res.stop->interrupt_required;
+        break;
+    default:
+        fail(&r, &failed, res.error_code[0] ? res.error_code : "worker_error",
+             res.error_message ? res.error_message : "", res.retryable);
+        break;
+    }
+    orch_turn_end e = {.ok = res.outcome == TURN_COMPLETED,
+                       .final_text = res.final_text,
+                       .agent_status = res.outcome == TURN_COMPLETED ? 3 : 4,
+                       .loop_iterations = res.loop_iterations,
+                       .input_tokens = res.input_tokens,
+                       .output_tokens = res.output_tokens,
+                       .cost_usd = res.cost_usd,
+                       .worker = res.worker,
+                       .error_code = res.error_code,
+                       .error_msg = res.error_message};
+    if (orch_store_turn_end(o->pool, d->org_id, sid, NULL, &e, err, sizeof err) != DB_OK)
+        log_error("steps.turn_end", "%s", err);
+record:;
+    pbjson_ts_now(&fin);
+    r.finished_at = &fin;
+    size_t len = protobuf_c_message_get_packed_size(&r.base);
+    uint8_t *b = malloc(len ? len : 1);
+    rc = -1;
+    if (b) {
+        protobuf_c_message_pack(&r.base, b);
+        if (orch_store_step_finish(o->pool, d->org_id, d->idempotency_key, sid, b, len, err,
+                                   sizeof err) != DB_OK)
+            log_error("steps.record", "run %s step %s: %s", d->run_id, d->step_name, err);
+        else
+            rc = publish_result(o, d, b, len);
+        free(b);
+    }
+    if (r.outcome_case == UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_COMPLETED)
+        metric_inc(o->m_steps_ok);
+    else
+        metric_inc(o->m_steps_failed);
+    log_info("steps.done", "run %s step %s attempt %d: outcome %d session %s", d->run_id,
+             d->step_name, d->attempt, (int)r.outcome_case, sid);
+    goto done;
+retry:
+    log_warn("steps.retry", "run %s step %s: not run now (%s); the dispatch is redelivered",
+             d->run_id, d->step_name, res.error_message ? res.error_message : "store or worker");
+    rc = -1;
+done:
+    if (done.output) pbjson_struct_free(done.output);
+    orch_turn_result_clear(&res);
+    if (snap) protobuf_c_message_free_unpacked(&snap->base, NULL);
+    orch_arena_free(&a);
+    orch_session_clear(&s);
+    free(agent.definition);
+    free(message);
+    return rc;
+}
+
+static int dispatch_ok(const Dispatch *d) {
+    if (strlen(d->idempotency_key) != 64) return 0;
+    for (const char *p = d->idempotency_key; *p; p++)
+        if (!((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f'))) return 0;
+    return ids_uuid_valid(d->org_id) && ids_uuid_valid(d->run_id) && d->step_name[0] &&
+           d->agent_role[0] && bus_token_valid(d->org_id) && bus_token_valid(d->run_id);
+}
+
+static void handle(orch *o, natsMsg *m) {
+    Dispatch *d = (Dispatch *)protobuf_c_message_unpack(
+        &upsquad__internal__v1__agent_step_dispatch__descriptor, NULL,
+        (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
+    if (!d || !dispatch_ok(d)) {
+        log_error("steps.poison", "an agent step dispatch that does not decode or lacks its "
+                                  "key/org/run/step/role: terminated");
+        bus_term(m);
+        if (d) protobuf_c_message_free_unpacked(&d->base, NULL);
+        return;
+    }
+    log_set_trace(d->trace_id[0] ? d->trace_id : NULL);
+    if (run_step(o, d, m) == 0)
+        bus_ack(m);
+    else
+        bus_nak(m, 2000);
+    log_set_trace(NULL);
+    protobuf_c_message_free_unpacked(&d->base, NULL);
+}
+
+typedef struct thread_arg {
+    orch_steps *s;
+    int i;
+} thread_arg;
+
+static thread_arg args[STEPS_MAX_THREADS];
+static pthread_mutex_t setup_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void pause_ms(long ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* Streams and the durable, made idempotently; retried until NATS answers (a replica starting
+ * while NATS is down serves its RPCs meanwhile and picks steps up once NATS is back). */
+static int setup(orch_steps *s, int i) {
+    const char *steps[] = {STREAM_AGENT_STEPS_SUBJECTS};
+    const char *results[] = {STREAM_AGENT_RESULTS_SUBJECTS};
+    const char *wfio[] = {STREAM_WFIO_SUBJECTS};
+    char err[256];
+    bus *b = s->o->bus;
+    if (!bus_connected(b)) return -1; /* no JetStream call waits on a server that is away */
+    pthread_mutex_lock(&setup_mu);
+    int rc =
+        bus_js_stream_ensure(b, STREAM_AGENT_STEPS, steps, 1, BUS_RETENTION_WORKQUEUE,
+                             STREAM_AGENT_STEPS_MAX_AGE_S, NULL, err, sizeof err) ||
+        bus_js_stream_ensure(b, STREAM_AGENT_RESULTS, results, 1, BUS_RETENTION_WORKQUEUE,
+                             STREAM_AGENT_RESULTS_MAX_AGE_S, NULL, err, sizeof err) ||
+        bus_js_stream_ensure(b, STREAM_WFIO, wfio, 1, BUS_RETENTION_LIMITS, STREAM_WFIO_MAX_AGE_S,
+                             NULL, err, sizeof err) ||
+        bus_js_pull_subscribe(b, STREAM_AGENT_STEPS, DURABLE_AGENT_STEPS, SUBJ_AGENT_STEP_DISPATCH,
+                              ACK_WAIT_MS, -1, &s->pull[i], err, sizeof err);
+    pthread_mutex_unlock(&setup_mu);
+    if (rc) log_warn("steps.setup", "agent steps not consumed yet (%s); retrying", err);
+    return rc;
+}
+
+static void *consume(void *arg) {
+    thread_arg *ta = arg;
+    orch_steps *s = ta->s;
+    char err[256];
+    while (!s->stop && !s->pull[ta->i]) {
+        if (setup(s, ta->i) == 0) break;
+        for (int w = 0; w < 20 && !s->stop; w++)
+            pause_ms(100);
+    }
+    while (!s->stop) {
+        natsMsgList list = {0};
+        if (bus_js_fetch(s->pull[ta->i], 1, 1000, &list, err, sizeof err) != BUS_OK) {
+            if (!s->stop) pause_ms(200);
+            continue;
+        }
+        for (int k = 0; k < list.Count; k++)
+            handle(s->o, list.Msgs[k]);
+        natsMsgList_Destroy(&list);
+    }
+    return NULL;
+}
+
+int orch_steps_start(orch *o, char *err, size_t errlen) {
+    orch_steps *s = calloc(1, sizeof *s);
+    bus_opts bo;
+    if (!s) return snprintf(err, errlen, "out of memory"), -1;
+    s->o = o;
+    o->steps = s;
+    bus_opts_default(&bo);
+    bo.connect_retry = 1; /* NATS down at start: connect in the background */
+    if (bus_connect_ex(o->cfg->nats_url, "orchestrator", &bo, &o->bus, err, errlen)) return -1;
+    int n = (int)o->cfg->steps_concurrency;
+    if (n > STEPS_MAX_THREADS) n = STEPS_MAX_THREADS;
+    for (int i = 0; i < n; i++) {
+        args[i] = (thread_arg){s, i};
+        if (pthread_create(&s->th[i], NULL, consume, &args[i]))
+            return snprintf(err, errlen, "cannot start agent step threads"), -1;
+        s->n++;
+    }
+    log_info("steps.started", "%d consumers of %s (durable %s)", s->n, STREAM_AGENT_STEPS,
+             DURABLE_AGENT_STEPS);
+    return 0;
+}
+
+void orch_steps_stop(orch *o) {
+    orch_steps *s = o->steps;
+    if (s) {
+        s->stop = 1;
+        for (int i = 0; i < s->n; i++)
+            pthread_join(s->th[i], NULL);
+        for (int i = 0; i < STEPS_MAX_THREADS; i++)
+            bus_pull_close(s->pull[i]);
+        free(s);
+        o->steps = NULL;
+    }
+    if (o->bus) bus_close(o->bus);
+    o->bus = NULL;
+}

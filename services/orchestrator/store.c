@@ -1,0 +1,836 @@
+/* Every SQL statement of the orchestrator (store.h). */
+#include "store.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ids.h"
+#include "util.h"
+
+#define ZERO_HASH "0000000000000000000000000000000000000000000000000000000000000000"
+
+static void copy(char *dst, size_t cap, const char *src) {
+    snprintf(dst, cap, "%s", src ? src : "");
+}
+
+static int64_t to_ms(const char *ms) {
+    return ms && ms[0] ? (int64_t)atoll(ms) : 0;
+}
+
+/* Runs fn inside one transaction scoped to org; commits when it returns DB_OK. */
+#define TX_BEGIN(org)                                                                              \
+    db_tx *tx = NULL;                                                                              \
+    int rc = db_tx_begin(p, (org), &tx, err, errlen);                                              \
+    if (rc != DB_OK) return rc;                                                                    \
+    PGconn *c = db_tx_conn(tx)
+
+static int tx_end(db_tx *tx, int rc, char *err, size_t errlen) {
+    if (rc == DB_OK) return db_tx_commit(tx, err, errlen);
+    db_tx_rollback(tx);
+    return rc;
+}
+
+/* ---- audit ---- */
+
+/* The chain: hash = sha256(prev_hash | seq | action_id | action_type | parent | detail::text),
+ * '|'-joined, with the session row locked so appends of one session are serialised. */
+static const char *SQL_AUDIT =
+    "WITH s AS (SELECT session_id FROM sessions WHERE session_id = $1::uuid FOR UPDATE),"
+    " last AS (SELECT seq, hash FROM audit_log WHERE session_id = $1::uuid"
+    "          ORDER BY seq DESC LIMIT 1),"
+    " v AS (SELECT coalesce((SELECT seq FROM last), 0) + 1 AS seq,"
+    "              coalesce((SELECT hash FROM last), '" ZERO_HASH "') AS prev,"
+    "              $6::jsonb AS detail)"
+    " INSERT INTO audit_log (action_id, session_id, seq, org_id, action_type, agent_id,"
+    "                        parent_action_id, detail, prev_hash, hash)"
+    " SELECT $2::uuid, s.session_id, v.seq, current_org(), $3::text, nullif($4::text, '')::uuid,"
+    "        nullif($5::text, '')::uuid, v.detail, v.prev,"
+    "        encode(sha256(convert_to(concat_ws('|', v.prev, v.seq::text, $2::text, $3::text,"
+    "                                           $5::text, v.detail::text), 'UTF8')), 'hex')"
+    " FROM s, v RETURNING seq";
+
+static int audit_tx(PGconn *c, const char *sid, const char *type, const char *agent_id,
+                    const char *parent, const char *detail, char *action_id, char *err,
+                    size_t errlen) {
+    char id[37];
+    PGresult *r = NULL;
+    if (ids_uuid_v7(id)) return util_errf(err, errlen, DB_ERR, "no randomness for an action id");
+    const char *v[] = {sid,
+                       id,
+                       type,
+                       agent_id ? agent_id : "",
+                       parent ? parent : "",
+                       detail && detail[0] ? detail : "{}"};
+    int rc = db_exec(c, SQL_AUDIT, 6, v, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) != 1) rc = util_errf(err, errlen, ORCH_ENOTFOUND, "no session");
+    PQclear(r);
+    if (rc == DB_OK && action_id) memcpy(action_id, id, 37);
+    return rc;
+}
+
+int orch_store_audit(db_pool *p, const char *org, const char *session_id, const char *type,
+                     const char *agent_id, const char *parent_action_id, const char *detail_json,
+                     char *action_id, char *err, size_t errlen) {
+    TX_BEGIN(org);
+    rc = audit_tx(c, session_id, type, agent_id, parent_action_id, detail_json, action_id, err,
+                  errlen);
+    return tx_end(tx, rc, err, errlen);
+}
+
+/* ---- agents ---- */
+
+int orch_store_agent_upsert(db_pool *p, const char *org, const char *agent_id, const char *role,
+                            const char *display_name, const char *model, const char *def_json,
+                            int *created, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    TX_BEGIN(org);
+    const char *v[] = {agent_id, role, display_name, model, def_json};
+    rc = db_exec(c,
+                 "INSERT INTO agents (agent_id, org_id, role, display_name, model, definition)"
+                 " VALUES ($1, current_org(), $2, $3, $4, $5::jsonb)"
+                 " ON CONFLICT (agent_id) DO UPDATE SET role = EXCLUDED.role,"
+                 "   display_name = EXCLUDED.display_name, model = EXCLUDED.model,"
+                 "   definition = EXCLUDED.definition, updated_at = now()"
+                 "   WHERE agents.org_id = current_org()"
+                 " RETURNING (xmax = 0)",
+                 5, v, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) != 1)
+        rc = util_errf(err, errlen, ORCH_ECONFLICT, "agent id %s belongs to another org", agent_id);
+    if (rc == DB_OK && created) *created = PQgetvalue(r, 0, 0)[0] == 't';
+    PQclear(r);
+    return tx_end(tx, rc, err, errlen);
+}
+
+static const char *AGENT_COLS =
+    "SELECT agent_id, role, display_name, model, definition::text,"
+    " to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') FROM agents ";
+
+static void agent_row(PGresult *r, int i, orch_agent_row *out) {
+    copy(out->agent_id, sizeof out->agent_id, PQgetvalue(r, i, 0));
+    copy(out->role, sizeof out->role, PQgetvalue(r, i, 1));
+    copy(out->display_name, sizeof out->display_name, PQgetvalue(r, i, 2));
+    copy(out->model, sizeof out->model, PQgetvalue(r, i, 3));
+    out->definition = strdup(PQgetvalue(r, i, 4));
+    copy(out->updated_at, sizeof out->updated_at, PQgetvalue(r, i, 5));
+}
+
+static int agent_one(db_pool *p, const char *org, const char *where, const char *arg,
+                     orch_agent_row *out, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    char sql[512];
+    snprintf(sql, sizeof sql, "%s%s", AGENT_COLS, where);
+    TX_BEGIN(org);
+    rc = db_exec(c, sql, 1, &arg, &r, err, errlen);
+    if (rc == DB_OK) {
+        if (PQntuples(r) == 0) {
+            rc = ORCH_ENOTFOUND;
+        } else {
+            agent_row(r, 0, out);
+            if (!out->definition) rc = DB_ENOMEM;
+        }
+    }
+    PQclear(r);
+    if (rc == ORCH_ENOTFOUND) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return tx_end(tx, rc, err, errlen);
+}
+
+int orch_store_agent_get(db_pool *p, const char *org, const char *agent_id, orch_agent_row *out,
+                         char *err, size_t errlen) {
+    return agent_one(p, org, "WHERE agent_id = $1::uuid", agent_id, out, err, errlen);
+}
+
+int orch_store_agent_by_role(db_pool *p, const char *org, const char *role, orch_agent_row *out,
+                             char *err, size_t errlen) {
+    return agent_one(p, org, "WHERE role = $1", role, out, err, errlen);
+}
+
+int orch_store_agent_list(db_pool *p, const char *org,
+                          void (*fn)(const orch_agent_row *r, void *ud), void *ud, char *err,
+                          size_t errlen) {
+    PGresult *r = NULL;
+    char sql[512];
+    snprintf(sql, sizeof sql, "%sORDER BY role", AGENT_COLS);
+    TX_BEGIN(org);
+    rc = db_exec(c, sql, 0, NULL, &r, err, errlen);
+    for (int i = 0; rc == DB_OK && i < PQntuples(r); i++) {
+        orch_agent_row a;
+        agent_row(r, i, &a);
+        fn(&a, ud);
+        free(a.definition);
+    }
+    PQclear(r);
+    return tx_end(tx, rc, err, errlen);
+}
+
+/* ---- provider keys ---- */
+
+int orch_store_key_set(db_pool *p, const char *org, const char *provider, const char *kid,
+                       const unsigned char *nonce, const unsigned char *ct, size_t ctlen, char *err,
+                       size_t errlen) {
+    TX_BEGIN(org);
+    const char *v[] = {provider, kid, (const char *)nonce, (const char *)ct};
+    int len[] = {0, 0, 12, (int)ctlen}, fmt[] = {0, 0, 1, 1};
+    rc = db_exec_bin(c,
+                     "INSERT INTO provider_keys (org_id, provider, kek_id, nonce, ciphertext)"
+                     " VALUES (current_org(), $1, $2, $3, $4)"
+                     " ON CONFLICT (org_id, provider) DO UPDATE SET kek_id = EXCLUDED.kek_id,"
+                     "   nonce = EXCLUDED.nonce, ciphertext = EXCLUDED.ciphertext,"
+                     "   updated_at = now()",
+                     4, v, len, fmt, 0, NULL, err, errlen);
+    return tx_end(tx, rc, err, errlen);
+}
+
+int orch_store_keys_get(db_pool *p, const char *org, orch_key_row **rows, size_t *n, char *err,
+                        size_t errlen) {
+    PGresult *r = NULL;
+    *rows = NULL;
+    *n = 0;
+    TX_BEGIN(org);
+    rc = db_exec_bin(c,
+                     "SELECT provider, kek_id, nonce, ciphertext FROM provider_keys"
+                     " ORDER BY provider",
+                     0, NULL, NULL, NULL, 1, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) > 0) {
+        int m = PQntuples(r);
+        orch_key_row *out = calloc((size_t)m, sizeof *out);
+        if (!out) rc = DB_ENOMEM;
+        for (int i = 0; rc == DB_OK && i < m; i++) {
+            snprintf(out[i].provider, sizeof out[i].provider, "%.*s", PQgetlength(r, i, 0),
+                     PQgetvalue(r, i, 0));
+            snprintf(out[i].kid, sizeof out[i].kid, "%.*s", PQgetlength(r, i, 1),
+                     PQgetvalue(r, i, 1));
+            if (PQgetlength(r, i, 2) == 12) memcpy(out[i].nonce, PQgetvalue(r, i, 2), 12);
+            out[i].ctlen = (size_t)PQgetlength(r, i, 3);
+            out[i].ct = malloc(out[i].ctlen ? out[i].ctlen : 1);
+            if (!out[i].ct)
+                rc = DB_ENOMEM;
+            else
+                memcpy(out[i].ct, PQgetvalue(r, i, 3), out[i].ctlen);
+        }
+        if (rc == DB_OK) {
+            *rows = out;
+            *n = (size_t)m;
+        } else {
+            orch_store_keys_free(out, (size_t)m);
+        }
+    }
+    PQclear(r);
+    return tx_end(tx, rc, err, errlen);
+}
+
+void orch_store_keys_free(orch_key_row *rows, size_t n) {
+    for (size_t i = 0; rows && i < n; i++)
+        free(rows[i].ct);
+    free(rows);
+}
+
+/* ---- sessions ---- */
+
+void orch_session_clear(orch_session *s) {
+    free(s->snapshot);
+    s->snapshot = NULL;
+}
+
+/* started_at in whole milliseconds: what page tokens carry and the keyset compares */
+#define STARTED_MS "floor(extract(epoch FROM started_at) * 1000)::bigint"
+#define SESSION_COLS                                                                               \
+    "session_id, org_id, agent_id, user_id, state, agent_status, execution_mode, model_id,"        \
+    " snapshot_hash, loop_count, max_loops, turns, " STARTED_MS ","                                \
+    " coalesce(floor(extract(epoch FROM last_heartbeat) * 1000)::bigint, 0), worker"
+
+static void session_row(PGresult *r, int i, orch_session *o) {
+    memset(o, 0, sizeof *o);
+    copy(o->session_id, sizeof o->session_id, PQgetvalue(r, i, 0));
+    copy(o->org_id, sizeof o->org_id, PQgetvalue(r, i, 1));
+    copy(o->agent_id, sizeof o->agent_id, PQgetvalue(r, i, 2));
+    copy(o->user_id, sizeof o->user_id, PQgetvalue(r, i, 3));
+    copy(o->state, sizeof o->state, PQgetvalue(r, i, 4));
+    o->agent_status = atoi(PQgetvalue(r, i, 5));
+    o->execution_mode = atoi(PQgetvalue(r, i, 6));
+    copy(o->model_id, sizeof o->model_id, PQgetvalue(r, i, 7));
+    copy(o->snapshot_hash, sizeof o->snapshot_hash, PQgetvalue(r, i, 8));
+    o->loop_count = atoi(PQgetvalue(r, i, 9));
+    o->max_loops = atoi(PQgetvalue(r, i, 10));
+    o->turns = atoi(PQgetvalue(r, i, 11));
+    o->started_ms = to_ms(PQgetvalue(r, i, 12));
+    o->last_heartbeat_ms = to_ms(PQgetvalue(r, i, 13));
+    copy(o->worker, sizeof o->worker, PQgetvalue(r, i, 14));
+}
+
+int orch_store_session_create(db_pool *p, const orch_session_new *n, char *action_id, char *err,
+                              size_t errlen) {
+    char mode[16], loops[16], status[16], detail[512];
+    snprintf(mode, sizeof mode, "%d", n->execution_mode);
+    snprintf(loops, sizeof loops, "%d", n->max_loops);
+    snprintf(status, sizeof status, "%d", n->agent_status);
+    TX_BEGIN(n->org_id);
+    const char *v[] = {n->session_id,
+                       n->user_id,
+                       n->agent_id,
+                       mode,
+                       n->model_id,
+                       (const char *)n->snapshot,
+                       n->snapshot_hash,
+                       loops,
+                       status,
+                       n->kind ? n->kind : "chat",
+                       n->worker ? n->worker : ""};
+    int len[] = {0, 0, 0, 0, 0, (int)n->snapshot_len, 0, 0, 0, 0, 0};
+    int fmt[] = {0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0};
+    rc = db_exec_bin(c,
+                     "INSERT INTO sessions (session_id, org_id, user_id, agent_id, state,"
+                     " execution_mode, model_id, snapshot, snapshot_hash, max_loops, agent_status,"
+                     " kind, root_session_id, worker)"
+                     " VALUES ($1, current_org(), $2, $3, 'active', $4, $5, $6, $7, $8, $9, $10,"
+                     " $1, $11)",
+                     11, v, len, fmt, 0, NULL, err, errlen);
+    if (rc == DB_OK) {
+        const char *d[] = {n->session_id};
+        rc = db_exec(c,
+                     "INSERT INTO session_directory (session_id, org_id)"
+                     " VALUES ($1, current_org())",
+                     1, d, NULL, err, errlen);
+    }
+    if (rc == DB_OK) {
+        snprintf(detail, sizeof detail,
+                 "{\"agent_id\":\"%s\",\"model_id\":\"%s\",\"snapshot_hash\":\"%s\","
+                 "\"kind\":\"%s\"}",
+                 n->agent_id, n->model_id, n->snapshot_hash, n->kind ? n->kind : "chat");
+        rc = audit_tx(c, n->session_id, "session_started", n->agent_id, NULL, detail, action_id,
+                      err, errlen);
+    }
+    return tx_end(tx, rc, err, errlen);
+}
+
+int orch_store_session_get(db_pool *p, const char *org, const char *session_id, int with_snapshot,
+                           orch_session *out, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    memset(out, 0, sizeof *out);
+    TX_BEGIN(org);
+    rc = db_exec(c, "SELECT " SESSION_COLS " FROM sessions WHERE session_id = $1::uuid", 1,
+                 &session_id, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
+    if (rc == DB_OK) {
+        session_row(r, 0, out);
+    }
+    PQclear(r);
+    r = NULL;
+    if (rc == DB_OK && with_snapshot) {
+        rc = db_exec_bin(c, "SELECT snapshot FROM sessions WHERE session_id = $1::uuid", 1,
+                         &session_id, NULL, NULL, 1, &r, err, errlen);
+        if (rc == DB_OK && PQntuples(r) == 1) {
+            out->snapshot_len = (size_t)PQgetlength(r, 0, 0);
+            out->snapshot = malloc(out->snapshot_len ? out->snapshot_len : 1);
+            if (!out->snapshot)
+                rc = DB_ENOMEM;
+            else
+                memcpy(out->snapshot, PQgetvalue(r, 0, 0), out->snapshot_len);
+        }
+    }
+    PQclear(r);
+    if (rc == ORCH_ENOTFOUND) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return tx_end(tx, rc, err, errlen);
+}
+
+int orch_store_session_list(db_pool *p, const char *org, const orch_list_query *q,
+                            orch_session **rows, size_t *n, int *more, int64_t *total, char *err,
+                            size_t errlen) {
+    PGresult *r = NULL;
+    char status[16], limit[16], after[32];
+    *rows = NULL;
+    *n = 0;
+    *more = 0;
+    *total = 0;
+    snprintf(status, sizeof status, "%d", q->agent_status);
+    snprintf(limit, sizeof limit, "%d", q->page_size + 1);
+    snprintf(after, sizeof after, "%lld", (long long)q->after_ms);
+    const char *v[] = {q->agent_id && q->agent_id[0] ? q->agent_id : NULL,
+                       q->state && q->state[0] ? q->state : NULL,
+                       q->agent_status >= 0 ? status : NULL,
+                       limit,
+                       q->after_ms ? after : NULL,
+                       q->after_id && q->after_id[0] ? q->after_id : NULL};
+    static const char *FILTER = " WHERE ($1::uuid IS NULL OR agent_id = $1::uuid)"
+                                "   AND ($2::text IS NULL OR state = $2)"
+                                "   AND ($3::int IS NULL OR agent_status = $3)";
+    char sql[1536];
+    TX_BEGIN(org);
+    snprintf(sql, sizeof sql,
+             "SELECT " SESSION_COLS " FROM sessions%s"
+             "   AND ($5::bigint IS NULL OR (" STARTED_MS ", session_id) < ($5::bigint, $6::uuid))"
+             " ORDER BY " STARTED_MS " DESC, session_id DESC"
+             " LIMIT $4::int",
+             FILTER);
+    rc = db_exec(c, sql, 6, v, &r, err, errlen);
+    if (rc == DB_OK) {
+        int m = PQntuples(r);
+        if (m > q->page_size) {
+            *more = 1;
+            m = q->page_size;
+        }
+        orch_session *out = calloc((size_t)(m ? m : 1), sizeof *out);
+        if (!out) {
+            rc = DB_ENOMEM;
+        } else {
+            for (int i = 0; i < m; i++)
+                session_row(r, i, &out[i]);
+            *rows = out;
+            *n = (size_t)m;
+        }
+    }
+    PQclear(r);
+    r = NULL;
+    if (rc == DB_OK) {
+        snprintf(sql, sizeof sql, "SELECT count(*) FROM sessions%s", FILTER);
+        rc = db_exec(c, sql, 3, v, &r, err, errlen);
+        if (rc == DB_OK) *total = atoll(PQgetvalue(r, 0, 0));
+        PQclear(r);
+    }
+    if (rc != DB_OK) {
+        free(*rows);
+        *rows = NULL;
+        *n = 0;
+    }
+    return tx_end(tx, rc, err, errlen);
+}
+
+static int terminal(const char *state) {
+    return !strcmp(state, "terminated") || !strcmp(state, "error") || !strcmp(state, "crashed");
+}
+
+int orch_store_session_terminate(db_pool *p, const char *org, const char *session_id,
+                                 const char *reason, int *was_terminal, char *final_state,
+                                 char *err, size_t errlen) {
+    PGresult *r = NULL;
+    *was_terminal = 0;
+    TX_BEGIN(org);
+    rc = db_exec(c, "SELECT state, agent_id FROM sessions WHERE session_id = $1::uuid FOR UPDATE",
+                 1, &session_id, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
+    if (rc == DB_OK) {
+        copy(final_state, 16, PQgetvalue(r, 0, 0));
+        if (terminal(final_state)) {
+            *was_terminal = 1;
+        } else {
+            char agent[37];
+            copy(agent, sizeof agent, PQgetvalue(r, 0, 1));
+            rc = db_exec(c,
+                         "UPDATE sessions SET state = 'terminated', ended_at = now(),"
+                         " agent_status = CASE WHEN agent_status IN (0, 1, 2, 5) THEN 3"
+                         "                     ELSE agent_status END"
+                         " WHERE session_id = $1::uuid",
+                         1, &session_id, NULL, err, errlen);
+            char *detail = NULL;
+            size_t dl = 0;
+            FILE *f = open_memstream(&detail, &dl);
+            if (!f) {
+                rc = DB_ENOMEM;
+            } else {
+                fputs("{\"reason\":\"", f);
+                for (const char *s = reason ? reason : ""; *s && s - reason < 1024; s++) {
+                    unsigned char ch = (unsigned char)*s;
+                    if (ch == '"' || ch == '\\')
+                        fprintf(f, "\\%c", ch);
+                    else if (ch < 0x20)
+                        fprintf(f, "\\u%04x", ch);
+                    else
+                        fputc(ch, f);
+                }
+                fputs("\"}", f);
+                fclose(f);
+                if (rc == DB_OK)
+                    rc = audit_tx(c, session_id, "session_terminated", agent, NULL, detail, NULL,
+                                  err, errlen);
+                free(detail);
+            }
+            if (rc == DB_OK) copy(final_state, 16, "terminated");
+        }
+    }
+    PQclear(r);
+    if (rc == ORCH_ENOTFOUND) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return tx_end(tx, rc, err, errlen);
+}
+
+void orch_turns_free(orch_turn *t, size_t n) {
+    for (size_t i = 0; t && i < n; i++)
+        free(t[i].text);
+    free(t);
+}
+
+int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, const char *message,
+                          int max_turns, size_t max_bytes, orch_turn **turns, size_t *n,
+                          char *action_id, char *final_state, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    char lim[16];
+    *turns = NULL;
+    *n = 0;
+    snprintf(lim, sizeof lim, "%d", max_turns);
+    TX_BEGIN(org);
+    rc = db_exec(c,
+                 "SELECT state, turns, agent_id FROM sessions WHERE session_id = $1::uuid"
+                 " FOR UPDATE",
+                 1, &session_id, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
+    char agent[37] = "";
+    int turn_no = 0;
+    if (rc == DB_OK) {
+        copy(final_state, 16, PQgetvalue(r, 0, 0));
+        turn_no = atoi(PQgetvalue(r, 0, 1));
+        copy(agent, sizeof agent, PQgetvalue(r, 0, 2));
+        if (terminal(final_state) || !strcmp(final_state, "suspended")) rc = ORCH_ESTATE;
+    }
+    PQclear(r);
+    r = NULL;
+    /* prior turns: newest first from the database, kept while within the byte bound, then
+     * returned oldest first (the current turn is not stored yet, so it is never included) */
+    if (rc == DB_OK && max_turns > 0) {
+        const char *v[] = {session_id, lim};
+        rc = db_exec(c,
+                     "SELECT role, text FROM turns WHERE session_id = $1::uuid"
+                     " ORDER BY turn_no DESC LIMIT $2::int",
+                     2, v, &r, err, errlen);
+        if (rc == DB_OK) {
+            int m = PQntuples(r), keep = 0;
+            size_t bytes = 0;
+            for (; keep < m; keep++) {
+                size_t l = (size_t)PQgetlength(r, keep, 1);
+                if (bytes + l > max_bytes) break;
+                bytes += l;
+            }
+            orch_turn *t = calloc((size_t)(keep ? keep : 1), sizeof *t);
+            if (!t) rc = DB_ENOMEM;
+            for (int i = 0; rc == DB_OK && i < keep; i++) {
+                orch_turn *o = &t[keep - 1 - i];
+                o->role = atoi(PQgetvalue(r, i, 0));
+                o->text = strdup(PQgetvalue(r, i, 1));
+                if (!o->text) rc = DB_ENOMEM;
+            }
+            if (rc == DB_OK) {
+                *turns = t;
+                *n = (size_t)keep;
+            } else {
+                orch_turns_free(t, (size_t)keep);
+            }
+        }
+        PQclear(r);
+    }
+    if (rc == DB_OK) {
+        char no[16];
+        snprintf(no, sizeof no, "%d", turn_no + 1);
+        const char *v[] = {session_id, no, message};
+        rc = db_exec(c,
+                     "INSERT INTO turns (session_id, turn_no, org_id, role, text)"
+                     " VALUES ($1, $2, current_org(), 1, $3)",
+                     3, v, NULL, err, errlen);
+        if (rc == DB_OK)
+            rc = db_exec(c,
+                         "UPDATE sessions SET turns = turns + 1, agent_status = 1"
+                         " WHERE session_id = $1::uuid",
+                         1, &session_id, NULL, err, errlen);
+    }
+    if (rc == DB_OK) {
+        char detail[64];
+        snprintf(detail, sizeof detail, "{\"turn\":%d,\"bytes\":%zu}", turn_no + 1,
+                 strlen(message));
+        rc = audit_tx(c, session_id, "message_received", agent, NULL, detail, action_id, err,
+                      errlen);
+    }
+    if (rc != DB_OK) {
+        orch_turns_free(*turns, *n);
+        *turns = NULL;
+        *n = 0;
+    }
+    if (rc == ORCH_ENOTFOUND || rc == ORCH_ESTATE) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return tx_end(tx, rc, err, errlen);
+}
+
+static char *json_str(const char *s, size_t max) {
+    char *out = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&out, &len);
+    if (!f) return NULL;
+    fputc('"', f);
+    size_t i = 0;
+    for (const unsigned char *q = (const unsigned char *)(s ? s : ""); *q && i < max; q++, i++) {
+        if (*q == '"' || *q == '\\')
+            fprintf(f, "\\%c", *q);
+        else if (*q < 0x20)
+            fprintf(f, "\\u%04x", *q);
+        else
+            fputc(*q, f);
+    }
+    fputc('"', f);
+    fclose(f);
+    return out;
+}
+
+int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
+                        const char *parent_action_id, const orch_turn_end *e, char *err,
+                        size_t errlen) {
+    PGresult *r = NULL;
+    char status[16], loops[16], in[32], outt[32], cost[64];
+    snprintf(status, sizeof status, "%d", e->agent_status);
+    snprintf(loops, sizeof loops, "%d", e->loop_iterations);
+    snprintf(in, sizeof in, "%lld", (long long)e->input_tokens);
+    snprintf(outt, sizeof outt, "%lld", (long long)e->output_tokens);
+    snprintf(cost, sizeof cost, "%.9f", e->cost_usd);
+    TX_BEGIN(org);
+    const char *v[] = {session_id,
+                       status,
+                       loops,
+                       in,
+                       outt,
+                       cost,
+                       e->ok ? "" : (e->error_msg ? e->error_msg : ""),
+                       e->worker ? e->worker : ""};
+    rc = db_exec(c,
+                 "UPDATE sessions SET agent_status = $2::int, loop_count = loop_count + $3::int,"
+                 " input_tokens = input_tokens + $4::bigint,"
+                 " output_tokens = output_tokens + $5::bigint,"
+                 " cost_usd = cost_usd + $6::float8,"
+                 " last_error = CASE WHEN $7 = '' THEN last_error ELSE left($7, 1024) END,"
+                 " worker = $8"
+                 " WHERE session_id = $1::uuid RETURNING turns, agent_id",
+                 8, v, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
+    char agent[37] = "";
+    int turns = 0;
+    if (rc == DB_OK) {
+        turns = atoi(PQgetvalue(r, 0, 0));
+        copy(agent, sizeof agent, PQgetvalue(r, 0, 1));
+    }
+    PQclear(r);
+    if (rc == DB_OK && e->ok) {
+        char no[16];
+        snprintf(no, sizeof no, "%d", turns + 1);
+        const char *t[] = {session_id, no, e->final_text ? e->final_text : ""};
+        rc = db_exec(c,
+                     "INSERT INTO turns (session_id, turn_no, org_id, role, text)"
+                     " VALUES ($1, $2, current_org(), 2, $3)",
+                     3, t, NULL, err, errlen);
+        if (rc == DB_OK)
+            rc = db_exec(c, "UPDATE sessions SET turns = turns + 1 WHERE session_id = $1::uuid", 1,
+                         &session_id, NULL, err, errlen);
+    }
+    if (rc == DB_OK) {
+        char *code = json_str(e->error_code, 64), *msg = json_str(e->error_msg, 512);
+        char *detail = NULL;
+        size_t dl = 0;
+        FILE *f = open_memstream(&detail, &dl);
+        if (!code || !msg || !f) {
+            rc = DB_ENOMEM;
+            if (f) fclose(f);
+        } else {
+            if (e->ok)
+                fprintf(f,
+                        "{\"loop_iterations\":%d,\"input_tokens\":%lld,\"output_tokens\":%lld,"
+                        "\"cost_usd\":%.9f,\"bytes\":%zu}",
+                        e->loop_iterations, (long long)e->input_tokens, (long long)e->output_tokens,
+                        e->cost_usd, e->final_text ? strlen(e->final_text) : 0);
+            else
+                fprintf(f, "{\"code\":%s,\"message\":%s}", code, msg);
+            fclose(f);
+            rc = audit_tx(c, session_id, e->ok ? "completion" : "error", agent, parent_action_id,
+                          detail, NULL, err, errlen);
+        }
+        free(code);
+        free(msg);
+        free(detail);
+    }
+    return tx_end(tx, rc, err, errlen);
+}
+
+int orch_store_session_status(db_pool *p, const char *org, const char *session_id, int status,
+                              char *err, size_t errlen) {
+    char st[16];
+    snprintf(st, sizeof st, "%d", status);
+    TX_BEGIN(org);
+    const char *v[] = {session_id, st};
+    rc = db_exec(c, "UPDATE sessions SET agent_status = $2::int WHERE session_id = $1::uuid", 2, v,
+                 NULL, err, errlen);
+    return tx_end(tx, rc, err, errlen);
+}
+
+/* ---- worker paths ---- */
+
+/* The org of a session, read without a tenant (session_directory has no tenant data). */
+static int org_of(db_pool *p, const char *session_id, char org[37], char *err, size_t errlen) {
+    PGresult *r = NULL;
+    TX_BEGIN(NULL);
+    rc = db_exec(c, "SELECT org_id FROM session_directory WHERE session_id = $1::uuid", 1,
+                 &session_id, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
+    if (rc == DB_OK) copy(org, 37, PQgetvalue(r, 0, 0));
+    PQclear(r);
+    if (rc == ORCH_ENOTFOUND) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return tx_end(tx, rc, err, errlen);
+}
+
+int orch_store_heartbeat(db_pool *p, const char *session_id, char *err, size_t errlen) {
+    char org[37];
+    PGresult *r = NULL;
+    int rc0 = org_of(p, session_id, org, err, errlen);
+    if (rc0 != DB_OK) return rc0;
+    TX_BEGIN(org);
+    rc = db_exec(c,
+                 "UPDATE sessions SET last_heartbeat = now() WHERE session_id = $1::uuid"
+                 " RETURNING 1",
+                 1, &session_id, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
+    PQclear(r);
+    if (rc == ORCH_ENOTFOUND) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return tx_end(tx, rc, err, errlen);
+}
+
+int orch_store_checkpoint(db_pool *p, const char *session_id, int loop_iteration,
+                          uint32_t schema_version, const unsigned char *state, size_t len,
+                          const char *sha256_hex, int keep, char *err, size_t errlen) {
+    char org[37], iter[16], ver[16], keeps[16];
+    PGresult *r = NULL;
+    int rc0 = org_of(p, session_id, org, err, errlen);
+    if (rc0 != DB_OK) return rc0;
+    snprintf(iter, sizeof iter, "%d", loop_iteration);
+    snprintf(ver, sizeof ver, "%u", schema_version);
+    snprintf(keeps, sizeof keeps, "%d", keep);
+    TX_BEGIN(org);
+    const char *v[] = {session_id, iter, ver, (const char *)state, sha256_hex};
+    int lens[] = {0, 0, 0, (int)len, 0}, fmt[] = {0, 0, 0, 1, 0};
+    rc = db_exec_bin(c,
+                     "INSERT INTO checkpoints (session_id, loop_iteration, org_id, schema_version,"
+                     " state, sha256) VALUES ($1, $2, current_org(), $3, $4, $5)"
+                     " ON CONFLICT (session_id, loop_iteration) DO NOTHING RETURNING 1",
+                     5, v, lens, fmt, 0, &r, err, errlen);
+    int inserted = rc == DB_OK && PQntuples(r) == 1;
+    PQclear(r);
+    r = NULL;
+    if (rc == DB_OK && !inserted) {
+        const char *k[] = {session_id, iter};
+        rc = db_exec(c,
+                     "SELECT sha256 FROM checkpoints WHERE session_id = $1::uuid"
+                     " AND loop_iteration = $2::int",
+                     2, k, &r, err, errlen);
+        if (rc == DB_OK)
+            rc = PQntuples(r) == 1 && !strcmp(PQgetvalue(r, 0, 0), sha256_hex) ? ORCH_EREPLAY
+                                                                               : ORCH_ECONFLICT;
+        PQclear(r);
+    }
+    if (rc == DB_OK) {
+        /* keep the newest N per session (by loop_iteration) */
+        const char *k[] = {session_id, keeps};
+        rc = db_exec(c,
+                     "DELETE FROM checkpoints WHERE session_id = $1::uuid AND loop_iteration <"
+                     " (SELECT min(loop_iteration) FROM (SELECT loop_iteration FROM checkpoints"
+                     "   WHERE session_id = $1::uuid ORDER BY loop_iteration DESC"
+                     "   LIMIT $2::int) k)",
+                     2, k, NULL, err, errlen);
+        if (rc == DB_OK)
+            rc = db_exec(c,
+                         "UPDATE sessions SET loop_count = greatest(loop_count, $2::int)"
+                         " WHERE session_id = $1::uuid",
+                         2, (const char *[]){session_id, iter}, NULL, err, errlen);
+    }
+    if (rc == ORCH_EREPLAY || rc == ORCH_ECONFLICT) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return tx_end(tx, rc, err, errlen);
+}
+
+int orch_store_checkpoint_latest(db_pool *p, const char *org, const char *session_id,
+                                 int *loop_iteration, unsigned char **state, size_t *len, char *err,
+                                 size_t errlen) {
+    PGresult *r = NULL;
+    *state = NULL;
+    *len = 0;
+    TX_BEGIN(org);
+    rc = db_exec_bin(c,
+                     "SELECT loop_iteration, state FROM checkpoints WHERE session_id = $1::uuid"
+                     " ORDER BY loop_iteration DESC LIMIT 1",
+                     1, &session_id, NULL, NULL, 1, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
+    if (rc == DB_OK) {
+        const unsigned char *b = (const unsigned char *)PQgetvalue(r, 0, 0);
+        *loop_iteration =
+            (int)((uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 | (uint32_t)b[2] << 8 | b[3]);
+        *len = (size_t)PQgetlength(r, 0, 1);
+        *state = malloc(*len ? *len : 1);
+        if (!*state)
+            rc = DB_ENOMEM;
+        else
+            memcpy(*state, PQgetvalue(r, 0, 1), *len);
+    }
+    PQclear(r);
+    if (rc == ORCH_ENOTFOUND) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return tx_end(tx, rc, err, errlen);
+}
+
+/* ---- workflow agent steps ---- */
+
+int orch_store_step_claim(db_pool *p, const char *org, const char *key, const char *run_id,
+                          unsigned char **result, size_t *len, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    *result = NULL;
+    *len = 0;
+    TX_BEGIN(org);
+    const char *v[] = {key, run_id};
+    rc = db_exec(c,
+                 "INSERT INTO step_results (idempotency_key, org_id, run_id, state)"
+                 " VALUES ($1, current_org(), $2, 'running') ON CONFLICT DO NOTHING",
+                 2, v, NULL, err, errlen);
+    if (rc == DB_OK)
+        rc = db_exec_bin(c,
+                         "SELECT state, result FROM step_results WHERE idempotency_key = $1"
+                         " FOR UPDATE",
+                         1, v, NULL, NULL, 1, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 1 && !strncmp(PQgetvalue(r, 0, 0), "done", 4) &&
+        !PQgetisnull(r, 0, 1)) {
+        *len = (size_t)PQgetlength(r, 0, 1);
+        *result = malloc(*len ? *len : 1);
+        if (!*result)
+            rc = DB_ENOMEM;
+        else {
+            memcpy(*result, PQgetvalue(r, 0, 1), *len);
+            rc = ORCH_EREPLAY;
+        }
+    }
+    PQclear(r);
+    if (rc == ORCH_EREPLAY) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return tx_end(tx, rc, err, errlen);
+}
+
+int orch_store_step_finish(db_pool *p, const char *org, const char *key, const char *session_id,
+                           const unsigned char *result, size_t len, char *err, size_t errlen) {
+    TX_BEGIN(org);
+    const char *v[] = {key, session_id && session_id[0] ? session_id : NULL, (const char *)result};
+    int lens[] = {0, 0, (int)len}, fmt[] = {0, 0, 1};
+    rc = db_exec_bin(c,
+                     "UPDATE step_results SET state = 'done', session_id = $2::uuid, result = $3,"
+                     " finished_at = now() WHERE idempotency_key = $1",
+                     3, v, lens, fmt, 0, NULL, err, errlen);
+    return tx_end(tx, rc, err, errlen);
+}
