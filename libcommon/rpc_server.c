@@ -421,11 +421,15 @@ static void unary_run(rpc_call *c) {
     unary_reply(c, code == RPC_OK ? resp : NULL);
 }
 
-/* The request stream of a unary call ended (or carried a second message: refused). */
-static void unary_recv_done(rpc_call *c) {
+/* The request stream of a unary call ended (or carried a second message: refused; or the
+ * call was cancelled first: its handler never runs). */
+static void unary_recv_done(rpc_call *c, int ok) {
     log_set_trace(c->trace);
-    if (c->extra) {
-        rpc_error(c, RPC_INTERNAL, "protocol error: more than one request message");
+    if (c->extra || !ok) {
+        if (c->extra)
+            rpc_error(c, RPC_INTERNAL, "protocol error: more than one request message");
+        else
+            rpc_error(c, RPC_CANCELLED, "cancelled before the request was read");
         unary_reply(c, NULL);
     } else {
         unary_run(c);
@@ -649,7 +653,7 @@ static void *cq_thread(void *arg) {
             rpc__stream_on_end(container_of(t, rpc_call, t_end));
             break;
         case RPC__TAG_UNARY_RECV:
-            unary_recv_done(container_of(t, rpc_call, t_recv));
+            unary_recv_done(container_of(t, rpc_call, t_recv), ev.success);
             break;
         case RPC__TAG_UNKNOWN_END: {
             rpc__unknown *u = (rpc__unknown *)t;

@@ -259,7 +259,7 @@ int rpc__check_request(const uint8_t *p, size_t n, const ProtobufCMessageDescrip
 
 /* The first string field of msg (recursively) that is not valid UTF-8: its path in `path`. */
 int rpc__response_bad_string(const ProtobufCMessage *msg, char *path, size_t plen, size_t cap,
-                         int depth) {
+                             int depth) {
     const ProtobufCMessageDescriptor *d = msg->descriptor;
     if (depth > RPC_MAX_NESTING) return 0;
     for (unsigned i = 0; i < d->n_fields; i++) {
@@ -267,8 +267,8 @@ int rpc__response_bad_string(const ProtobufCMessage *msg, char *path, size_t ple
         const char *base = (const char *)msg + f->offset;
         if (f->type != PROTOBUF_C_TYPE_STRING && f->type != PROTOBUF_C_TYPE_MESSAGE) continue;
         if (f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) {
-            uint32_t which = *(const uint32_t *)(const void *)((const char *)msg +
-                                                                f->quantifier_offset);
+            uint32_t which =
+                *(const uint32_t *)(const void *)((const char *)msg + f->quantifier_offset);
             if (which != f->id) continue;
         }
         size_t n = 1;
@@ -285,17 +285,17 @@ int rpc__response_bad_string(const ProtobufCMessage *msg, char *path, size_t ple
                 size_t len = strlen(v);
                 bad = util_utf8_check(v, len) != len;
             }
-            int w = f->label == PROTOBUF_C_LABEL_REPEATED
-                        ? snprintf(path + plen, cap - plen, "%s%s[%zu]", plen ? "." : "",
-                                   f->name, k)
-                        : snprintf(path + plen, cap - plen, "%s%s", plen ? "." : "", f->name);
+            int w =
+                f->label == PROTOBUF_C_LABEL_REPEATED
+                    ? snprintf(path + plen, cap - plen, "%s%s[%zu]", plen ? "." : "", f->name, k)
+                    : snprintf(path + plen, cap - plen, "%s%s", plen ? "." : "", f->name);
             size_t nl = w > 0 && (size_t)w < cap - plen ? plen + (size_t)w : plen;
             if (bad) return 1;
-            if (f->type == PROTOBUF_C_TYPE_MESSAGE && rpc__response_bad_string(v, path, nl, cap, depth + 1))
+            if (f->type == PROTOBUF_C_TYPE_MESSAGE &&
+                rpc__response_bad_string(v, path, nl, cap, depth + 1))
                 return 1;
             path[plen] = 0;
         }
     }
     return 0;
 }
-

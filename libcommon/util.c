@@ -82,7 +82,7 @@ int util_read_file(const char *path, size_t max, char **out, size_t *len, char *
     char *buf = NULL;
     size_t n = 0, cap = 0;
     int fd = open(path ? path : "", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return util_errf(err, errlen, -1, "cannot read %s: %s", path, strerror(errno));
+    if (fd < 0) return util_errf(err, errlen, -1, "cannot open %s: %s", path, strerror(errno));
     for (;;) {
         if (n == cap) { /* grow; one byte more than max tells a file that is too large */
             size_t ncap = cap ? cap * 2 : 4096;
