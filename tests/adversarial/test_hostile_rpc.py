@@ -40,6 +40,11 @@ SVC = "/upsquad.test.v1.EchoService/"
 TIMEOUT = 10
 
 
+def sanitized(pid):
+    with open("/proc/%d/maps" % pid) as f:
+        return "libasan" in f.read()
+
+
 def rss_kb(pid):
     with open("/proc/%d/status" % pid) as f:
         for line in f:
@@ -199,7 +204,8 @@ class Limits(Base):
               "(slowest %.2f s)" % (base, after, max(r[2] for r in results)))
         # each request is held once by the core (4 MB) and read once (4 MB) while it is walked;
         # unpacking would have cost ~100 MB each
-        self.assertLess(after - base, 80 * 1024)
+        if not sanitized(pid):  # ASan keeps freed memory in quarantine: RSS tells nothing
+            self.assertLess(after - base, 80 * 1024)
 
 
 class Tokens(Base):
