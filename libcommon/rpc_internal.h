@@ -142,6 +142,8 @@ int rpc__response_bad_string(const ProtobufCMessage *msg, char *path, size_t ple
 int rpc__decode_request(rpc_call *c, ProtobufCAllocator *alloc);
 /* RPC_INTERNAL (status set) when a string field of resp is not valid UTF-8; not NDEBUG only. */
 int rpc__check_response(rpc_call *c, const ProtobufCMessage *resp);
+/* The same for a stream message: the stream is finished INTERNAL and the message not sent. */
+int rpc__stream_check_response(rpc_call *c, const ProtobufCMessage *msg);
 int rpc__md_count(const grpc_metadata_array *md, const char *key);
 /* Starts the read that must find the end of a unary call's request stream; false when the
  * core refused the batch (the call is then run at once). */

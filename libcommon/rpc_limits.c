@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "log.h"
 #include "rpc_internal.h"
 
 #define W_PATH_MAX 256
@@ -52,6 +53,20 @@ int rpc__check_response(rpc_call *c, const ProtobufCMessage *resp) {
     if (resp == NULL || !rpc__response_bad_string(resp, path, 0, sizeof path, 0)) return RPC_OK;
     /* a bug of the service: a client would fail to decode the whole response */
     return rpc_error(c, RPC_INTERNAL, "response field %s is not valid UTF-8", path);
+#endif
+}
+
+int rpc__stream_check_response(rpc_call *c, const ProtobufCMessage *msg) {
+#ifdef NDEBUG
+    (void)c, (void)msg;
+    return RPC_OK;
+#else
+    char path[W_PATH_MAX] = "", text[W_PATH_MAX + 64];
+    if (msg == NULL || !rpc__response_bad_string(msg, path, 0, sizeof path, 0)) return RPC_OK;
+    snprintf(text, sizeof text, "response field %s is not valid UTF-8", path);
+    log_error("rpc.response", "%s %s", rpc_method_path(c), text);
+    rpc_stream_finish(c, RPC_INTERNAL, text);
+    return RPC_INTERNAL;
 #endif
 }
 

@@ -164,6 +164,14 @@ class Strings(Base):
         self.assertEqual(details, "response field text is not valid UTF-8")
         r = self.echo(echo_pb2.EchoRequest(text="a\u00e9", cut_text_bytes=3), timeout=TIMEOUT)
         self.assertEqual(r.text, "a\u00e9")
+        # the same in a stream: no message a client cannot decode is sent, the stream ends
+        stream = self.channel.unary_stream(
+            SVC + "PublicStream", request_serializer=echo_pb2.EchoRequest.SerializeToString,
+            response_deserializer=echo_pb2.EchoResponse.FromString)
+        code, details = code_of(lambda: list(stream(
+            echo_pb2.EchoRequest(text="a\u00e9", cut_text_bytes=2, count=3), timeout=TIMEOUT)))
+        self.assertNotEqual(details, "Exception deserializing response!")
+        self.assertIn(code, (grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED))
 
 
 class Limits(Base):
