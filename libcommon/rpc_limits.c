@@ -16,6 +16,8 @@
 int rpc__decode_request(rpc_call *c, ProtobufCAllocator *alloc) {
     const rpc_method *m = &c->method->m;
     char msg[W_PATH_MAX + 160];
+    if (c->extra)
+        return rpc_error(c, RPC_INTERNAL, "protocol error: more than one request message");
     if (c->payload == NULL)
         /* the stream ended without a message, or inside one (a length prefix promising more
          * than arrived): a protocol error, not an empty request */
@@ -78,9 +80,9 @@ int rpc__md_count(const grpc_metadata_array *md, const char *key) {
     return n;
 }
 
-/* ---- the read after a unary request ---- */
+/* ---- the read after the request ---- */
 
-int rpc__unary_expect_end(rpc_call *c) {
+int rpc__expect_request_end(rpc_call *c) {
     grpc_op op;
     memset(&op, 0, sizeof op);
     op.op = GRPC_OP_RECV_MESSAGE;

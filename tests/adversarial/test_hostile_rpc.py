@@ -124,6 +124,11 @@ class Protocol(Base):
                 self.assertEqual(status, 13, "%s: %s" % (name, msg))
                 self.assertIn("protocol error", msg, name)
                 self.assertEqual(body, b"", name)  # nothing answered as if the request were empty
+            # the same on a server-streaming call
+            for name, msgs in cases.items():
+                status, msg, body = c.call(SVC + "PublicStream", msgs)
+                self.assertEqual(status, 13, "stream, %s: %s" % (name, msg))
+                self.assertEqual(body, b"", name)
             # the connection is still good for a well-formed call
             status, msg, body = c.call(SVC + "PublicEcho", [h2raw.frame(field(1, b"ok"))])
             self.assertEqual(status, 0, msg)
