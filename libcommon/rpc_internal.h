@@ -21,8 +21,8 @@ enum {
     RPC__TAG_SHUTDOWN,    /* the server finished shutting down */
     RPC__TAG_UNKNOWN,     /* a call to a method nobody registered arrived */
     RPC__TAG_UNKNOWN_END, /* ... and was answered UNIMPLEMENTED */
-    RPC__TAG_UNARY_RECV,  /* a unary call's read past its request: end of stream, or a second
-                             message (a protocol error) */
+    RPC__TAG_UNARY_RECV,  /* the read past a call's request message: end of stream, or a
+                             second message (a protocol error) */
 };
 
 typedef struct rpc__tag {
@@ -108,7 +108,7 @@ struct rpc_call {
     struct rpc_call *dnext, *dprev; /* the server's list of detached streams */
     struct rpc__defer *defers;      /* rpc_call_defer hooks, newest first (arena) */
 
-    /* unary: the read after the request message (rpc_limits.c) */
+    /* the read after the request message (rpc_limits.c) */
     rpc__tag t_recv;
     grpc_byte_buffer *extra; /* a second request message: refused */
 
@@ -148,10 +148,12 @@ int rpc__response_bad_string(const ProtobufCMessage *msg, char *path, size_t ple
 int rpc__decode_request(rpc_call *c, ProtobufCAllocator *alloc);
 /* RPC_INTERNAL (status set) when a string field of resp is not valid UTF-8; not NDEBUG only. */
 int rpc__check_response(rpc_call *c, const ProtobufCMessage *resp);
+/* The same for a stream message: the stream is finished INTERNAL and the message not sent. */
+int rpc__stream_check_response(rpc_call *c, const ProtobufCMessage *msg);
 int rpc__md_count(const grpc_metadata_array *md, const char *key);
-/* Starts the read that must find the end of a unary call's request stream; false when the
- * core refused the batch (the call is then run at once). */
-int rpc__unary_expect_end(rpc_call *c);
+/* Starts the read that must find the end of a call's request stream; false when the core
+ * refused the batch (the call is then dispatched at once). */
+int rpc__expect_request_end(rpc_call *c);
 const rpc_server_opts *rpc__server_opts(const struct rpc_server *s);
 /* Defaults of the hardening options, and the channel arguments they become (at most
  * RPC__HARDENING_ARGS of them, written to args; returns how many). */

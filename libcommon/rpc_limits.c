@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "log.h"
 #include "rpc_internal.h"
 
 #define W_PATH_MAX 256
@@ -15,6 +16,8 @@
 int rpc__decode_request(rpc_call *c, ProtobufCAllocator *alloc) {
     const rpc_method *m = &c->method->m;
     char msg[W_PATH_MAX + 160];
+    if (c->extra)
+        return rpc_error(c, RPC_INTERNAL, "protocol error: more than one request message");
     if (c->payload == NULL)
         /* the stream ended without a message, or inside one (a length prefix promising more
          * than arrived): a protocol error, not an empty request */
@@ -55,6 +58,20 @@ int rpc__check_response(rpc_call *c, const ProtobufCMessage *resp) {
 #endif
 }
 
+int rpc__stream_check_response(rpc_call *c, const ProtobufCMessage *msg) {
+#ifdef NDEBUG
+    (void)c, (void)msg;
+    return RPC_OK;
+#else
+    char path[W_PATH_MAX] = "", text[W_PATH_MAX + 64];
+    if (msg == NULL || !rpc__response_bad_string(msg, path, 0, sizeof path, 0)) return RPC_OK;
+    snprintf(text, sizeof text, "response field %s is not valid UTF-8", path);
+    log_error("rpc.response", "%s %s", rpc_method_path(c), text);
+    rpc_stream_finish(c, RPC_INTERNAL, text);
+    return RPC_INTERNAL;
+#endif
+}
+
 /* Two `authorization` headers: which one would a proxy have checked? Refuse the call. */
 int rpc__md_count(const grpc_metadata_array *md, const char *key) {
     int n = 0;
@@ -63,9 +80,9 @@ int rpc__md_count(const grpc_metadata_array *md, const char *key) {
     return n;
 }
 
-/* ---- the read after a unary request ---- */
+/* ---- the read after the request ---- */
 
-int rpc__unary_expect_end(rpc_call *c) {
+int rpc__expect_request_end(rpc_call *c) {
     grpc_op op;
     memset(&op, 0, sizeof op);
     op.op = GRPC_OP_RECV_MESSAGE;

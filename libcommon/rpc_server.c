@@ -533,11 +533,16 @@ static void unary_start(rpc_call *c) {
         unary_run(c);
 }
 
-/* The request stream of a unary call ended (or carried a second message: refused). */
-static void unary_recv_done(rpc_call *c) {
+static void stream_dispatch(rpc_call *c);
+
+/* The request stream of a call ended, or carried a second message (call_prepare refuses it).
+ * A unary call cancelled first never runs its handler. */
+static void request_read(rpc_call *c, int ok) {
     log_set_trace(c->trace);
-    if (c->extra) {
-        rpc_error(c, RPC_INTERNAL, "protocol error: more than one request message");
+    if (c->method->m.kind != RPC_UNARY) {
+        stream_dispatch(c);
+    } else if (!ok) {
+        rpc_error(c, RPC_CANCELLED, "cancelled before the request was read");
         unary_reply(c, NULL);
     } else {
         unary_start(c);
@@ -717,9 +722,11 @@ static void on_request(rpc__listener *l, int ok) {
     }
     call_trace(c);
     log_set_trace(c->trace);
-    if (l->m->m.kind == RPC_UNARY) {
-        if (!rpc__unary_expect_end(c)) unary_start(c);
-    } else
+    if (rpc__expect_request_end(c)) {
+        /* request_read() dispatches it once the request stream has ended */
+    } else if (l->m->m.kind == RPC_UNARY)
+        unary_start(c);
+    else
         stream_dispatch(c);
     log_set_trace(NULL);
 }
@@ -759,7 +766,7 @@ static void *cq_thread(void *arg) {
             rpc__stream_on_end(container_of(t, rpc_call, t_end));
             break;
         case RPC__TAG_UNARY_RECV:
-            unary_recv_done(container_of(t, rpc_call, t_recv));
+            request_read(container_of(t, rpc_call, t_recv), ev.success);
             break;
         case RPC__TAG_UNKNOWN_END: {
             rpc__unknown *u = (rpc__unknown *)t;

@@ -172,6 +172,7 @@ static int push_locked(rpc_call *c, rpc_frame *f) {
 }
 
 int rpc_stream_send(rpc_call *c, const ProtobufCMessage *msg) {
+    if (rpc__stream_check_response(c, msg) != RPC_OK) return RPC_ECLOSED;
     rpc_frame *f = rpc_frame_encode(msg);
     int rc;
     if (f == NULL) return RPC_ENOMEM;

@@ -19,12 +19,14 @@
 #include "rpc_internal.h"
 #include "util.h"
 
-/* Estimated cost in bytes of decoding with protobuf-c 1.4, per element: each field occurrence
- * is first recorded in a ScannedMember (32 bytes, in slabs that double: up to 2x), then stored
- * (a pointer or a scalar in the field's array, strings copied with their NUL, arena chunks
- * rounded to 16), unknown fields copied with a 24-byte header. An estimate, not an exact
- * count: its purpose is to refuse a request before the allocations, not after. */
+/* What decoding with protobuf-c 1.4 allocates, estimated from above: each message's struct;
+ * each field occurrence beyond a message's 16th recorded in a ScannedMember (32 bytes, in
+ * slabs that double: up to 2x; the first 16 live on the stack); an array slot per element of a
+ * repeated field (a pointer, a ProtobufCBinaryData or the scalar); strings copied with their
+ * NUL; unknown fields copied with a 24-byte header; every allocation rounded to 16 (the arena).
+ * Its purpose is to refuse a request before the allocations, not after. */
 #define W_SCANNED 64
+#define W_STACK_SCANNED 16
 #define W_UNKNOWN 24
 #define W_ROUND(n) (((n) + 15) & ~(size_t)15)
 #define W_PATH_MAX 256
@@ -147,7 +149,7 @@ static int walk_msg(walk *w, const ProtobufCMessageDescriptor *d, const uint8_t 
 
 /* One occurrence of a known field; `count` is its running count in this message. */
 static int walk_field(walk *w, const ProtobufCFieldDescriptor *f, uint32_t *count, int wt,
-                      const uint8_t *p, size_t len, int depth) {
+                      const uint8_t *p, size_t len, size_t scan, int depth) {
     int repeated = f->label == PROTOBUF_C_LABEL_REPEATED;
     size_t elems = 1, ol, oe;
     if (repeated && wt == 2 && f->type != PROTOBUF_C_TYPE_STRING &&
@@ -168,7 +170,7 @@ static int walk_field(walk *w, const ProtobufCFieldDescriptor *f, uint32_t *coun
     *count += (uint32_t)elems;
     if (f->type == PROTOBUF_C_TYPE_STRING) {
         if (wt != 2) return malformed(w);
-        if (charge(w, W_SCANNED + 8 + W_ROUND(len + 1))) return -1;
+        if (charge(w, scan + (repeated ? 8 : 0) + W_ROUND(len + 1))) return -1;
         if (memchr(p, 0, len) != NULL || util_utf8_check(p, len) != len) {
             push(w, f->name, idx, &ol, &oe);
             return wfail(w, RPC_INVALID_ARGUMENT,
@@ -176,17 +178,18 @@ static int walk_field(walk *w, const ProtobufCFieldDescriptor *f, uint32_t *coun
         }
         return 0;
     }
-    if (f->type == PROTOBUF_C_TYPE_BYTES) return charge(w, W_SCANNED + 16 + W_ROUND(len));
+    if (f->type == PROTOBUF_C_TYPE_BYTES)
+        return charge(w, scan + (repeated ? 16 : 0) + W_ROUND(len));
     if (f->type == PROTOBUF_C_TYPE_MESSAGE) {
         if (wt != 2) return malformed(w);
         const ProtobufCMessageDescriptor *sub = f->descriptor;
-        if (charge(w, W_SCANNED + 8 + W_ROUND(sub->sizeof_message))) return -1;
+        if (charge(w, scan + (repeated ? 8 : 0) + W_ROUND(sub->sizeof_message))) return -1;
         push(w, f->name, idx, &ol, &oe);
         int rc = walk_msg(w, sub, p, p + len, depth + 1);
         pop(w, ol, oe);
         return rc;
     }
-    return charge(w, W_SCANNED + elems * scalar_size(f->type));
+    return charge(w, scan + (repeated ? elems * scalar_size(f->type) : 0));
 }
 
 static int walk_msg(walk *w, const ProtobufCMessageDescriptor *d, const uint8_t *p,
@@ -198,6 +201,7 @@ static int walk_msg(walk *w, const ProtobufCMessageDescriptor *d, const uint8_t 
     }
     uint32_t counts[d->n_fields ? d->n_fields : 1]; /* occurrences per field, this message */
     memset(counts, 0, sizeof counts);
+    size_t occurrences = 0;
     while (p < end) {
         uint64_t key, v, len = 0;
         if (wvarint(&p, end, &key) != 0 || (key >> 3) == 0 || (key >> 3) > 0x1fffffff)
@@ -226,9 +230,10 @@ static int walk_msg(walk *w, const ProtobufCMessageDescriptor *d, const uint8_t 
         }
         const ProtobufCFieldDescriptor *f =
             protobuf_c_message_descriptor_get_field(d, (unsigned)(key >> 3));
+        size_t scan = ++occurrences > W_STACK_SCANNED ? W_SCANNED : 0;
         int rc = f ? walk_field(w, f, &counts[f - d->fields], wt, val,
-                                wt == 2 ? (size_t)len : (size_t)(p - val), depth)
-                   : charge(w, W_SCANNED + W_UNKNOWN + W_ROUND((size_t)(p - val)));
+                                wt == 2 ? (size_t)len : (size_t)(p - val), scan, depth)
+                   : charge(w, scan + W_UNKNOWN + W_ROUND((size_t)(p - val)));
         if (rc != 0) return rc;
     }
     return 0;
@@ -246,7 +251,7 @@ int rpc__check_request(const uint8_t *p, size_t n, const ProtobufCMessageDescrip
     w.lpath[0] = w.epath[0] = 0;
     w.code = 0;
     w.msg[0] = 0;
-    if (charge(&w, d->sizeof_message) == 0 && walk_msg(&w, d, p, p + n, 0) == 0) return 0;
+    if (charge(&w, W_ROUND(d->sizeof_message)) == 0 && walk_msg(&w, d, p, p + n, 0) == 0) return 0;
     if (w.code < 0) {
         snprintf(msg, msglen, "request is not a valid %s", d->name);
         return -1;

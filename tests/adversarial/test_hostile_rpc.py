@@ -40,6 +40,11 @@ SVC = "/upsquad.test.v1.EchoService/"
 TIMEOUT = 10
 
 
+def sanitized(pid):
+    with open("/proc/%d/maps" % pid) as f:
+        return "libasan" in f.read()
+
+
 def rss_kb(pid):
     with open("/proc/%d/status" % pid) as f:
         for line in f:
@@ -119,6 +124,11 @@ class Protocol(Base):
                 self.assertEqual(status, 13, "%s: %s" % (name, msg))
                 self.assertIn("protocol error", msg, name)
                 self.assertEqual(body, b"", name)  # nothing answered as if the request were empty
+            # the same on a server-streaming call
+            for name, msgs in cases.items():
+                status, msg, body = c.call(SVC + "PublicStream", msgs)
+                self.assertEqual(status, 13, "stream, %s: %s" % (name, msg))
+                self.assertEqual(body, b"", name)
             # the connection is still good for a well-formed call
             status, msg, body = c.call(SVC + "PublicEcho", [h2raw.frame(field(1, b"ok"))])
             self.assertEqual(status, 0, msg)
@@ -159,6 +169,14 @@ class Strings(Base):
         self.assertEqual(details, "response field text is not valid UTF-8")
         r = self.echo(echo_pb2.EchoRequest(text="a\u00e9", cut_text_bytes=3), timeout=TIMEOUT)
         self.assertEqual(r.text, "a\u00e9")
+        # the same in a stream: no message a client cannot decode is sent, the stream ends
+        stream = self.channel.unary_stream(
+            SVC + "PublicStream", request_serializer=echo_pb2.EchoRequest.SerializeToString,
+            response_deserializer=echo_pb2.EchoResponse.FromString)
+        code, details = code_of(lambda: list(stream(
+            echo_pb2.EchoRequest(text="a\u00e9", cut_text_bytes=2, count=3), timeout=TIMEOUT)))
+        self.assertNotEqual(details, "Exception deserializing response!")
+        self.assertIn(code, (grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED))
 
 
 class Limits(Base):
@@ -199,7 +217,8 @@ class Limits(Base):
               "(slowest %.2f s)" % (base, after, max(r[2] for r in results)))
         # each request is held once by the core (4 MB) and read once (4 MB) while it is walked;
         # unpacking would have cost ~100 MB each
-        self.assertLess(after - base, 80 * 1024)
+        if not sanitized(pid):  # ASan keeps freed memory in quarantine: RSS tells nothing
+            self.assertLess(after - base, 80 * 1024)
 
 
 class Tokens(Base):
@@ -351,12 +370,14 @@ class Budgets(Base):
                 socks.append(socket.create_connection(
                     ("127.0.0.1", self.srv.metrics), timeout=2,
                     source_address=("127.0.%d.%d" % (1 + i // 200, 3 + i % 200), 0)))
+            # (the idle sockets used to hold the port until its 10 s timeout: 5 s tells apart,
+            # with room for a loaded machine)
             t0 = time.time()
             self.assertIn("rpc_server_inflight_calls",
-                          T.http_get("http://127.0.0.1:%d/metrics" % self.srv.metrics, timeout=3))
+                          T.http_get("http://127.0.0.1:%d/metrics" % self.srv.metrics, timeout=5))
             self.assertEqual(T.http_get("http://127.0.0.1:%d/healthz" % self.srv.metrics,
-                                        timeout=3), "ok")
-            self.assertLess(time.time() - t0, 3)
+                                        timeout=5), "ok")
+            self.assertLess(time.time() - t0, 5)
             # the idle ones are closed after the idle timeout (1 s here)
             s = socks[-1]
             s.settimeout(4)
@@ -370,7 +391,10 @@ class Budgets(Base):
         echo = ch.unary_unary(SVC + "PublicEcho",
                               request_serializer=echo_pb2.EchoRequest.SerializeToString,
                               response_deserializer=echo_pb2.EchoResponse.FromString)
-        futs = [echo.future(echo_pb2.EchoRequest(text="c", delay_ms=300), timeout=10)
+        # (a unary handler cannot see its client cancel until it returns: one running on the
+        # single unary thread holds the others for its delay, so the delay is kept short here;
+        # the worker pool of issue 8 changes that)
+        futs = [echo.future(echo_pb2.EchoRequest(text="c", delay_ms=20), timeout=10)
                 for _ in range(200)]
         for f in futs:
             f.cancel()

@@ -213,6 +213,82 @@ static void test_nesting(void **state) {
     free(b);
 }
 
+/* ---- the decoded-size estimate against what protobuf-c really allocates ---- */
+
+static size_t counted;
+static void *count_alloc(void *ud, size_t n) {
+    (void)ud;
+    counted += (n + 15) & ~(size_t)15; /* the arena's rounding */
+    return malloc(n);
+}
+static void count_free(void *ud, void *p) {
+    (void)ud;
+    free(p);
+}
+
+/* The smallest max_decoded the walk accepts: its estimate. */
+static size_t estimate(const uint8_t *b, size_t n, const ProtobufCMessageDescriptor *d) {
+    char msg[300];
+    size_t lo = 1, hi = (size_t)1 << 34;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (rpc__check_request(b, n, d, NULL, 0, mid, msg, sizeof msg) == 0)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+static void test_estimate_bounds_real_allocation(void **state) {
+    (void)state;
+    /* a Struct of 2,000 short string fields, as a workflow definition carries */
+    enum { N = 2000 };
+    static Google__Protobuf__Value v[N];
+    static Google__Protobuf__Struct__FieldsEntry e[N];
+    static Google__Protobuf__Struct__FieldsEntry *ep[N];
+    static char keys[N][16];
+    for (int i = 0; i < N; i++) {
+        google__protobuf__value__init(&v[i]);
+        v[i].kind_case = GOOGLE__PROTOBUF__VALUE__KIND_STRING_VALUE;
+        v[i].string_value = "value";
+        google__protobuf__struct__fields_entry__init(&e[i]);
+        snprintf(keys[i], sizeof keys[i], "key-%d", i);
+        e[i].key = keys[i];
+        e[i].value = &v[i];
+        ep[i] = &e[i];
+    }
+    Google__Protobuf__Struct st = GOOGLE__PROTOBUF__STRUCT__INIT;
+    st.fields = ep;
+    st.n_fields = N;
+    Upsquad__Test__V1__EchoRequest er = UPSQUAD__TEST__V1__ECHO_REQUEST__INIT;
+    er.meta = &st;
+    er.text = "hello";
+    /* and a flat repeated field of empty strings, the amplification case */
+    CompareReq c = UPSQUAD__RUNTIME__V1__COMPARE_MODELS_REQUEST__INIT;
+    static char *ids[50000];
+    for (int i = 0; i < 50000; i++)
+        ids[i] = "";
+    c.model_ids = ids;
+    c.n_model_ids = 50000;
+    const ProtobufCMessage *msgs[] = {&er.base, &c.base};
+    for (size_t i = 0; i < 2; i++) {
+        size_t n;
+        uint8_t *b = pack(msgs[i], &n);
+        ProtobufCAllocator a = {count_alloc, count_free, NULL};
+        counted = 0;
+        ProtobufCMessage *m = protobuf_c_message_unpack(msgs[i]->descriptor, &a, n, b);
+        assert_non_null(m);
+        protobuf_c_message_free_unpacked(m, &a);
+        size_t est = estimate(b, n, msgs[i]->descriptor);
+        print_message("%s: %zu wire bytes, %zu allocated, %zu estimated\n",
+                      msgs[i]->descriptor->name, n, counted, est);
+        assert_true(est >= counted);     /* an upper bound ... */
+        assert_true(est <= 3 * counted); /* ... that is not wildly pessimistic */
+        free(b);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_strings_utf8_and_nul),
@@ -220,6 +296,7 @@ int main(void) {
         cmocka_unit_test(test_nested_limit_path),
         cmocka_unit_test(test_malformed),
         cmocka_unit_test(test_nesting),
+        cmocka_unit_test(test_estimate_bounds_real_allocation),
     };
     return cmocka_run_group_tests_name("rpc request limits", tests, NULL, NULL);
 }
