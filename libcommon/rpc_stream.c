@@ -96,7 +96,9 @@ static void pump_locked(rpc_call *c) {
     c->md_sent = 1;
     c->send_inflight = 1;
     rpc__call_ref(c);
-    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, tag, NULL);
+    grpc_call *gc = c->call;
+    RPC__TSAN_RELEASE(tag);
+    grpc_call_error e = grpc_call_start_batch(gc, ops, n, tag, NULL);
     if (e != GRPC_CALL_OK) {
         log_error("rpc.stream", "stream batch refused: %d", (int)e);
         /* no STREAM_END will come, and the close completion leaves a call whose status batch

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make test`: a throw-away runtime (private Postgres, Redis, NATS on loopback), every test
-# against it, then the AddressSanitizer/UBSan build of the test programs against it too.
+# against it, then the AddressSanitizer/UBSan and the ThreadSanitizer builds of the test
+# programs against it too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RUN_DIR=${TEST_RUN_DIR:-$(mktemp -d /tmp/upsquad-test.XXXXXX)}
@@ -34,5 +35,14 @@ if [ "${SKIP_ASAN:-0}" != 1 ]; then
     export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1}
     export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
     BUILD=build-asan tests/run.sh --binaries-only || status=1
+fi
+if [ "${SKIP_TSAN:-0}" != 1 ]; then
+    echo "== tests (ThreadSanitizer build)"
+    make --no-print-directory -j"$(nproc)" tsan >build-tsan.log 2>&1 ||
+        { tail -n 80 build-tsan.log; exit 1; }
+    rm -f build-tsan.log
+    # only what is not ours is suppressed: uninstrumented gRPC, abseil, OpenSSL, nats.c, libpq
+    TSAN_OPTIONS=${TSAN_OPTIONS:-suppressions=$PWD/tests/tsan.supp:halt_on_error=1} \
+        BUILD=build-tsan tests/run.sh --binaries-only || status=1
 fi
 exit $status

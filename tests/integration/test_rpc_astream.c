@@ -62,8 +62,7 @@ static int stream_fn(rpc_call *call, const ProtobufCMessage *req, void *ud) {
 }
 
 /* backend: sleeps delay_ms unless cancelled; reports how long it ran */
-static int slow_fn(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
-                   void *ud) {
+static int slow_fn(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp, void *ud) {
     (void)ud, (void)resp;
     int64_t t0 = now_ms();
     while (now_ms() - t0 < ((const EchoRequest *)req)->delay_ms && !rpc_cancelled(call))
@@ -74,8 +73,7 @@ static int slow_fn(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage
 }
 
 /* front: calls the backend's slow method for its caller, with no deadline of its own */
-static int relay_fn(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
-                    void *ud) {
+static int relay_fn(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp, void *ud) {
     (void)ud, (void)resp;
     ProtobufCMessage *out = NULL;
     rpc_call_opts o = {.parent = call};
@@ -118,9 +116,9 @@ static int teardown(void **state) {
     (void)state;
     rpc_aclient_free(ac);
     rpc_channel_free(to_front);
-    rpc_channel_free(to_backend);
-    rpc_server_shutdown(front, 1000);
+    rpc_server_shutdown(front, 1000); /* its handlers use to_backend */
     rpc_server_free(front);
+    rpc_channel_free(to_backend);
     rpc_server_shutdown(backend, 1000);
     rpc_server_free(backend);
     return 0;
@@ -261,9 +259,9 @@ static void test_parent_deadline_reaches_backend(void **state) {
     req.delay_ms = 3000;
     int base = atomic_load(&slow_done);
     rpc_call_opts o = {.timeout_ms = 300};
-    assert_int_equal(rpc_unary_call(to_front, PATH("PublicEcho"), &req.base, RESP_DESC, &o, &out,
-                                    NULL),
-                     RPC_DEADLINE_EXCEEDED);
+    assert_int_equal(
+        rpc_unary_call(to_front, PATH("PublicEcho"), &req.base, RESP_DESC, &o, &out, NULL),
+        RPC_DEADLINE_EXCEEDED);
     for (int i = 0; i < 600 && atomic_load(&slow_done) == base; i++)
         usleep(5000);
     assert_int_equal(atomic_load(&slow_done), base + 1);
