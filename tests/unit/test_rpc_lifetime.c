@@ -35,7 +35,8 @@ static atomic_int hooks_run;
 static atomic_int order[4], n_order;
 
 static void count_hook(void *arg) {
-    atomic_store(&order[atomic_fetch_add(&n_order, 1)], (int)(intptr_t)arg);
+    int i = atomic_fetch_add(&n_order, 1);
+    if (i < 4) atomic_store(&order[i], (int)(intptr_t)arg); /* the first call's order */
     atomic_fetch_add(&hooks_run, 1);
 }
 
