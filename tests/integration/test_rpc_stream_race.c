@@ -43,8 +43,13 @@ static int setup(void **state) {
     (void)state;
     char err[256], target[64];
     rpc_server_opts o = {.addr = "127.0.0.1:0", .stream_queue = 4};
-    rpc_method m = {PATH("PublicStream"), RPC_SERVER_STREAM, RPC_AUTH_NONE,
-                    &upsquad__test__v1__echo_request__descriptor, RESP_DESC, NULL, busy_stream};
+    rpc_method m = {PATH("PublicStream"),
+                    RPC_SERVER_STREAM,
+                    RPC_AUTH_NONE,
+                    &upsquad__test__v1__echo_request__descriptor,
+                    RESP_DESC,
+                    NULL,
+                    busy_stream};
     if (rpc_server_new(&o, &srv, err, sizeof err) || rpc_server_add(srv, &m, 1) ||
         rpc_server_start(srv, err, sizeof err))
         return -1;
@@ -63,9 +68,9 @@ static int teardown(void **state) {
 
 static void test_cancel_while_handler_sets_status(void **state) {
     (void)state;
-    metric *cancelled = metrics_counter(
-        "rpc_server_handled_total", "",
-        "method=\"/upsquad.test.v1.EchoService/PublicStream\",code=\"ABORTED\"");
+    metric *cancelled =
+        metrics_counter("rpc_server_handled_total", "",
+                        "method=\"/upsquad.test.v1.EchoService/PublicStream\",code=\"ABORTED\"");
     double before = metric_value(cancelled);
     for (int round = 0; round < 20; round++) {
         EchoRequest req = UPSQUAD__TEST__V1__ECHO_REQUEST__INIT;
