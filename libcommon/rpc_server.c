@@ -1,5 +1,6 @@
 /* The gRPC server: completion-queue threads, call dispatch, unary replies, status details,
  * authentication, graceful shutdown. Streams live in rpc_stream.c, health in rpc_health.c. */
+#include <assert.h>
 #include <errno.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/time.h>
@@ -109,7 +110,10 @@ static void call_free(rpc_call *c) {
 }
 
 void rpc_call_unref(rpc_call *c) {
-    if (c && atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) == 1) call_free(c);
+    if (c == NULL) return;
+    int was = atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel);
+    assert(was > 0 && "rpc_call_unref without a reference");
+    if (was == 1) call_free(c);
 }
 
 static void *arena_pb_alloc(void *ud, size_t n) {

@@ -8,6 +8,7 @@
  * rpc_stream_finish and the close completion meet there). Callbacks (on_close) run without
  * it. Nothing here allocates from the call's arena, which belongs to the handler's thread:
  * a final message from rpc_stream_finish is a heap copy. */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -28,7 +29,10 @@ rpc_frame *rpc_frame_ref(rpc_frame *f) {
 }
 
 void rpc_frame_unref(rpc_frame *f) {
-    if (f && atomic_fetch_sub_explicit(&f->refs, 1, memory_order_acq_rel) == 1) {
+    if (f == NULL) return;
+    int was = atomic_fetch_sub_explicit(&f->refs, 1, memory_order_acq_rel);
+    assert(was > 0 && "rpc_frame_unref without a reference");
+    if (was == 1) {
         grpc_slice_unref(f->slice);
         free(f);
     }
@@ -167,6 +171,7 @@ void rpc__stream_on_close(rpc_call *c) {
 }
 
 static int push_locked(rpc_call *c, rpc_frame *f) {
+    assert(c->q_len < c->q_cap && "stream queue bound"); /* callers wait or refuse first */
     c->q[(c->q_head + c->q_len) % c->q_cap] = f;
     c->q_len++;
     pump_locked(c);
