@@ -31,8 +31,10 @@ if [ "${SKIP_ASAN:-0}" != 1 ]; then
     make --no-print-directory -j"$(nproc)" BUILD=build-asan SAN=1 tests-build >build-asan.log 2>&1 ||
         { tail -n 80 build-asan.log; exit 1; }
     rm -f build-asan.log
-    # grpc's and OpenSSL's process-lifetime allocations are not leaks of ours
-    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1}
+    # leaks fail the tests and the servers they start; gRPC's and OpenSSL's process-lifetime
+    # allocations are suppressed (tests/lsan.supp says why), nothing of ours is
+    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
+    export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/tests/lsan.supp}
     export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
     BUILD=build-asan tests/run.sh --binaries-only || status=1
 fi
