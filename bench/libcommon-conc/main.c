@@ -120,9 +120,9 @@ static void *pg_prober(void *a) {
     while (!atomic_load(&g_stop) && g_nprobe < PROBES_MAX) {
         ProtobufCMessage *resp = NULL;
         int64_t t0 = now_us();
-        int code = rpc_unary_call(g_ch, "/grpc.health.v1.Health/Check", &req.base,
-                                  &grpc__health__v1__health_check_response__descriptor, &o, &resp,
-                                  NULL);
+        int code =
+            rpc_unary_call(g_ch, "/grpc.health.v1.Health/Check", &req.base,
+                           &grpc__health__v1__health_check_response__descriptor, &o, &resp, NULL);
         int64_t dt = now_us() - t0;
         if (resp) protobuf_c_message_free_unpacked(resp, NULL);
         if (code == RPC_OK) g_probe[g_nprobe++] = dt;
@@ -141,11 +141,10 @@ static int bench_pg(int workers, double duration) {
     if (db_pool_open_ex(dsn, &po, &g_pool, err, sizeof err) != DB_OK)
         return fprintf(stderr, "db: %s\n", err), 1;
     rpc_server *s = NULL;
-    rpc_server_opts o = {.addr = "127.0.0.1:0",
-                         .blocking_workers = workers,
-                         .blocking_queue = 4 * workers};
-    rpc_method m = {PATH("PublicEcho"), RPC_UNARY, RPC_AUTH_NONE, REQ_DESC, RESP_DESC, pg_handler,
-                    NULL, NULL, RPC_BLOCKING};
+    rpc_server_opts o = {
+        .addr = "127.0.0.1:0", .blocking_workers = workers, .blocking_queue = 4 * workers};
+    rpc_method m = {PATH("PublicEcho"), RPC_UNARY, RPC_AUTH_NONE, REQ_DESC,    RESP_DESC,
+                    pg_handler,         NULL,      NULL,          RPC_BLOCKING};
     if (rpc_server_new(&o, &s, err, sizeof err) || rpc_server_add(s, &m, 1) ||
         rpc_server_start(s, err, sizeof err))
         return fprintf(stderr, "server: %s\n", err), 1;
@@ -216,8 +215,8 @@ static int bench_pgdirect(int workers, double duration) {
     atomic_store(&g_stop, 1);
     for (int i = 0; i < workers; i++)
         pthread_join(th[i], NULL);
-    printf("{\"mode\":\"pgdirect\",\"workers\":%d,\"calls_per_s\":%.1f,\"errors\":%ld}\n",
-           workers, calls / secs, atomic_load(&g_errors));
+    printf("{\"mode\":\"pgdirect\",\"workers\":%d,\"calls_per_s\":%.1f,\"errors\":%ld}\n", workers,
+           calls / secs, atomic_load(&g_errors));
     return 0;
 }
 
@@ -451,10 +450,12 @@ static rpc_server *serve(const rpc_method *m, int stream_queue, char *target) {
 
 static int bench_relay(int nstreams, int count, int direct) {
     char bt[64], rt[64], err[256];
-    rpc_method bm = {PATH("PublicStream"), RPC_SERVER_STREAM, RPC_AUTH_NONE, REQ_DESC, RESP_DESC,
-                     NULL, backend_stream};
-    rpc_method rm = {PATH("PublicStream"), RPC_SERVER_STREAM, RPC_AUTH_NONE, REQ_DESC, RESP_DESC,
-                     NULL, relay_stream};
+    rpc_method bm = {
+        PATH("PublicStream"), RPC_SERVER_STREAM, RPC_AUTH_NONE, REQ_DESC, RESP_DESC, NULL,
+        backend_stream};
+    rpc_method rm = {
+        PATH("PublicStream"), RPC_SERVER_STREAM, RPC_AUTH_NONE, REQ_DESC, RESP_DESC, NULL,
+        relay_stream};
     long thr_start = proc_status("Threads");
     rpc_server *backend = serve(&bm, 256, bt), *relay = NULL;
     pthread_t prod, res;
