@@ -10,6 +10,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ctx.h"
 #include "log.h"
 
 #define BUS_TOKEN_MAX 128
@@ -341,6 +342,10 @@ int bus_request(bus *b, const char *subject, const void *data, int len, int time
                 natsMsg **reply) {
     *reply = NULL;
     if (!b || !subject || len < 0 || timeout_ms < 1) return BUS_EINVAL;
+    /* no longer than the caller of the handler this runs for waits (ctx.h) */
+    int64_t left = ctx_deadline_ms();
+    if (left <= 0) return BUS_ETIMEOUT;
+    if (left < timeout_ms) timeout_ms = (int)left;
     return bus__code(natsConnection_Request(reply, b->nc, subject, data, len, timeout_ms));
 }
 

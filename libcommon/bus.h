@@ -107,7 +107,9 @@ int bus_token_valid(const char *token);
 
 int bus_publish(bus *b, const char *subject, const void *data, int len);
 
-/* Waits up to timeout_ms for one reply; *reply owned by the caller (natsMsg_Destroy). */
+/* Waits up to timeout_ms for one reply, and no longer than the calling thread's deadline
+ * (ctx.h: inside an RPC handler, the call's); *reply owned by the caller (natsMsg_Destroy).
+ * BUS_ETIMEOUT at once when that deadline has passed. */
 int bus_request(bus *b, const char *subject, const void *data, int len, int timeout_ms,
                 natsMsg **reply);
 /* Answers a request received by a subscription callback (msg borrowed). */

@@ -482,31 +482,26 @@ static const char *db__begin_sql(int flags) {
     return sql[flags];
 }
 
-/* The transaction-local settings, in one round trip: the tenant, and the statement_timeout the
- * caller's deadline leaves when it is shorter than the pool's. */
-static int db__tx_scope(db_pool *p, PGconn *c, const char *org_id, char *err, size_t errlen) {
+/* BEGIN, and in the same round trip (one simple query) the statement_timeout the caller's
+ * deadline leaves, when that is shorter than the pool's: SET LOCAL, so it ends with the
+ * transaction. The value is a number we format: nothing of the caller's is spliced in. */
+static int db__begin(db_pool *p, PGconn *c, const char *begin, char *err, size_t errlen) {
     int64_t left = ctx_deadline_ms();
-    char ms[24];
-    const char *params[2];
-    int n = 0;
-    int cut = left != CTX_NO_DEADLINE &&
-              (p->o.statement_timeout_ms == 0 || left < p->o.statement_timeout_ms);
-    if (cut) {
+    char sql[160];
+    if (left != CTX_NO_DEADLINE &&
+        (p->o.statement_timeout_ms == 0 || left < p->o.statement_timeout_ms)) {
         if (left <= 0) {
             db__set_state("57014");
             db__msg(err, errlen, "", "deadline exceeded before the transaction began");
             return DB_EDEADLINE;
         }
-        snprintf(ms, sizeof ms, "%lld", (long long)left);
+        snprintf(sql, sizeof sql, "%s; SET LOCAL statement_timeout = %lld", begin, (long long)left);
+        begin = sql;
     }
-    if (org_id) params[n++] = org_id;
-    if (cut) params[n++] = ms;
-    if (n == 0) return DB_OK;
-    const char *sql = !cut     ? "SELECT set_config('app.org_id', $1, true)"
-                      : org_id ? "SELECT set_config('app.org_id', $1, true), "
-                                 "set_config('statement_timeout', $2, true)"
-                               : "SELECT set_config('statement_timeout', $1, true)";
-    return db_exec(c, sql, n, params, NULL, err, errlen);
+    PGresult *res = PQexec(c, begin);
+    int rc = db__status_of(res, c, err, errlen);
+    PQclear(res);
+    return rc;
 }
 
 int db_tx_begin_ex(db_pool *p, const char *org_id, int flags, db_tx **out, char *err,
@@ -536,13 +531,16 @@ int db_tx_begin_ex(db_pool *p, const char *org_id, int flags, db_tx **out, char 
         db__set_state("");
         return rc;
     }
-    rc = db_exec(c, begin, 0, NULL, NULL, err, errlen);
+    rc = db__begin(p, c, begin, err, errlen);
     if (rc == DB_ECONN) { /* died since the liveness check: nothing ran yet, retry once */
         rc = db__reconnect(p, &c, err, errlen);
         if (rc != DB_OK) return rc; /* the slot was freed */
-        rc = db_exec(c, begin, 0, NULL, NULL, err, errlen);
+        rc = db__begin(p, c, begin, err, errlen);
     }
-    if (rc == DB_OK) rc = db__tx_scope(p, c, org_id, err, errlen);
+    if (rc == DB_OK && org_id) {
+        const char *params[] = {org_id};
+        rc = db_exec(c, "SELECT set_config('app.org_id', $1, true)", 1, params, NULL, err, errlen);
+    }
     db_tx *tx = NULL;
     if (rc == DB_OK && !(tx = malloc(sizeof *tx))) {
         db__msg(err, errlen, "", "out of memory");

@@ -77,6 +77,7 @@ static void recv_locked(rpc_astream *s) {
     s->msg = NULL;
     atomic_fetch_add(&s->refs, 1);
     s->msg_inflight = 1;
+    RPC__TSAN_RELEASE(&s->t_msg);
     if (grpc_call_start_batch(s->call, &op, 1, &s->t_msg, NULL) != GRPC_CALL_OK) {
         s->msg_inflight = 0;
         s->ended = 1;
@@ -138,6 +139,7 @@ static void *io_thread(void *arg) {
         grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
         if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
         if (ev.type != GRPC_OP_COMPLETE) continue;
+        RPC__TSAN_ACQUIRE(ev.tag);
         atag *t = ev.tag;
         rpc_astream *s = t->s;
         switch (t->kind) {
@@ -248,6 +250,7 @@ int rpc_astream_open(rpc_aclient *a, rpc_channel *ch, const char *method,
     ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
     ops[3].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
     atomic_fetch_add(&s->refs, 1);
+    RPC__TSAN_RELEASE(&s->t_start);
     if (grpc_call_start_batch(s->call, ops, 4, &s->t_start, NULL) != GRPC_CALL_OK) {
         astream_free(s);
         return RPC_EINVAL;
@@ -258,6 +261,7 @@ int rpc_astream_open(rpc_aclient *a, rpc_channel *ch, const char *method,
     ops[0].data.recv_status_on_client.status = &s->status;
     ops[0].data.recv_status_on_client.status_details = &s->details;
     atomic_fetch_add(&s->refs, 1);
+    RPC__TSAN_RELEASE(&s->t_status);
     if (grpc_call_start_batch(s->call, ops, 1, &s->t_status, NULL) != GRPC_CALL_OK) {
         /* cannot happen after a started call; end it and let the start batch drain */
         atomic_fetch_sub(&s->refs, 1);

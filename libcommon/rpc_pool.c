@@ -9,6 +9,7 @@
  *
  * Ownership: a submitted call's dispatch reference moves to the pool; `run` consumes it. On
  * stop, the workers drain what is queued (each call still gets its answer) and exit. */
+#include <assert.h>
 #include <stdlib.h>
 
 #include "rpc_internal.h"
@@ -79,6 +80,7 @@ int rpc__pool_start(rpc__pool *p) {
 int rpc__pool_submit(rpc__pool *p, rpc_call *c) {
     int rc = -1;
     pthread_mutex_lock(&p->mu);
+    assert(p->len <= p->cap && "blocking queue bound");
     if (!p->stop && p->len < p->cap) {
         p->q[(p->head + p->len) % p->cap] = c;
         p->len++;

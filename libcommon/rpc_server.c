@@ -1,5 +1,6 @@
 /* The gRPC server: completion-queue threads, call dispatch, unary replies, status details,
  * authentication, graceful shutdown. Streams live in rpc_stream.c, health in rpc_health.c. */
+#include <assert.h>
 #include <errno.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/time.h>
@@ -66,6 +67,7 @@ struct rpc_server {
     int wstop;
     atomic_int active_streams;
 
+    pthread_mutex_t amu; /* arming a listener vs destroying the server (srv NULL after) */
     pthread_mutex_t dmu; /* detached streams, finished at shutdown */
     rpc_call *detached;
 
@@ -110,7 +112,10 @@ static void call_free(rpc_call *c) {
 }
 
 void rpc_call_unref(rpc_call *c) {
-    if (c && atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) == 1) call_free(c);
+    if (c == NULL) return;
+    int was = atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel);
+    assert(was > 0 && "rpc_call_unref without a reference");
+    if (was == 1) call_free(c);
 }
 
 static void *arena_pb_alloc(void *ud, size_t n) {
@@ -443,7 +448,9 @@ static void unary_reply(rpc_call *c, ProtobufCMessage *resp) {
     }
     rpc__prepare_status(c, &ops[n++]);
     /* the dispatch reference moves to the batch */
-    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->t_send, NULL);
+    grpc_call *gc = c->call; /* the last read of c before the completion may free it */
+    RPC__TSAN_RELEASE(&c->t_send);
+    grpc_call_error e = grpc_call_start_batch(gc, ops, n, &c->t_send, NULL);
     if (e != GRPC_CALL_OK) {
         log_error("rpc.batch", "unary reply batch refused: %d", (int)e);
         rpc__account(c);
@@ -509,7 +516,9 @@ static void blocking_dispatch(rpc_call *c) {
     op.data.recv_close_on_server.cancelled = &c->recv_close_cancelled;
     rpc__call_ref(c);
     c->early_close = 1;
-    if (grpc_call_start_batch(c->call, &op, 1, &c->t_close, NULL) != GRPC_CALL_OK) {
+    grpc_call *gc = c->call;
+    RPC__TSAN_RELEASE(&c->t_close);
+    if (grpc_call_start_batch(gc, &op, 1, &c->t_close, NULL) != GRPC_CALL_OK) {
         atomic_fetch_sub(&c->refs, 1);
         c->early_close = 0;
     }
@@ -624,15 +633,24 @@ static void listener_arm(rpc__listener *l) {
     l->call = NULL;
     l->payload = NULL;
     grpc_metadata_array_init(&l->md);
-    if (l->m) {
-        e = grpc_server_request_registered_call(l->s->srv, l->m->reg, &l->call, &l->deadline,
-                                                &l->md, &l->payload, l->cq, l->cq, &l->t);
+    RPC__TSAN_RELEASE(&l->t);
+    /* a call that arrived as the server shut down may be re-armed by its queue thread while
+     * rpc_server_shutdown destroys the server: the lock orders the two, srv NULL means gone */
+    pthread_mutex_lock(&l->s->amu);
+    grpc_server *srv = l->s->srv;
+    if (srv == NULL) {
+        e = GRPC_CALL_ERROR_ALREADY_FINISHED;
+    } else if (l->m) {
+        e = grpc_server_request_registered_call(srv, l->m->reg, &l->call, &l->deadline, &l->md,
+                                                &l->payload, l->cq, l->cq, &l->t);
     } else {
         grpc_call_details_init(&l->details);
-        e = grpc_server_request_call(l->s->srv, &l->call, &l->details, &l->md, l->cq, l->cq, &l->t);
+        e = grpc_server_request_call(srv, &l->call, &l->details, &l->md, l->cq, l->cq, &l->t);
     }
+    pthread_mutex_unlock(&l->s->amu);
     if (e != GRPC_CALL_OK) {
-        log_warn("rpc.listen", "request for new calls refused: %d", (int)e);
+        if (srv) log_warn("rpc.listen", "request for new calls refused: %d", (int)e);
+        if (srv && !l->m) grpc_call_details_destroy(&l->details);
         grpc_metadata_array_destroy(&l->md);
     }
 }
@@ -661,6 +679,7 @@ static void unknown_answer(rpc__listener *l) {
     ops[1].data.send_status_from_server.status_details = &u->msg;
     ops[2].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
     ops[2].data.recv_close_on_server.cancelled = &u->cancelled;
+    RPC__TSAN_RELEASE(&u->t);
     if (grpc_call_start_batch(call, ops, 3, &u->t, NULL) != GRPC_CALL_OK) {
         grpc_slice_unref(u->msg);
         grpc_call_unref(call);
@@ -717,6 +736,7 @@ static void on_request(rpc__listener *l, int ok) {
         memset(&op, 0, sizeof op);
         op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
         op.data.recv_close_on_server.cancelled = &c->recv_close_cancelled;
+        RPC__TSAN_RELEASE(&c->t_close);
         if (grpc_call_start_batch(c->call, &op, 1, &c->t_close, NULL) != GRPC_CALL_OK)
             atomic_fetch_sub(&c->refs, 1);
     }
@@ -743,6 +763,7 @@ static void *cq_thread(void *arg) {
         grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
         if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
         if (ev.type != GRPC_OP_COMPLETE) continue;
+        RPC__TSAN_ACQUIRE(ev.tag);
         rpc__tag *t = ev.tag;
         switch (t->kind) {
         case RPC__TAG_REQUEST:
@@ -812,6 +833,7 @@ int rpc_server_new(const rpc_server_opts *opts, rpc_server **out, char *err, siz
     pthread_mutex_init(&s->wmu, NULL);
     pthread_cond_init(&s->wcv, NULL);
     pthread_mutex_init(&s->dmu, NULL);
+    pthread_mutex_init(&s->amu, NULL);
     s->wq_cap = (size_t)s->o.max_streams;
     s->wq = calloc(s->wq_cap, sizeof *s->wq);
     if (s->wq == NULL || rpc__health_new(&s->health) != 0) goto oom;
@@ -1152,8 +1174,11 @@ void rpc_server_shutdown(rpc_server *s, int grace_ms) {
                                     gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
     }
     workers_stop(s); /* before the server goes: queued calls still reply */
-    grpc_server_destroy(s->srv);
+    pthread_mutex_lock(&s->amu);
+    grpc_server *srv = s->srv;
     s->srv = NULL;
+    pthread_mutex_unlock(&s->amu);
+    grpc_server_destroy(srv);
     queues_stop(s);
     log_info("rpc.shutdown", "stopped");
 }
@@ -1210,6 +1235,7 @@ void rpc_server_free(rpc_server *s) {
     pthread_cond_destroy(&s->wcv);
     pthread_mutex_destroy(&s->dmu);
     int abandoned = s->core_abandoned;
+    pthread_mutex_destroy(&s->amu);
     free(s);
     if (!abandoned) grpc_shutdown();
 }

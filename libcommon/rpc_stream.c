@@ -8,6 +8,7 @@
  * rpc_stream_finish and the close completion meet there). Callbacks (on_close) run without
  * it. Nothing here allocates from the call's arena, which belongs to the handler's thread:
  * a final message from rpc_stream_finish is a heap copy. */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -28,7 +29,10 @@ rpc_frame *rpc_frame_ref(rpc_frame *f) {
 }
 
 void rpc_frame_unref(rpc_frame *f) {
-    if (f && atomic_fetch_sub_explicit(&f->refs, 1, memory_order_acq_rel) == 1) {
+    if (f == NULL) return;
+    int was = atomic_fetch_sub_explicit(&f->refs, 1, memory_order_acq_rel);
+    assert(was > 0 && "rpc_frame_unref without a reference");
+    if (was == 1) {
         grpc_slice_unref(f->slice);
         free(f);
     }
@@ -96,7 +100,9 @@ static void pump_locked(rpc_call *c) {
     c->md_sent = 1;
     c->send_inflight = 1;
     rpc__call_ref(c);
-    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, tag, NULL);
+    grpc_call *gc = c->call;
+    RPC__TSAN_RELEASE(tag);
+    grpc_call_error e = grpc_call_start_batch(gc, ops, n, tag, NULL);
     if (e != GRPC_CALL_OK) {
         log_error("rpc.stream", "stream batch refused: %d", (int)e);
         /* no STREAM_END will come, and the close completion leaves a call whose status batch
@@ -165,6 +171,7 @@ void rpc__stream_on_close(rpc_call *c) {
 }
 
 static int push_locked(rpc_call *c, rpc_frame *f) {
+    assert(c->q_len < c->q_cap && "stream queue bound"); /* callers wait or refuse first */
     c->q[(c->q_head + c->q_len) % c->q_cap] = f;
     c->q_len++;
     pump_locked(c);

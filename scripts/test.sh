@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make test`: a throw-away runtime (private Postgres, Redis, NATS on loopback), every test
-# against it, then the AddressSanitizer/UBSan build of the test programs against it too.
+# against it, then the AddressSanitizer/UBSan and the ThreadSanitizer builds of the test
+# programs against it too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RUN_DIR=${TEST_RUN_DIR:-$(mktemp -d /tmp/upsquad-test.XXXXXX)}
@@ -30,9 +31,20 @@ if [ "${SKIP_ASAN:-0}" != 1 ]; then
     make --no-print-directory -j"$(nproc)" BUILD=build-asan SAN=1 tests-build >build-asan.log 2>&1 ||
         { tail -n 80 build-asan.log; exit 1; }
     rm -f build-asan.log
-    # grpc's and OpenSSL's process-lifetime allocations are not leaks of ours
-    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1}
+    # leaks fail the tests and the servers they start; gRPC's and OpenSSL's process-lifetime
+    # allocations are suppressed (tests/lsan.supp says why), nothing of ours is
+    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
+    export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/tests/lsan.supp}
     export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
     BUILD=build-asan tests/run.sh --binaries-only || status=1
+fi
+if [ "${SKIP_TSAN:-0}" != 1 ]; then
+    echo "== tests (ThreadSanitizer build)"
+    make --no-print-directory -j"$(nproc)" tsan >build-tsan.log 2>&1 ||
+        { tail -n 80 build-tsan.log; exit 1; }
+    rm -f build-tsan.log
+    # only what is not ours is suppressed: uninstrumented gRPC, abseil, OpenSSL, nats.c, libpq
+    TSAN_OPTIONS=${TSAN_OPTIONS:-suppressions=$PWD/tests/tsan.supp:halt_on_error=1} \
+        BUILD=build-tsan tests/run.sh --binaries-only || status=1
 fi
 exit $status

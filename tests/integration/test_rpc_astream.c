@@ -116,9 +116,9 @@ static int teardown(void **state) {
     (void)state;
     rpc_aclient_free(ac);
     rpc_channel_free(to_front);
-    rpc_channel_free(to_backend);
-    rpc_server_shutdown(front, 1000);
+    rpc_server_shutdown(front, 1000); /* its handlers use to_backend */
     rpc_server_free(front);
+    rpc_channel_free(to_backend);
     rpc_server_shutdown(backend, 1000);
     rpc_server_free(backend);
     return 0;

@@ -1,6 +1,6 @@
 /* Bus fan-out on nats.c's shared delivery pool, against the runtime's NATS
  * (UPSQUAD_NATS_URL): many subscriptions cost a few threads, and each subscription still gets
- * its messages in order. */
+ * its messages in order. And a request waits no longer than the thread's deadline (ctx.h). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "bus.h"
+#include "ctx.h"
 #include "log.h"
 
 #define NSUBS 400
@@ -93,6 +94,37 @@ static void test_many_subscriptions_few_threads_order_kept(void **state) {
     bus_close(b);
 }
 
+static void silent(bus *b, natsMsg *m, void *ud) {
+    (void)b, (void)m, (void)ud;
+}
+
+static int64_t mono_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void test_request_bounded_by_deadline(void **state) {
+    (void)state;
+    char err[256], subj[96];
+    bus *b = NULL;
+    bus_sub *q = NULL;
+    natsMsg *reply = NULL;
+    snprintf(subj, sizeof subj, "fanout.quiet.%d", (int)getpid());
+    assert_int_equal(bus_connect(g_url, "fanout-test", &b, err, sizeof err), BUS_OK);
+    assert_int_equal(bus_subscribe(b, subj, NULL, silent, NULL, &q, err, sizeof err), BUS_OK);
+    assert_int_equal(bus_flush(b, 2000), BUS_OK);
+    ctx_set_deadline_ms(200);
+    int64_t t0 = mono_ms();
+    assert_int_equal(bus_request(b, subj, "x", 1, 5000, &reply), BUS_ETIMEOUT);
+    assert_true(mono_ms() - t0 < 1500); /* the deadline, not the 5 s asked */
+    assert_int_equal(bus_request(b, subj, "x", 1, 5000, &reply), BUS_ETIMEOUT); /* passed */
+    assert_null(reply);
+    ctx_clear();
+    bus_unsubscribe(q);
+    bus_close(b);
+}
+
 int main(void) {
     g_url = getenv("UPSQUAD_NATS_URL");
     if (!g_url || !*g_url) {
@@ -102,6 +134,7 @@ int main(void) {
     log_init("test_bus_fanout", LOG_ERROR);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_many_subscriptions_few_threads_order_kept),
+        cmocka_unit_test(test_request_bounded_by_deadline),
     };
     int failed = cmocka_run_group_tests(tests, NULL, NULL);
     bus_library_shutdown();

@@ -32,10 +32,11 @@ static auth_verifier *verifier;
 static char *token;
 static rpc_channel *ch;
 static atomic_int hooks_run;
-static int order[4], n_order;
+static atomic_int order[4], n_order;
 
 static void count_hook(void *arg) {
-    order[n_order++] = (int)(intptr_t)arg;
+    int i = atomic_fetch_add(&n_order, 1);
+    if (i < 4) atomic_store(&order[i], (int)(intptr_t)arg); /* the first call's order */
     atomic_fetch_add(&hooks_run, 1);
 }
 
