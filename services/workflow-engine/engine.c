@@ -74,9 +74,17 @@ static int set(const char *s) {
     return s && s[0] && strcmp(s, "none") != 0;
 }
 
+void wf_engine_kick_relay(wf_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    e->relay_kick = 1;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
 void wf_engine_kick(wf_engine *e) {
     pthread_mutex_lock(&e->mu);
     e->kick = 1;
+    e->relay_kick = 1;
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
 }

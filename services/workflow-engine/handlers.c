@@ -900,7 +900,10 @@ static int run_control(rpc_call *call, wf_engine *e, int op, const char *run_id,
     }
     log_info("run.control", "%s run=%s org=%s by=%s outcome=%s", names[op], run_id, id->org_id,
              id->sub, outcome);
-    if (woke) wf_engine_kick(e);
+    if (woke)
+        wf_engine_kick(e);
+    else
+        wf_engine_kick_relay(e);
 done:
     db_tx_rollback(tx);
     wf_run_free(&run);

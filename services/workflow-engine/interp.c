@@ -966,6 +966,7 @@ static int run_tick(wf_engine *e, const char *run_id, const char *org, job *jobs
         goto done;
     }
     tx = NULL;
+    wf_engine_kick_relay(e);
     if (finished) {
         out = TICK_FINISHED;
         goto done;
@@ -1285,16 +1286,19 @@ void *wf_relay_thread(void *arg) {
         }
         db_tx_rollback(tx);
         PQclear(r);
-        if (sent < (int)e->cfg->relay_batch) {
-            pthread_mutex_lock(&e->mu);
+        if (sent < (int)e->cfg->relay_batch) { /* drained: sleep until a commit kicks us */
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 20 * 1000000L;
+            long long ms = e->cfg->idle_poll_ms;
+            ts.tv_sec += ms / 1000;
+            ts.tv_nsec += (ms % 1000) * 1000000L;
             if (ts.tv_nsec >= 1000000000L) {
                 ts.tv_sec++;
                 ts.tv_nsec -= 1000000000L;
             }
-            if (!e->stop) pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            pthread_mutex_lock(&e->mu);
+            if (!e->stop && !e->relay_kick) pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            e->relay_kick = 0;
             pthread_mutex_unlock(&e->mu);
         }
     }

@@ -46,7 +46,8 @@ typedef struct wf_engine {
     volatile int stop;
     pthread_mutex_t mu;
     pthread_cond_t cv; /* wakes the interpreter threads, the relay, the scheduler */
-    unsigned kick;     /* work was queued locally */
+    unsigned kick;       /* work was queued locally */
+    unsigned relay_kick; /* outbox rows were committed locally */
     pthread_t *workers;
     int n_workers;
     pthread_t relay, results, scheduler;
@@ -61,6 +62,8 @@ void wf_engine_stop(wf_engine *e);
 int wf_engine_migrate(const wf_config *cfg, char *err, size_t errlen);
 /* Wakes local interpreter threads (a run was queued or woken). */
 void wf_engine_kick(wf_engine *e);
+/* Wakes the outbox relay (events were committed). */
+void wf_engine_kick_relay(wf_engine *e);
 
 /* ---- projection rules (spec: WorkflowAction.status, NodeStatusUpdate, WorkflowRun) ---- */
 
