@@ -45,7 +45,7 @@ typedef struct wf_engine {
     unsigned char page_key[32];
     volatile int stop;
     pthread_mutex_t mu;
-    pthread_cond_t cv; /* wakes the interpreter threads, the relay, the scheduler */
+    pthread_cond_t cv;   /* wakes the interpreter threads, the relay, the scheduler */
     unsigned kick;       /* work was queued locally */
     unsigned relay_kick; /* outbox rows were committed locally */
     pthread_t *workers;
