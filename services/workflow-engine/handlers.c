@@ -87,6 +87,7 @@ static int db_fail(rpc_call *call, int rc, const char *err) {
     log_error("db.error", "%s: %s (%s)", rpc_method_path(call), err, db_sqlstate());
     if (rc == DB_ETIMEOUT || rc == DB_ECONN)
         return rpc_error(call, RPC_UNAVAILABLE, "the database is unavailable; retry");
+    if (rc == DB_ESERIALIZE) return rpc_error(call, RPC_ABORTED, "concurrent update; retry");
     return rpc_error(call, RPC_INTERNAL, "internal error");
 }
 

@@ -31,7 +31,7 @@
 enum { SCOPE_DONE, SCOPE_BUSY, SCOPE_FAILED };
 
 #define MAX_JOBS 64
-#define TICKS_PER_CLAIM 200
+#define TICKS_PER_CLAIM 32
 
 typedef struct act {
     char id[37];
@@ -917,9 +917,24 @@ int wf_interp_cancel(wf_run *r, char *err, size_t errlen) {
 
 enum { TICK_LOST = -1, TICK_IDLE = 0, TICK_JOBS = 1, TICK_FINISHED = 2 };
 
-/* Runs one tick; on TICK_JOBS the jobs are moved to *jobs (caller frees args). */
-static int run_tick(wf_engine *e, const char *run_id, const char *org, job *jobs, int *n_jobs,
-                    int64_t *wake_ms) {
+/* Outcomes of the previous tick's tool requests, applied by the next tick of the same lease
+ * (never written on their own: a crash before that tick commits re-requests with the key). */
+static void apply_outcomes(tick *t, const job *done, char *const *results, int n_done) {
+    for (int k = 0; k < n_done; k++) {
+        for (size_t i = 0; i < t->n; i++) {
+            act *a = &t->acts[i];
+            if (strcmp(a->id, done[k].action_id) || strcmp(a->key, done[k].key) || a->result)
+                continue;
+            if (!strcmp(a->status, "in_progress") || !strcmp(a->status, "waiting"))
+                a->result = cJSON_Parse(results[k]);
+        }
+    }
+}
+
+/* Runs one tick; on TICK_JOBS the jobs are moved to *jobs (caller frees args). An idle tick
+ * also frees the lease in its own transaction (the run sleeps until *wake_ms or a wake-up). */
+static int run_tick(wf_engine *e, const char *run_id, const char *org, int64_t gen, const job *done,
+                    char *const *results, int n_done, job *jobs, int *n_jobs, int64_t *wake_ms) {
     char err[512];
     db_tx *tx = NULL;
     wf_run run = {0};
@@ -928,9 +943,10 @@ static int run_tick(wf_engine *e, const char *run_id, const char *org, job *jobs
     memset(&t, 0, sizeof t);
     *n_jobs = 0;
     *wake_ms = 0;
+    /* lock order, everywhere: the run row, then its queue row, then its actions */
     if (st_begin(e->pool, org, NULL, &tx, err, sizeof err) ||
-        st_queue_fence(tx, run_id, e->instance, e->cfg->lease_ms, &held, err, sizeof err) ||
-        !held || wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err))
+        wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err) ||
+        st_queue_fence(tx, run_id, e->instance, e->cfg->lease_ms, &held, err, sizeof err) || !held)
         goto done;
     if (!found || wf_run_terminal(run.status)) {
         if (!st_queue_delete(tx, run_id, err, sizeof err) && !db_tx_commit(tx, err, sizeof err))
@@ -941,6 +957,7 @@ static int run_tick(wf_engine *e, const char *run_id, const char *org, job *jobs
     tick_init(&t, e, &run);
     t.paused = !strcmp(run.status, "paused");
     if ((t.rc = load_acts(&t))) goto done;
+    apply_outcomes(&t, done, results, n_done);
     if (!strcmp(run.status, "pending") &&
         (t.rc = wf_run_transition(&run, "running", "", t.err, sizeof t.err)))
         goto done;
@@ -960,6 +977,8 @@ static int run_tick(wf_engine *e, const char *run_id, const char *org, job *jobs
         t.rc = st_queue_delete(tx, run_id, t.err, sizeof t.err);
         metric_inc(e->m_runs_finished);
     }
+    if (!finished && !t.rc && t.n_jobs == 0)
+        t.rc = st_queue_release(tx, run_id, e->instance, gen, t.wake_ms, t.err, sizeof t.err);
     if (t.rc || (t.rc = wf_run_flush(&run, t.err, sizeof t.err)) ||
         (t.rc = db_tx_commit(tx, t.err, sizeof t.err))) {
         tx = NULL;
@@ -1064,21 +1083,6 @@ static char *invoke_tool(wf_engine *e, const char *run_id, const char *org, cons
     return s;
 }
 
-static void record_job(wf_engine *e, const char *run_id, const char *org, const job *j,
-                       const char *result) {
-    char err[512];
-    db_tx *tx = NULL;
-    int held = 0, applied = 0;
-    if (st_begin(e->pool, org, NULL, &tx, err, sizeof err) ||
-        st_queue_fence(tx, run_id, e->instance, e->cfg->lease_ms, &held, err, sizeof err) ||
-        !held ||
-        st_action_put_result(tx, j->action_id, j->key, result, &applied, err, sizeof err) ||
-        db_tx_commit(tx, err, sizeof err)) {
-        if (tx && held) log_warn("tool.record", "run=%s step=%s: %s", run_id, j->step, err);
-    }
-    (void)applied;
-}
-
 static void release(wf_engine *e, const char *run_id, const char *org, int64_t gen,
                     int64_t wake_ms) {
     char err[512];
@@ -1090,22 +1094,27 @@ static void release(wf_engine *e, const char *run_id, const char *org, int64_t g
 }
 
 static void process_run(wf_engine *e, const char *run_id, const char *org, int64_t gen) {
-    job jobs[MAX_JOBS];
-    int n = 0;
+    job jobs[MAX_JOBS], done[MAX_JOBS];
+    char *results[MAX_JOBS];
+    int n = 0, n_done = 0;
     int64_t wake = 0;
     for (int i = 0; i < TICKS_PER_CLAIM && !e->stop; i++) {
-        int r = run_tick(e, run_id, org, jobs, &n, &wake);
-        if (r == TICK_LOST || r == TICK_FINISHED) return;
-        if (r == TICK_IDLE) {
-            release(e, run_id, org, gen, wake);
-            return;
+        int r = run_tick(e, run_id, org, gen, done, results, n_done, jobs, &n, &wake);
+        for (int k = 0; k < n_done; k++) {
+            free(results[k]);
+            free(done[k].args);
         }
+        n_done = 0;
+        if (r != TICK_JOBS) return; /* idle (released), finished, or the lease was lost */
         for (int k = 0; k < n; k++) {
-            char *res = invoke_tool(e, run_id, org, &jobs[k]);
-            record_job(e, run_id, org, &jobs[k], res);
-            free(res);
-            free(jobs[k].args);
+            results[k] = invoke_tool(e, run_id, org, &jobs[k]);
+            done[k] = jobs[k];
         }
+        n_done = n;
+    }
+    for (int k = 0; k < n_done; k++) {
+        free(results[k]);
+        free(done[k].args);
     }
     release(e, run_id, org, gen, wf_now_ms());
 }
@@ -1210,10 +1219,11 @@ static int take_result(wf_engine *e, natsMsg *msg) {
     if (ids_uuid_valid(m->org_id) && ids_uuid_valid(m->run_id) && ids_uuid_valid(m->action_id)) {
         char *json = result_json(m);
         db_tx *tx = NULL;
+        /* queue row before action row: the order a tick takes them in */
         if (st_begin(e->pool, m->org_id, NULL, &tx, err, sizeof err) ||
+            st_queue_wake(tx, m->run_id, err, sizeof err) ||
             st_action_put_result(tx, m->action_id, m->idempotency_key, json, &applied, err,
                                  sizeof err) ||
-            (applied && st_queue_wake(tx, m->run_id, err, sizeof err)) ||
             db_tx_commit(tx, err, sizeof err)) {
             log_warn("agent.result", "run=%s action=%s: %s", m->run_id, m->action_id, err);
             rc = -1;

@@ -45,8 +45,8 @@ int st_null(const PGresult *r, int row, int col) {
 int st_begin(db_pool *p, const char *org_id, const char *member_id, db_tx **out, char *err,
              size_t errlen) {
     int rc = db_tx_begin(p, org_id, out, err, errlen);
-    if (rc != DB_OK) return rc;
-    const char *pr[] = {member_id ? member_id : ""};
+    if (rc != DB_OK || !member_id) return rc; /* the interpreter acts for no member */
+    const char *pr[] = {member_id};
     rc = ex(*out, "SELECT set_config('app.member_id', $1, true)", 1, pr, NULL, err, errlen);
     if (rc != DB_OK) {
         db_tx_rollback(*out);
