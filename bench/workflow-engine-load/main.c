@@ -101,10 +101,14 @@ int main(int argc, char **argv) {
     const char *target = NULL, *token = NULL;
     int runs = 100, steps = 10;
     for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--target")) target = argv[i + 1];
-        else if (!strcmp(argv[i], "--token")) token = argv[i + 1];
-        else if (!strcmp(argv[i], "--runs")) runs = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
+        if (!strcmp(argv[i], "--target"))
+            target = argv[i + 1];
+        else if (!strcmp(argv[i], "--token"))
+            token = argv[i + 1];
+        else if (!strcmp(argv[i], "--runs"))
+            runs = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--steps"))
+            steps = atoi(argv[i + 1]);
     }
     if (!target || !token || runs <= 0 || steps <= 0) {
         fprintf(stderr, "usage: %s --target HOST:PORT --token JWT [--runs N] [--steps N]\n",
@@ -123,7 +127,8 @@ int main(int argc, char **argv) {
     cJSON *dc = cJSON_Parse(dj);
     Google__Protobuf__Struct *def = NULL;
     pbjson_struct_from_json(dc, &def, err, sizeof err);
-    Upsquad__Workflow__V1__CreateWorkflowRequest cr = UPSQUAD__WORKFLOW__V1__CREATE_WORKFLOW_REQUEST__INIT;
+    Upsquad__Workflow__V1__CreateWorkflowRequest cr =
+        UPSQUAD__WORKFLOW__V1__CREATE_WORKFLOW_REQUEST__INIT;
     cr.name = "bench";
     cr.definition = def;
     Upsquad__Workflow__V1__CreateWorkflowResponse *cw = NULL;
@@ -141,13 +146,15 @@ int main(int argc, char **argv) {
         char *id = trigger(cw->workflow->id);
         int f = 0;
         double t = now_s();
-        while (!finished(id, &f, &lat[i]) && now_s() - t < 30) usleep(5000);
+        while (!finished(id, &f, &lat[i]) && now_s() - t < 30)
+            usleep(5000);
         free(id);
     }
     /* throughput: every run triggered at once, first trigger to last completion */
     char **ids = calloc((size_t)runs, sizeof *ids);
     double t0 = now_s();
-    for (int i = 0; i < runs; i++) ids[i] = trigger(cw->workflow->id);
+    for (int i = 0; i < runs; i++)
+        ids[i] = trigger(cw->workflow->id);
     int left = runs;
     double t_end = t0;
     for (int i = 0; i < runs && now_s() - t0 < 300;) {
@@ -167,8 +174,7 @@ int main(int argc, char **argv) {
     printf("{\"runs\":%d,\"steps\":%d,\"seconds\":%.3f,\"transitions\":%ld,"
            "\"transitions_per_s\":%.1f,\"first_step_p50_ms\":%.1f,\"first_step_p99_ms\":%.1f,"
            "\"failed\":%d,\"unfinished\":%d}\n",
-           runs, steps, secs, transitions, secs > 0 ? transitions / secs : 0,
-           lat[lat_runs / 2], lat[lat_runs - 1], failed,
-           left);
+           runs, steps, secs, transitions, secs > 0 ? transitions / secs : 0, lat[lat_runs / 2],
+           lat[lat_runs - 1], failed, left);
     return left ? 1 : 0;
 }
