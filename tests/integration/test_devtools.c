@@ -33,6 +33,7 @@ static char g_run[64];      /* run id of this test process */
 static char g_stats[96];    /* the instance's stats subject */
 static char g_catalog[512]; /* path of the catalogue */
 static int g_seq;
+static const char *g_step = "step"; /* step_name of the requests */
 
 /* Announcements seen on tool.announce (a subscription made before devtools started). */
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -77,7 +78,7 @@ static int invoke_full(const char *tool, const char *action, const char *key, co
     q.idempotency_key = (char *)key;
     q.org_id = "0d5e0000-0000-0000-0000-000000000001";
     q.run_id = g_run;
-    q.step_name = "step";
+    q.step_name = (char *)g_step;
     q.tool = (char *)tool;
     q.action = (char *)action;
     q.timeout_ms = timeout_field_ms;
@@ -355,6 +356,50 @@ static void test_result_override(void **state) {
     resp_free(r);
 }
 
+/* A poll wait calls the same action once per lap, each lap with its own key: __pending=N makes
+ * the first N laps of the step answer the fixture's "pending" object. */
+static void test_pending_laps_of_a_poll(void **state) {
+    (void)state;
+    char key[96];
+    g_step = "wait_for_checks";
+    const char *args = "{\"repo\":\"acme/widgets\",\"ref\":\"abc __pending=2\"}";
+    const char *want[] = {"in_progress", "in_progress", "completed", "completed"};
+    for (int lap = 0; lap < 4; lap++) {
+        new_key(key, sizeof key);
+        resp_t *r = invoke("github", "get_check_runs", key, args);
+        assert_true(r->ok);
+        cJSON *j = result_json(r);
+        assert_string_equal(cJSON_GetObjectItemCaseSensitive(j, "status")->valuestring, want[lap]);
+        const cJSON *concl = cJSON_GetObjectItemCaseSensitive(j, "conclusion");
+        if (lap < 2)
+            assert_true(cJSON_IsNull(concl));
+        else
+            assert_string_equal(concl->valuestring, "success");
+        cJSON_Delete(j);
+        resp_free(r);
+    }
+    /* a replay of a pending lap stays pending (the recorded outcome), and counts no lap */
+    g_step = "wait_again";
+    new_key(key, sizeof key);
+    resp_t *a = invoke("github", "get_check_runs", key, args);
+    resp_t *b = invoke("github", "get_check_runs", key, args);
+    cJSON *ja = result_json(a), *jb = result_json(b);
+    assert_true(b->replayed);
+    assert_true(cJSON_Compare(ja, jb, 1));
+    cJSON_Delete(ja);
+    cJSON_Delete(jb);
+    resp_free(a);
+    resp_free(b);
+    new_key(key, sizeof key);
+    a = invoke("github", "get_check_runs", key, args);
+    ja = result_json(a);
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(ja, "status")->valuestring,
+                        "in_progress"); /* lap 2 of this step */
+    cJSON_Delete(ja);
+    resp_free(a);
+    g_step = "step";
+}
+
 typedef struct bg_call {
     const char *key, *args;
     int timeout_field, wait;
@@ -378,27 +423,52 @@ static void test_sleep_delays_and_does_not_block_others(void **state) {
     int64_t t0 = now_ms();
     pthread_create(&th, NULL, bg_invoke, &c);
     usleep(200 * 1000);
-    /* the same key while it runs: in progress, retryable, nothing runs */
-    resp_t *r = invoke("github", "get_issue", key, c.args);
-    assert_false(r->ok);
-    assert_string_equal(r->error_code, "in_progress");
-    assert_true(r->retryable);
-    resp_free(r);
     /* another key of the same tool answers at once */
     new_key(other, sizeof other);
     int64_t t1 = now_ms();
-    r = invoke("github", "get_issue", other, "{\"repo\":\"a/b\",\"number\":2}");
+    resp_t *r = invoke("github", "get_issue", other, "{\"repo\":\"a/b\",\"number\":2}");
     assert_true(r->ok);
     assert_true(now_ms() - t1 < 500);
+    resp_free(r);
+    /* the same key while it runs: waits for that try and gets its outcome; nothing runs twice */
+    r = invoke("github", "get_issue", key, c.args);
+    assert_true(r->ok);
+    assert_true(r->replayed);
+    assert_true(now_ms() - t0 >= 800);
     resp_free(r);
     pthread_join(th, NULL);
     assert_int_equal(c.rc, 0);
     assert_true(c.r->ok);
-    assert_true(now_ms() - t0 >= 800);
+    assert_false(c.r->replayed);
     resp_free(c.r);
     int tries, execs, replays;
     key_counts(key, &tries, &execs, &replays);
+    assert_int_equal(tries, 1);
     assert_int_equal(execs, 1);
+    assert_int_equal(replays, 1);
+}
+
+/* A duplicate whose own deadline comes first is told "in_progress" (retryable) in time. */
+static void test_duplicate_of_running_key_in_progress(void **state) {
+    (void)state;
+    char key[96];
+    new_key(key, sizeof key);
+    bg_call c = {
+        .key = key, .args = "{\"repo\":\"a/b\",\"number\":1,\"__sleep_ms\":1500}", .wait = 5000};
+    pthread_t th;
+    pthread_create(&th, NULL, bg_invoke, &c);
+    usleep(200 * 1000);
+    resp_t *r = NULL;
+    int64_t t0 = now_ms();
+    assert_int_equal(invoke_full("github", "get_issue", key, c.args, 400, 1000, &r), 0);
+    assert_true(now_ms() - t0 < 400); /* answered within 80 % of its timeout_ms */
+    assert_false(r->ok);
+    assert_string_equal(r->error_code, "in_progress");
+    assert_true(r->retryable);
+    resp_free(r);
+    pthread_join(th, NULL);
+    assert_true(c.r->ok);
+    resp_free(c.r);
 }
 
 static void test_sleep_beyond_timeout_gives_up(void **state) {
@@ -421,6 +491,20 @@ static void test_sleep_beyond_timeout_gives_up(void **state) {
     int tries, execs, replays;
     key_counts(key, &tries, &execs, &replays);
     assert_int_equal(tries, 2);
+    assert_int_equal(execs, 1);
+
+    /* as the engine retries: it stops waiting at timeout_ms and asks again at once, possibly
+     * before devtools gave up; that retry waits for the first try to end, then runs */
+    new_key(key, sizeof key);
+    int rc = invoke_full("github", "get_issue", key, args, 300, 300, &r);
+    if (rc == 0)
+        resp_free(r);
+    else
+        assert_int_equal(rc, BUS_ETIMEOUT);
+    assert_int_equal(invoke_full("github", "get_issue", key, args, 300, 1000, &r), 0);
+    assert_true(r->ok);
+    resp_free(r);
+    key_counts(key, &tries, &execs, &replays);
     assert_int_equal(execs, 1);
 }
 
@@ -603,7 +687,9 @@ int main(void) {
         cmocka_unit_test(test_fail_times_then_succeeds),
         cmocka_unit_test(test_cue_inside_string_argument),
         cmocka_unit_test(test_result_override),
+        cmocka_unit_test(test_pending_laps_of_a_poll),
         cmocka_unit_test(test_sleep_delays_and_does_not_block_others),
+        cmocka_unit_test(test_duplicate_of_running_key_in_progress),
         cmocka_unit_test(test_sleep_beyond_timeout_gives_up),
         cmocka_unit_test(test_late_reply_then_retry_replays),
         cmocka_unit_test(test_bad_requests),

@@ -66,6 +66,10 @@ static int load_fixture(const char *dir, dt_action *a, cJSON **doc, char *err, s
     if (!cJSON_IsObject(result))
         return util_errf(err, errlen, -1, "%s: needs a \"result\" object", path);
     a->result = result;
+    const cJSON *pending = cJSON_GetObjectItemCaseSensitive(*doc, "pending");
+    if (pending && !cJSON_IsObject(pending))
+        return util_errf(err, errlen, -1, "%s: \"pending\" must be an object", path);
+    a->pending = pending;
     return 0;
 }
 

@@ -11,9 +11,17 @@
 
 /* ---- cues ---- */
 
-enum { CUE_FAIL, CUE_FAIL_TIMES, CUE_SLEEP_MS, CUE_SLEEP_TIMES, CUE_REPLY_DELAY_MS, CUE_RESULT };
-static const char *const cue_names[] = {"fail",        "fail_times",     "sleep_ms",
-                                        "sleep_times", "reply_delay_ms", "result"};
+enum {
+    CUE_FAIL,
+    CUE_FAIL_TIMES,
+    CUE_SLEEP_MS,
+    CUE_SLEEP_TIMES,
+    CUE_REPLY_DELAY_MS,
+    CUE_RESULT,
+    CUE_PENDING
+};
+static const char *const cue_names[] = {"fail",           "fail_times", "sleep_ms", "sleep_times",
+                                        "reply_delay_ms", "result",     "pending"};
 #define N_CUES (sizeof cue_names / sizeof cue_names[0])
 
 static int cue_index(const char *name, size_t len) {
@@ -39,6 +47,10 @@ static int apply_num(dt_cues *c, int cue, long long v) {
     case CUE_SLEEP_TIMES:
         if (set_count(v, 1000000, &tmp) != 0) return -1;
         c->sleep_times = (int)tmp;
+        return 0;
+    case CUE_PENDING:
+        if (set_count(v, 1000000, &tmp) != 0) return -1;
+        c->pending = (int)tmp;
         return 0;
     case CUE_SLEEP_MS:
         return set_count(v, DT_CUE_MAX_MS, &c->sleep_ms);
@@ -206,6 +218,7 @@ static cJSON *ctx_value(const dt_ctx *x, const char *name) {
     if (strcmp(name, "tool") == 0) return cJSON_CreateString(x->tool);
     if (strcmp(name, "action") == 0) return cJSON_CreateString(x->action);
     if (strcmp(name, "iteration") == 0) return cJSON_CreateNumber(x->iteration);
+    if (strcmp(name, "lap") == 0) return cJSON_CreateNumber(x->lap);
     if (strcmp(name, "n") == 0) { /* an issue or pull-request number: 100..9999 */
         char h4[5] = {hex[0], hex[1], hex[2], hex[3], 0};
         return cJSON_CreateNumber(100 + (double)(strtoul(h4, NULL, 16) % 9900));

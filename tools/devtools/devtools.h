@@ -20,7 +20,8 @@ typedef struct dt_action {
     const char **args;         /* argument names, catalogue order */
     unsigned char *required;   /* required[i] for args[i] */
     size_t n_args;
-    const cJSON *result; /* the fixture's "result" template (borrowed from its document) */
+    const cJSON *result;  /* the fixture's "result" template (borrowed from its document) */
+    const cJSON *pending; /* its optional "pending" object, for laps still pending (or NULL) */
 } dt_action;
 
 typedef struct dt_tool {
@@ -57,6 +58,7 @@ typedef struct dt_cues {
     int sleep_times;          /* only the first N tries sleep (0 = every try) */
     long long reply_delay_ms; /* delay after executing and recording, before replying */
     cJSON *result;            /* owned: merged over the fixture's result */
+    int pending; /* the first N executions of the step (run, step, iteration) are "pending" */
 } dt_cues;
 
 #define DT_CUE_MAX_MS (10 * 60 * 1000) /* bound of every delay cue */
@@ -71,6 +73,7 @@ void dt_cues_free(dt_cues *c);
 typedef struct dt_ctx {
     const char *key, *org_id, *run_id, *step_name, *tool, *action;
     int iteration;
+    int lap; /* 1-based count of executions of this step (run, step, iteration, action) */
 } dt_ctx;
 
 /* A copy of tmpl with `${arg}`, `${arg|default}` and `${@ctx}` resolved (a string that is

@@ -7,7 +7,9 @@
  *
  * Idempotency: one record per idempotency key in a bounded LRU. A key runs at most once: a
  * request for a key whose result is recorded gets that result back (replayed = true) and
- * nothing runs; a request for a key still running gets the retryable error "in_progress".
+ * nothing runs; a request for a key still running waits for that try to end (up to 80 % of its
+ * own timeout_ms, 5 s without one) and then gets its outcome, or the retryable error
+ * "in_progress" when it is still running by then.
  * Retryable failures (__fail_times, timeouts, overload) are not recorded: the next try of the
  * key runs. Invocations without a delay cue run on the subscription's own thread; delayed
  * ones go to a bounded queue served by worker threads, so a sleeping invocation never holds
@@ -50,6 +52,7 @@ typedef struct dt_job {
     char *reply; /* owned: the requester's inbox */
     uint32_t try_no;
     int64_t t0_ms;
+    int waiting; /* a duplicate of a running key, waiting for that try to end */
 } dt_job;
 
 typedef struct dt_subctx {
@@ -70,7 +73,9 @@ struct dt_provider {
     dt_opts o;
     pthread_mutex_t mu; /* rec, st, queue, stopping */
     pthread_cond_t qcv, stop_cv;
+    pthread_cond_t key_cv; /* a try ended (recorded or not): waiting duplicates look again */
     lru *rec;
+    lru *laps; /* executions per step (run, step, iteration, tool, action): polls' laps */
     dt_counters st;
     dt_subctx *subs;
     size_t n_subs;
@@ -167,7 +172,9 @@ static void reply_replay(dt_provider *p, const char *reply, const uint8_t *resp,
 
 /* ---- admission: decode, check, de-duplicate ---- */
 
-enum { ADMIT_RUN, ADMIT_DONE };
+enum { ADMIT_RUN, ADMIT_DONE, ADMIT_WAIT };
+
+#define DT_WAIT_DEFAULT_MS 5000 /* how long a duplicate without timeout_ms waits */
 
 static int check_args(const dt_action *a, const cJSON *args, char *err, size_t errlen) {
     for (const cJSON *e = args ? args->child : NULL; e; e = e->next) {
@@ -242,9 +249,10 @@ static dt_rec *rec_new(const dt_req *q) {
     return r;
 }
 
-/* The idempotency decision, under the lock: replay a recorded outcome, refuse while the key
- * runs, or mark it running and let this try run. Returns ADMIT_RUN or ADMIT_DONE (answered). */
-static int admit(dt_provider *p, dt_job *j) {
+/* The idempotency decision, under the lock: replay a recorded outcome, wait (may_wait) or
+ * refuse while the key runs, or mark it running and let this try run. Returns ADMIT_RUN,
+ * ADMIT_WAIT, or ADMIT_DONE (answered). */
+static int admit(dt_provider *p, dt_job *j, int may_wait) {
     const char *key = j->req->idempotency_key;
     uint8_t *copy = NULL;
     size_t copy_len = 0;
@@ -264,6 +272,9 @@ static int admit(dt_provider *p, dt_job *j) {
         if (copy) memcpy(copy, r->resp, r->resp_len);
         copy_len = r->resp_len;
         oom = !copy;
+    } else if (r->running && may_wait) {
+        pthread_mutex_unlock(&p->mu);
+        return ADMIT_WAIT;
     } else if (r->running) {
         r->in_progress++;
         p->st.in_progress++;
@@ -295,6 +306,7 @@ static void finish_unrecorded(dt_provider *p, const char *key, uint64_t *counter
     dt_rec *r = lru_get(p->rec, key);
     if (r) r->running = 0;
     (*counter)++;
+    pthread_cond_broadcast(&p->key_cv);
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -320,12 +332,42 @@ static void record(dt_provider *p, const char *key, uint8_t *resp, size_t len, i
         p->st.executions++;
     else
         p->st.permanent_failures++;
+    pthread_cond_broadcast(&p->key_cv);
     pthread_mutex_unlock(&p->mu);
     free(resp);
 }
 
-/* The fixture rendered with the arguments, __result merged over it. NULL on OOM. */
-static Google__Protobuf__Struct *render_result(const dt_job *j, char *err, size_t errlen) {
+/* This execution's lap of its step: poll waits call the same action once per interval, each
+ * lap with its own key. Forgetting a step (LRU) restarts its count. */
+static int next_lap(dt_provider *p, const dt_req *q) {
+    char id[512];
+    snprintf(id, sizeof id, "%s\x1f%s\x1f%d\x1f%s\x1f%s", q->run_id, q->step_name, q->iteration,
+             q->tool, q->action);
+    pthread_mutex_lock(&p->mu);
+    int *n = lru_get(p->laps, id);
+    if (!n && (n = calloc(1, sizeof *n)) && lru_insert(p->laps, id, n, sizeof *n) != 0) n = NULL;
+    int lap = n ? ++*n : 1;
+    pthread_mutex_unlock(&p->mu);
+    return lap;
+}
+
+/* Members of src (copied) replace or join those of out. -1 on OOM (out is then freed). */
+static int merge_into(cJSON **out, const cJSON *src) {
+    for (const cJSON *e = src ? src->child : NULL; *out && e; e = e->next) {
+        cJSON *v = cJSON_Duplicate(e, 1);
+        if (v && cJSON_ReplaceItemInObjectCaseSensitive(*out, e->string, v)) continue;
+        if (v && cJSON_AddItemToObject(*out, e->string, v)) continue;
+        cJSON_Delete(v);
+        cJSON_Delete(*out);
+        *out = NULL;
+    }
+    return *out ? 0 : -1;
+}
+
+/* The fixture rendered with the arguments, __result merged over it, and on a pending lap
+ * (__pending) the fixture's "pending" object (default {"status": "pending"}). NULL on OOM. */
+static Google__Protobuf__Struct *render_result(dt_provider *p, const dt_job *j, char *err,
+                                               size_t errlen) {
     const dt_req *q = j->req;
     dt_ctx x = {.key = q->idempotency_key,
                 .org_id = q->org_id,
@@ -333,16 +375,18 @@ static Google__Protobuf__Struct *render_result(const dt_job *j, char *err, size_
                 .step_name = q->step_name,
                 .tool = q->tool,
                 .action = q->action,
-                .iteration = q->iteration};
+                .iteration = q->iteration,
+                .lap = next_lap(p, q)};
     cJSON *out = dt_render(j->act->result, j->args, &x);
-    for (const cJSON *e = j->cues.result ? j->cues.result->child : NULL; out && e; e = e->next) {
-        cJSON *v = cJSON_Duplicate(e, 1);
-        if (!v || !cJSON_ReplaceItemInObjectCaseSensitive(out, e->string, v)) {
-            if (v && cJSON_AddItemToObject(out, e->string, v)) continue;
-            cJSON_Delete(v);
+    merge_into(&out, j->cues.result);
+    if (out && x.lap <= j->cues.pending) {
+        cJSON *pend = j->act->pending ? dt_render(j->act->pending, j->args, &x)
+                                      : cJSON_Parse("{\"status\":\"pending\"}");
+        if (!pend || merge_into(&out, pend) != 0) {
             cJSON_Delete(out);
             out = NULL;
         }
+        cJSON_Delete(pend);
     }
     Google__Protobuf__Struct *s = NULL;
     if (out && pbjson_struct_from_json(out, &s, err, errlen) != 0) s = NULL;
@@ -383,7 +427,7 @@ static void execute(dt_provider *p, dt_job *j) {
     if (c->fail) {
         r.error_code = (char *)c->fail_code;
         r.error_message = "failed on cue __fail";
-    } else if ((result = render_result(j, err, sizeof err))) {
+    } else if ((result = render_result(p, j, err, sizeof err))) {
         r.ok = 1;
         r.result = result;
     } else {
@@ -406,6 +450,11 @@ static void execute(dt_provider *p, dt_job *j) {
     uint8_t *copy = malloc(n ? n : 1);
     if (copy) memcpy(copy, buf, n);
     record(p, key, buf, n, !c->fail);
+    log_set_trace(j->req->trace_id[0] ? j->req->trace_id : NULL);
+    log_debug("devtools.executed", "run=%s step=%s %s.%s key=%s try=%u: %s", j->req->run_id,
+              j->req->step_name, j->req->tool, j->req->action, key, j->try_no,
+              c->fail ? c->fail_code : "ok");
+    log_set_trace(NULL);
     if (c->reply_delay_ms > 0) nap(p, c->reply_delay_ms);
     if (copy && bus_publish(p->b, j->reply, copy, (int)n) != BUS_OK)
         log_warn("devtools.reply", "reply for key %s not sent", key);
@@ -413,6 +462,33 @@ static void execute(dt_provider *p, dt_job *j) {
 }
 
 /* ---- delayed jobs: a bounded queue and its workers ---- */
+
+/* A duplicate of a running key waits until that try ends, within what its caller still waits
+ * for, then is admitted again (replay, run, or "in_progress" when still running). */
+static int await_key(dt_provider *p, dt_job *j) {
+    int32_t to = j->req->timeout_ms;
+    int64_t wait_ms = to > 0 ? (int64_t)to * 8 / 10 : DT_WAIT_DEFAULT_MS;
+    int64_t left = j->t0_ms + wait_ms - now_ms();
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    if (left > 0) {
+        dl.tv_sec += left / 1000;
+        dl.tv_nsec += (left % 1000) * 1000000L;
+        if (dl.tv_nsec >= 1000000000L) {
+            dl.tv_sec++;
+            dl.tv_nsec -= 1000000000L;
+        }
+    }
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        const dt_rec *r = lru_get(p->rec, j->req->idempotency_key);
+        if (!r || !r->running || p->stopping || left <= 0) break;
+        if (pthread_cond_timedwait(&p->key_cv, &p->mu, &dl) == ETIMEDOUT) break;
+    }
+    pthread_mutex_unlock(&p->mu);
+    j->waiting = 0;
+    return admit(p, j, 0);
+}
 
 /* Takes ownership of j. Full queue: the try is refused, retryable, and nothing is recorded. */
 static void enqueue(dt_provider *p, dt_job *j) {
@@ -425,7 +501,13 @@ static void enqueue(dt_provider *p, dt_job *j) {
     }
     pthread_mutex_unlock(&p->mu);
     if (!full) return;
-    finish_unrecorded(p, j->req->idempotency_key, &p->st.overloaded);
+    if (j->waiting) { /* the key is another try's: leave its record alone */
+        pthread_mutex_lock(&p->mu);
+        p->st.overloaded++;
+        pthread_mutex_unlock(&p->mu);
+    } else {
+        finish_unrecorded(p, j->req->idempotency_key, &p->st.overloaded);
+    }
     reply_error(p, j->reply, "overloaded", "devtools' delayed-invocation queue is full", 1,
                 j->t0_ms);
     job_free(j);
@@ -445,7 +527,7 @@ static void *worker_main(void *arg) {
         p->qhead = (p->qhead + 1) % (size_t)p->o.queue;
         p->qlen--;
         pthread_mutex_unlock(&p->mu);
-        execute(p, j);
+        if (!j->waiting || await_key(p, j) == ADMIT_RUN) execute(p, j);
         job_free(j);
     }
 }
@@ -467,7 +549,13 @@ static void on_invoke(bus *b, natsMsg *m, void *ud) {
         return;
     }
     j->t0_ms = now_ms();
-    if (decode(p, sc->t, m, j) != 0 || admit(p, j) != ADMIT_RUN) {
+    int a = decode(p, sc->t, m, j) != 0 ? ADMIT_DONE : admit(p, j, 1);
+    if (a == ADMIT_WAIT) {
+        j->waiting = 1; /* waits on a worker, never on this subscription's thread */
+        enqueue(p, j);
+        return;
+    }
+    if (a != ADMIT_RUN) {
         job_free(j);
         return;
     }
@@ -646,13 +734,16 @@ int dt_provider_start(bus *b, const dt_catalog *c, const dt_opts *o, dt_provider
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->qcv, NULL);
     pthread_cond_init(&p->stop_cv, NULL);
+    pthread_cond_init(&p->key_cv, NULL);
     lru_opts lo = {.max_entries = (size_t)o->dedup_keys,
                    .max_bytes = (size_t)o->dedup_bytes,
                    .free_val = rec_free,
                    .pinned = rec_pinned};
     p->q = calloc((size_t)o->queue, sizeof *p->q);
     p->workers = calloc((size_t)o->workers, sizeof *p->workers);
-    if (!p->q || !p->workers || lru_create(&lo, &p->rec) != 0 || build_announce(p) != 0) {
+    lru_opts laps = {.max_entries = (size_t)o->dedup_keys, .free_val = free};
+    if (!p->q || !p->workers || lru_create(&lo, &p->rec) != 0 || lru_create(&laps, &p->laps) != 0 ||
+        build_announce(p) != 0) {
         dt_provider_stop(p);
         return util_errf(err, errlen, -1, "out of memory");
     }
@@ -678,17 +769,20 @@ void dt_provider_stop(dt_provider *p) {
     p->stopping = 1;
     pthread_cond_broadcast(&p->qcv);
     pthread_cond_broadcast(&p->stop_cv);
+    pthread_cond_broadcast(&p->key_cv);
     pthread_mutex_unlock(&p->mu);
     for (size_t i = 0; i < p->n_workers; i++)
         pthread_join(p->workers[i], NULL);
     if (p->announcer_started) pthread_join(p->announcer, NULL);
     lru_destroy(p->rec);
+    lru_destroy(p->laps);
     free(p->subs);
     free(p->q);
     free(p->workers);
     free(p->announce);
     pthread_cond_destroy(&p->qcv);
     pthread_cond_destroy(&p->stop_cv);
+    pthread_cond_destroy(&p->key_cv);
     pthread_mutex_destroy(&p->mu);
     free(p);
 }
