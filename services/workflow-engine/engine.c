@@ -9,6 +9,7 @@
 #include "interp.h"
 #include "log.h"
 #include "subjects.h"
+#include "upsquad/internal/v1/tool.pb-c.h"
 #include "util.h"
 #include "wf.h"
 
@@ -144,6 +145,49 @@ static int streams(wf_engine *e, char *err, size_t errlen) {
                : -1;
 }
 
+/* Providers announce every 30 s (proto/upsquad/internal/v1/tool.proto): a tool not heard of
+ * for three periods is considered unmounted. */
+#define ANNOUNCE_TTL_MS (90 * 1000)
+
+static void take_announce(wf_engine *e, const void *data, int len) {
+    Upsquad__Internal__V1__ToolAnnounce *a =
+        upsquad__internal__v1__tool_announce__unpack(NULL, (size_t)len, data);
+    if (!a) return;
+    int64_t now = wf_now_ms();
+    pthread_mutex_lock(&e->tools_mu);
+    for (size_t i = 0; i < a->n_tools; i++) {
+        const char *t = a->tools[i]->tool;
+        int k = 0;
+        while (k < e->n_announced && strcmp(e->announced[k], t))
+            k++;
+        if (k == e->n_announced) {
+            if (k == 64 || strlen(t) >= sizeof e->announced[0]) continue; /* bounded */
+            snprintf(e->announced[k], sizeof e->announced[k], "%s", t);
+            e->n_announced++;
+        }
+        e->announced_at[k] = now;
+    }
+    pthread_mutex_unlock(&e->tools_mu);
+    protobuf_c_message_free_unpacked(&a->base, NULL);
+}
+
+static void on_announce(bus *b, natsMsg *m, void *ud) {
+    (void)b;
+    if (natsMsg_GetDataLength(m) > 0)
+        take_announce(ud, natsMsg_GetData(m), natsMsg_GetDataLength(m));
+}
+
+int wf_tool_mounted(wf_engine *e, const char *tool) {
+    int64_t now = wf_now_ms();
+    int mounted = 0;
+    pthread_mutex_lock(&e->tools_mu);
+    for (int k = 0; k < e->n_announced; k++)
+        if (!strcmp(e->announced[k], tool)) mounted = now - e->announced_at[k] < ANNOUNCE_TTL_MS;
+    if (e->n_announced == 0) mounted = 1;
+    pthread_mutex_unlock(&e->tools_mu);
+    return mounted;
+}
+
 static void metrics(wf_engine *e) {
     e->m_transitions =
         metrics_counter("workflow_engine_transitions_total", "action transitions committed", NULL);
@@ -166,6 +210,7 @@ int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen
     e->cfg = cfg;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
+    pthread_mutex_init(&e->tools_mu, NULL);
     gethostname(host, sizeof host - 1);
     char u[37];
     ids_uuid_v4(u);
@@ -187,6 +232,14 @@ int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen
     bus_opts_default(&bo);
     if (bus_connect_ex(cfg->nats_url, e->instance, &bo, &e->bus, err, errlen) != BUS_OK) goto fail;
     if (streams(e, err, errlen)) goto fail;
+    if (bus_subscribe(e->bus, SUBJ_TOOL_ANNOUNCE, NULL, on_announce, e, &e->announce_sub, err,
+                      errlen) != BUS_OK)
+        goto fail;
+    natsMsg *reply = NULL; /* ask the providers already running (one answers now, all in 30 s) */
+    if (bus_request(e->bus, SUBJ_TOOL_ANNOUNCE, "", 0, 500, &reply) == BUS_OK) {
+        take_announce(e, natsMsg_GetData(reply), natsMsg_GetDataLength(reply));
+        natsMsg_Destroy(reply);
+    }
     e->n_workers = (int)cfg->workers;
     e->workers = calloc((size_t)e->n_workers, sizeof *e->workers);
     for (int i = 0; i < e->n_workers; i++)
@@ -223,6 +276,8 @@ void wf_engine_stop(wf_engine *e) {
     if (e->results_started) pthread_join(e->results, NULL);
     if (e->scheduler_started) pthread_join(e->scheduler, NULL);
     e->relay_started = e->results_started = e->scheduler_started = 0;
+    bus_unsubscribe(e->announce_sub);
+    e->announce_sub = NULL;
     bus_pull_close(e->result_sub);
     e->result_sub = NULL;
     bus_close(e->bus);

@@ -500,7 +500,8 @@ static int get_tool_catalog(rpc_call *call, const ProtobufCMessage *req, Protobu
     const defn_poll_observation *obs = defn_catalog_observations(e->defn, &no);
     out->tools = rpc_alloc(call, (nt ? nt : 1) * sizeof *out->tools);
     for (size_t i = 0; i < nt; i++) {
-        if (!tools[i].enabled) continue; /* not served here: omitted, not advertised */
+        /* gated off, or no provider mounted: omitted, not advertised */
+        if (!tools[i].enabled || !wf_tool_mounted(e, tools[i].tool)) continue;
         P(ToolCatalogEntry) *t = rpc_alloc(call, sizeof *t);
         INIT(tool_catalog_entry, t);
         t->tool = (char *)tools[i].tool;

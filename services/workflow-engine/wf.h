@@ -53,6 +53,12 @@ typedef struct wf_engine {
     pthread_t relay, results, scheduler;
     int relay_started, results_started, scheduler_started;
     bus_pull *result_sub;
+    bus_sub *announce_sub;
+    /* tools announced by providers (tool.announce), with when they were last heard */
+    pthread_mutex_t tools_mu;
+    char announced[64][64];
+    int64_t announced_at[64];
+    int n_announced;
     metric *m_transitions, *m_runs_started, *m_runs_finished, *m_tool_calls, *m_tool_failures,
         *m_published, *m_first_step;
 } wf_engine;
@@ -62,6 +68,9 @@ void wf_engine_stop(wf_engine *e);
 int wf_engine_migrate(const wf_config *cfg, char *err, size_t errlen);
 /* Wakes local interpreter threads (a run was queued or woken). */
 void wf_engine_kick(wf_engine *e);
+/* 1 when GetToolCatalog should list tool: a provider announced it within the last three
+ * announce periods, or no provider has announced anything yet (catalogue served whole). */
+int wf_tool_mounted(wf_engine *e, const char *tool);
 /* Wakes the outbox relay (events were committed). */
 void wf_engine_kick_relay(wf_engine *e);
 

@@ -37,7 +37,8 @@ static void test_templates(void **ctx) {
     cJSON_Delete(v);
     assert_null(wf_expr_render(st, "x ${/steps/zz/output}", err, sizeof err));
     assert_non_null(strstr(err, "/steps/zz/output"));
-    cJSON *with = cJSON_Parse("{\"n\":\"${/loop/iteration}\",\"l\":[\"${/trigger/title}\"],\"k\":1}");
+    cJSON *with =
+        cJSON_Parse("{\"n\":\"${/loop/iteration}\",\"l\":[\"${/trigger/title}\"],\"k\":1}");
     v = wf_expr_render_tree(st, with, err, sizeof err);
     char *s = cJSON_PrintUnformatted(v);
     assert_string_equal(s, "{\"n\":2,\"l\":[\"Hello\"],\"k\":1}");
@@ -106,9 +107,9 @@ static void test_page_tokens(void **ctx) {
     assert_int_equal(pagetok_parse(key, q1, tok, &us, id), 0);
     assert_true(us == 1796281049123456LL);
     assert_string_equal(id, uuid);
-    assert_int_equal(pagetok_parse(key, q2, tok, &us, id), -1);    /* another query / org */
+    assert_int_equal(pagetok_parse(key, q2, tok, &us, id), -1);   /* another query / org */
     assert_int_equal(pagetok_parse(other, q1, tok, &us, id), -1); /* another key */
-    tok[2] = tok[2] == 'A' ? 'B' : 'A';                            /* tampered */
+    tok[2] = tok[2] == 'A' ? 'B' : 'A';                           /* tampered */
     assert_int_equal(pagetok_parse(key, q1, tok, &us, id), -1);
     assert_int_equal(pagetok_parse(key, q1, "garbage", &us, id), -1);
     assert_int_equal(pagetok_parse(key, q1, "", &us, id), -1);
@@ -116,9 +117,9 @@ static void test_page_tokens(void **ctx) {
 
 static void test_projection(void **ctx) {
     (void)ctx;
-    static const char *const raw[] = {"pending",  "in_progress", "awaiting_approval", "waiting",
-                                       "escalated", "approved",  "completed", "skipped",
-                                       "rejected", "failed"};
+    static const char *const raw[] = {"pending",   "in_progress", "awaiting_approval", "waiting",
+                                      "escalated", "approved",    "completed",         "skipped",
+                                      "rejected",  "failed"};
     static const char *const fold[] = {"queued", "running", "blocked", "blocked", "blocked",
                                        "done",   "done",    "done",    "failed",  "failed"};
     static const int terminal[] = {0, 0, 0, 0, 0, 1, 1, 1, 1, 1};
