@@ -860,6 +860,7 @@ static int walk_scope(tick *t, const char *entry, const char *lap, int iteration
 /* ---- cancel ---- */
 
 static int stop_open_actions(tick *t, const char *why) {
+    t->rc = st_governance_close(t->tx, t->run->id, t->err, sizeof t->err);
     for (size_t i = 0; i < t->n && !t->rc; i++) {
         act *a = &t->acts[i];
         if (wf_raw_terminal(a->status)) continue;

@@ -568,6 +568,14 @@ int st_governance_insert(db_tx *tx, const char *id, const char *org, const char 
               7, p, NULL, err, errlen);
 }
 
+int st_governance_close(db_tx *tx, const char *run, char *err, size_t errlen) {
+    const char *p[] = {run};
+    return ex(tx,
+              "UPDATE " S "governance SET status = 'closed' WHERE run_id = $1::uuid "
+              "AND status = 'pending'",
+              1, p, NULL, err, errlen);
+}
+
 /* ---- external events ---- */
 
 int st_delivery_insert(db_tx *tx, const char *org, const char *run, const char *key,

@@ -234,6 +234,9 @@ int st_governance_insert(db_tx *tx, const char *id, const char *org, const char 
                          const char *action, const char *kind, int clearance, const char *spec_json,
                          char *err, size_t errlen);
 
+/* Closes the run's open governance rows (the run was cancelled or failed). */
+int st_governance_close(db_tx *tx, const char *run, char *err, size_t errlen);
+
 /* ---- external events ---- */
 int st_delivery_insert(db_tx *tx, const char *org, const char *run, const char *key,
                        const char *delivery, const char *payload_json, int *inserted, char *err,

@@ -391,6 +391,24 @@ class EngineTest(unittest.TestCase):
         self.assertTrue(s.actions[0].blocked_by)
         lv = self.A("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=100, status_filter=W.RUN_STATUS_FILTER_ACTIVE))
         self.assertEqual(len(lv.runs), 0)  # these workflows have no team: not in anyone's team arm
+        # a parked gate in a team workflow: the visible row says which kind of gate it is
+        tg = self.create(defn("gate", {"gate": {"type": "approval_gate", "required_clearance": 2, "summary": "ok?"}}),
+                         team_id=self.team)
+        trun = self.trigger(tg.id)
+        self.wait_for(trun.id, lambda s: s.actions and s.actions[0].status == "awaiting_approval")
+        row = [r for r in self.A("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=100)).runs if r.run.id == trun.id][0]
+        self.assertEqual((row.prompt_kind, row.open_prompt_count, row.is_waiting),
+                         (W.RUN_PROMPT_KIND_APPROVAL_GATE, 1, False))
+        # cancel at a gate: the step fails as cancelled and the gate closes
+        self.assertEqual(self.A("CancelRun", W.CancelRunRequest(run_id=trun.id)).run.status, "cancelled")
+        row = [r for r in self.A("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=100)).runs if r.run.id == trun.id][0]
+        self.assertEqual((row.prompt_kind, row.open_prompt_count), (W.RUN_PROMPT_KIND_UNSPECIFIED, 0))
+        self.assertEqual(self.acts(self.status(trun.id)), [("gate", "failed", 0)])
+        # pause at a gate, then resume: still parked
+        self.assertEqual(self.A("PauseRun", W.PauseRunRequest(run_id=run.id)).run.status, "paused")
+        self.assertEqual(self.A("ResumeRun", W.ResumeRunRequest(run_id=run.id)).run.status, "running")
+        time.sleep(0.3)
+        self.assertEqual(self.status(run.id).actions[0].status, "awaiting_approval")
 
     def test_05_wait_and_events(self):
         w = self.create(defn("w", {"w": {"type": "wait", "mode": "signal", "event_key": "ci.done", "next": "w2"},
