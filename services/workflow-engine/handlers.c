@@ -767,13 +767,12 @@ static int list_runs(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessa
         goto done;
     }
     /* the workflow must exist for the caller; soft-deleted ones keep their runs listable by id */
-    const char *p[] = {rq->workflow_id, id->sub};
-    (void)p;
-    if ((rc = st_wf_get(tx, rq->workflow_id, id->sub, 0, &w, err, sizeof err))) {
+    if ((rc = st_wf_row(tx, rq->workflow_id, &w, err, sizeof err))) {
         rc = db_fail(call, rc, err);
         goto done;
     }
-    if (PQntuples(w) == 0) {
+    if (PQntuples(w) == 0 || (!strcmp(st_s(w, 0, WF_VISIBILITY), "private") &&
+                              strcmp(st_s(w, 0, WF_CREATED_BY), id->sub))) {
         rc = rpc_error(call, RPC_NOT_FOUND, "workflow %s not found", rq->workflow_id);
         goto done;
     }

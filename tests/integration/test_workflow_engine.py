@@ -285,6 +285,8 @@ class EngineTest(unittest.TestCase):
         self.assertNotIn(w.id, {x.id for x in self.A("ListWorkflows", W.ListWorkflowsRequest(limit=100)).workflows})
         self.assertEqual(self.done(run.id).run.status, "completed")
         self.err(C.NOT_FOUND, lambda: self.trigger(w.id))
+        self.assertEqual([r.id for r in self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id)).runs], [run.id])
+        self.err(C.NOT_FOUND, lambda: self.other_org("ListRuns", W.ListRunsRequest(workflow_id=w.id)))
 
     def test_02_catalog_and_streams(self):
         cat = self.A("GetToolCatalog", W.GetToolCatalogRequest())
