@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "bus.h"
+#include "ids.h"
 #include "pbjson.h"
 #include "store.h"
 #include "subjects.h"
@@ -51,6 +52,9 @@ done:
 }
 
 void wf_run_free(wf_run *r) {
+    free(r->ev_subjects);
+    free(r->ev_ids);
+    free(r->ev_payloads);
     free(r->wf_name);
     free(r->display_name);
     cJSON_Delete(r->def);
@@ -58,10 +62,44 @@ void wf_run_free(wf_run *r) {
     memset(r, 0, sizeof *r);
 }
 
+/* Appends one element to a Postgres array literal being built ("{a,b"; closed at flush). The
+ * elements (subjects, ids, hex) hold no quotes, braces, commas or backslashes. */
+static int arr_add(char **buf, size_t *len, size_t *cap, const char *el, size_t n) {
+    if (*len + n + 4 > *cap) {
+        size_t c = *cap ? *cap * 2 : 1024;
+        while (c < *len + n + 4)
+            c *= 2;
+        char *b = realloc(*buf, c);
+        if (!b) return -1;
+        *buf = b;
+        *cap = c;
+    }
+    char sep = *len == 0 ? '{' : ',';
+    (*buf)[(*len)++] = sep;
+    memcpy(*buf + *len, el, n);
+    *len += n;
+    (*buf)[*len] = 0;
+    return 0;
+}
+
 int wf_run_flush(wf_run *r, char *err, size_t errlen) {
     if (r->seq == r->seq_loaded) return DB_OK;
-    int rc = st_run_set_seq(r->tx, r->id, r->seq, err, errlen);
+    if (r->n_ev == 0) {
+        int rc = st_run_set_seq(r->tx, r->id, r->seq, err, errlen);
+        if (rc == DB_OK) r->seq_loaded = r->seq;
+        return rc;
+    }
+    char *arr[3] = {r->ev_subjects, r->ev_ids, r->ev_payloads};
+    for (int i = 0; i < 3; i++) {
+        if (arr_add(&arr[i], &r->ev_len[i], &r->ev_cap[i], "", 0)) return DB_ENOMEM;
+        arr[i][r->ev_len[i] - 1] = '}'; /* the empty element's comma becomes the brace */
+    }
+    r->ev_subjects = arr[0], r->ev_ids = arr[1], r->ev_payloads = arr[2];
+    int rc = st_events_put(r->tx, r->org, r->id, r->seq, r->ev_subjects, r->ev_ids, r->ev_payloads,
+                           err, errlen);
     if (rc == DB_OK) r->seq_loaded = r->seq;
+    r->n_ev = 0;
+    r->ev_len[0] = r->ev_len[1] = r->ev_len[2] = 0;
     return rc;
 }
 
@@ -97,10 +135,21 @@ static int put_event(wf_run *r, RunEvent *ev, const char *kind, char *err, size_
     snprintf(msg_id, sizeof msg_id, "%s:%lld", r->id, (long long)ev->seq);
     size_t len = protobuf_c_message_get_packed_size(&ev->base);
     uint8_t *buf = malloc(len ? len : 1);
-    if (!buf) return DB_ENOMEM;
-    protobuf_c_message_pack(&ev->base, buf);
-    int rc = st_outbox_put(r->tx, r->org, subject, msg_id, buf, len, err, errlen);
+    char *hex = malloc(2 * len + 1);
+    int rc = DB_ENOMEM;
+    (void)err, (void)errlen;
+    if (buf && hex) {
+        protobuf_c_message_pack(&ev->base, buf);
+        ids_hex(buf, len, hex);
+        if (!arr_add(&r->ev_subjects, &r->ev_len[0], &r->ev_cap[0], subject, strlen(subject)) &&
+            !arr_add(&r->ev_ids, &r->ev_len[1], &r->ev_cap[1], msg_id, strlen(msg_id)) &&
+            !arr_add(&r->ev_payloads, &r->ev_len[2], &r->ev_cap[2], hex, 2 * len)) {
+            r->n_ev++;
+            rc = DB_OK;
+        }
+    }
     free(buf);
+    free(hex);
     return rc;
 }
 

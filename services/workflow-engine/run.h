@@ -17,13 +17,18 @@ typedef struct wf_run {
     int64_t seq_loaded;
     int64_t started_ms;
     cJSON *def, *context;
+    /* events emitted in this transaction, written by wf_run_flush in one statement */
+    char *ev_subjects, *ev_ids, *ev_payloads; /* Postgres array texts being built */
+    size_t ev_len[3], ev_cap[3];
+    int n_ev;
 } wf_run;
 
 /* Loads (lock: FOR UPDATE) the run; *found 0 when it is not visible to the tx's org. */
 int wf_run_load(db_tx *tx, const char *run_id, int lock, wf_run *out, int *found, char *err,
                 size_t errlen);
 void wf_run_free(wf_run *r);
-/* Writes the run's event_seq when events were emitted. */
+/* Writes the events emitted since the last flush (outbox rows) and the run's event_seq, in one
+ * statement; call before committing. */
 int wf_run_flush(wf_run *r, char *err, size_t errlen);
 
 /* One action's projected transition. */

@@ -694,6 +694,19 @@ int st_outbox_put(db_tx *tx, const char *org, const char *subject, const char *m
                        4, p, lens, fmts, 0, NULL, err, errlen);
 }
 
+int st_events_put(db_tx *tx, const char *org, const char *run, int64_t seq, const char *subjects,
+                  const char *msg_ids, const char *payloads_hex, char *err, size_t errlen) {
+    char n[32];
+    i64s(n, sizeof n, seq);
+    const char *p[] = {org, run, n, subjects, msg_ids, payloads_hex};
+    return ex(tx,
+              "WITH s AS (UPDATE " S "runs SET event_seq = $3::bigint WHERE id = $2::uuid) "
+              "INSERT INTO " S "outbox (org_id, subject, msg_id, payload) "
+              "SELECT $1::uuid, e.subject, e.msg_id, decode(e.hex, 'hex') "
+              "FROM unnest($4::text[], $5::text[], $6::text[]) AS e(subject, msg_id, hex)",
+              6, p, NULL, err, errlen);
+}
+
 int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err, size_t errlen) {
     PGresult *r = NULL;
     *out = NULL;

@@ -263,6 +263,10 @@ int st_queue_release(db_tx *tx, const char *run, const char *owner, int64_t gen,
                      char *err, size_t errlen);
 
 /* ---- outbox ---- */
+/* The run's new event_seq and its outbox rows at once; subjects, msg_ids: Postgres text[]
+ * literals; payloads: text[] of hex. */
+int st_events_put(db_tx *tx, const char *org, const char *run, int64_t seq, const char *subjects,
+                  const char *msg_ids, const char *payloads_hex, char *err, size_t errlen);
 int st_outbox_put(db_tx *tx, const char *org, const char *subject, const char *msg_id,
                   const void *payload, size_t len, char *err, size_t errlen);
 /* Service: the oldest rows (id, subject, msg_id, payload as binary), under the relay's
