@@ -116,6 +116,8 @@ class Responder(threading.Thread):
             r.usage.input_tokens = 10
             r.usage.output_tokens = 5
             goal = d.goal
+            if "SLOW" in goal:
+                time.sleep(1.5)
             if "FAIL" in goal:
                 r.failed.code = "worker_error"
                 r.failed.message = "failed on cue"
@@ -216,7 +218,8 @@ class EngineTest(unittest.TestCase):
 
     # ---- definitions ----
     def test_01_definitions(self):
-        d = json.load(open(os.path.join(T.ROOT, "examples/workflows/issue-triage.json")))
+        with open(os.path.join(T.ROOT, "examples/workflows/issue-triage.json")) as f:
+            d = json.load(f)
         w = self.create(d, name="triage", description="x", team_id=self.team)
         self.assertEqual((w.status, w.visibility, w.org_id, w.created_by, w.trigger_type, w.enabled),
                          ("draft", "team", self.org, self.user, "manual", False))
@@ -507,6 +510,17 @@ class EngineTest(unittest.TestCase):
         time.sleep(0.5)
         s = self.status(run2.id)
         self.assertEqual(self.acts(s), [("w", "failed", 0)])  # no further step started
+        # cancel with an agent step in flight: its late result is ignored, nothing follows
+        ag = self.create(defn("a", {"a": {"type": "agent_action", "agent_role": "x", "prompt": "SLOW OUT={\"v\": 1}",
+                                          "next": "t"}, "t": tool("get_issue", number=1)}))
+        arun = self.trigger(ag.id)
+        self.wait_for(arun.id, lambda s: s.actions and s.actions[0].status == "in_progress")
+        self.assertEqual(self.B("CancelRun", W.CancelRunRequest(run_id=arun.id)).run.status, "cancelled")
+        time.sleep(2.5)
+        s = self.status(arun.id)
+        self.assertEqual((s.run.status, self.acts(s)), ("cancelled", [("a", "failed", 0)]))
+        self.assertEqual(js(s.actions[0].output), {"error": "cancelled"})
+        self.assertEqual(s.run.cost_usd, 0)
         for m, R in (("PauseRun", W.PauseRunRequest), ("ResumeRun", W.ResumeRunRequest), ("CancelRun", W.CancelRunRequest)):
             self.err(C.NOT_FOUND, lambda: self.other_org(m, R(run_id=run2.id)))
             self.err(C.INVALID_ARGUMENT, lambda: self.A(m, R(run_id="")), contains="run_id")
