@@ -370,17 +370,13 @@ static int start_agent(tick *t, act *a, const cJSON *sd) {
         fail_act(t, a, "template", e2);
         return SCOPE_FAILED;
     }
-    if (a->feedback[0] && cJSON_IsString(goal)) {
-        char *g = malloc(strlen(goal->valuestring) + strlen(a->feedback) + 32);
-        sprintf(g, "%s\n\nFeedback: %s", goal->valuestring, a->feedback);
-        cJSON_Delete(goal);
-        goal = cJSON_CreateString(g);
-        free(g);
-    }
+    /* a redo's feedback travels in AgentStepDispatch.feedback; the orchestrator adds it to the
+     * turn, so the goal stays the step's prompt */
     cJSON *in = cJSON_CreateObject();
     cJSON_AddStringToObject(in, "agent_role", str(sd, "agent_role") ? str(sd, "agent_role") : "");
     cJSON_AddItemToObject(in, "prompt", cJSON_IsString(goal) ? goal : cJSON_CreateString(""));
     if (!cJSON_IsString(goal)) cJSON_Delete(goal);
+    if (a->feedback[0]) cJSON_AddStringToObject(in, "feedback", a->feedback);
     cJSON_Delete(a->input);
     a->input = in;
     a->attempt++;
