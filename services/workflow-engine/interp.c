@@ -62,7 +62,7 @@ typedef struct tick {
     wf_engine *e;
     wf_run *run;
     db_tx *tx;
-    act *acts;
+    act **acts;
     size_t n, cap;
     cJSON *state, *steps;
     int64_t now, wake_ms;
@@ -116,7 +116,7 @@ static void act_free(act *a) {
 
 static act *find(tick *t, const char *step, const char *lap) {
     for (size_t i = t->n; i-- > 0;)
-        if (!strcmp(t->acts[i].step, step) && !strcmp(t->acts[i].lap, lap)) return &t->acts[i];
+        if (!strcmp(t->acts[i]->step, step) && !strcmp(t->acts[i]->lap, lap)) return t->acts[i];
     return NULL;
 }
 
@@ -198,14 +198,17 @@ static int save(tick *t, act *a) {
 
 static act *new_act(tick *t, const char *step, const char *type, const char *lap, int iteration,
                     const char *status) {
+    /* actions are allocated one by one: callers keep pointers across walks that add more */
     if (t->n == t->cap) {
         size_t cap = t->cap ? t->cap * 2 : 32;
-        act *na = realloc(t->acts, cap * sizeof *na);
+        act **na = realloc(t->acts, cap * sizeof *na);
         if (!na) return NULL;
         t->acts = na;
         t->cap = cap;
     }
-    act *a = &t->acts[t->n++];
+    act *a = calloc(1, sizeof *a);
+    if (!a) return NULL;
+    t->acts[t->n++] = a;
     memset(a, 0, sizeof *a);
     ids_uuid_v7(a->id);
     a->step = strdup(step);
@@ -858,7 +861,7 @@ static int walk_scope(tick *t, const char *entry, const char *lap, int iteration
 static int stop_open_actions(tick *t, const char *why) {
     t->rc = st_governance_close(t->tx, t->run->id, t->err, sizeof t->err);
     for (size_t i = 0; i < t->n && !t->rc; i++) {
-        act *a = &t->acts[i];
+        act *a = t->acts[i];
         if (wf_raw_terminal(a->status)) continue;
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "error", why);
@@ -891,7 +894,7 @@ static void tick_init(tick *t, wf_engine *e, wf_run *run) {
 
 static void tick_free(tick *t) {
     for (size_t i = 0; i < t->n; i++)
-        act_free(&t->acts[i]);
+        act_free(t->acts[i]), free(t->acts[i]);
     free(t->acts);
     for (int i = 0; i < t->n_jobs; i++)
         free(t->jobs[i].args);
@@ -919,7 +922,7 @@ enum { TICK_LOST = -1, TICK_IDLE = 0, TICK_JOBS = 1, TICK_FINISHED = 2 };
 static void apply_outcomes(tick *t, const job *done, char *const *results, int n_done) {
     for (int k = 0; k < n_done; k++) {
         for (size_t i = 0; i < t->n; i++) {
-            act *a = &t->acts[i];
+            act *a = t->acts[i];
             if (strcmp(a->id, done[k].action_id) || strcmp(a->key, done[k].key) || a->result)
                 continue;
             if (!strcmp(a->status, "in_progress") || !strcmp(a->status, "waiting"))

@@ -370,6 +370,24 @@ class EngineTest(unittest.TestCase):
         self.assertEqual((g.run_count, g.last_run_status), (1, "completed"))
         self.assertAlmostEqual(g.avg_cost_usd, 0.5)
 
+    def test_03b_many_laps(self):
+        d = defn("rounds", {
+            "rounds": {"type": "loop", "body": "chk", "max_iterations": 20, "next": "fan"},
+            "chk": {"type": "condition", "if": {"op": "eq", "path": "/loop/iteration", "value": 3},
+                    "then": "t1", "else": "t2"},
+            "t1": tool("get_issue", number="${/loop/iteration}"),
+            "t2": tool("get_issue", number=2),
+            "fan": {"type": "parallel", "branches": ["l", "r"]},
+            "l": tool("get_issue", number=1),
+            "r": tool("get_issue", number=1)})
+        s = self.done(self.trigger(self.create(d).id).id, 40)
+        self.assertEqual(s.run.status, "completed")
+        self.assertEqual(len(s.actions), 1 + 20 * 3 + 3)
+        self.assertEqual(s.run.nodes_done, len(s.actions))
+        t1 = [a for a in s.actions if a.step_name == "t1"]
+        self.assertEqual([(a.iteration, a.status) for a in t1 if a.status == "completed"], [(3, "completed")])
+        self.assertEqual(len([a for a in t1 if a.status == "skipped"]), 19)
+
     def test_04_failures_and_gates(self):
         f = self.create(defn("a", {"a": tool("create_comment", "b", number=1, body="boom __fail"),
                                    "b": tool("get_issue", number=1)}))
