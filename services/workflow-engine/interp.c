@@ -1461,6 +1461,7 @@ static int fire_one(wf_engine *e) {
     goto done;
 fail:
     log_warn("schedule.fire", "workflow=%s: %s", wf, err);
+    handled = 0; /* back off for a poll period rather than spin on a failing schedule */
 done:
     db_tx_rollback(tx);
     wf_run_free(&run);
