@@ -272,7 +272,7 @@ static int get_workflow(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     PGresult *r = NULL;
     int rc = caller(call, &id);
     if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
-    if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err)) ||
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err)) ||
         (rc = st_wf_get(tx, rq->workflow_id, id->sub, 0, &r, err, sizeof err))) {
         rc = db_fail(call, rc, err);
         goto done;
@@ -312,7 +312,7 @@ static int list_workflows(rpc_call *call, const ProtobufCMessage *req, ProtobufC
     int limit = rq->limit <= 0            ? LIST_WF_DEFAULT
                 : rq->limit > LIST_WF_MAX ? LIST_WF_MAX
                                           : rq->limit;
-    if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err)) ||
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err)) ||
         (rc = st_wf_list(tx, id->sub, rq->team_id, rq->status, limit, rq->offset, &r, &total, err,
                          sizeof err))) {
         rc = db_fail(call, rc, err);
@@ -657,7 +657,7 @@ static int get_status(rpc_call *call, const ProtobufCMessage *req, ProtobufCMess
     wf_run run = {0};
     int rc = caller(call, &id);
     if (rc || (rc = need_id(call, "run_id", rq->run_id))) return rc;
-    if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err))) {
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
         rc = db_fail(call, rc, err);
         goto done;
     }
@@ -762,7 +762,7 @@ static int list_runs(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessa
     int n = 0;
     int rc = caller(call, &id);
     if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
-    if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err))) {
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
         rc = db_fail(call, rc, err);
         goto done;
     }
@@ -811,7 +811,7 @@ static int list_visible_runs(rpc_call *call, const ProtobufCMessage *req, Protob
     int n = 0;
     int rc = caller(call, &id);
     if (rc) return rc;
-    if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err))) {
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
         rc = db_fail(call, rc, err);
         goto done;
     }
@@ -1069,7 +1069,7 @@ static int get_node_io(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
     if (rc || (rc = need_id(call, "run_id", rq->run_id)) ||
         (rc = need_id(call, "node_id", rq->node_id)))
         return rc;
-    if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err))) {
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
         rc = db_fail(call, rc, err);
         goto done;
     }

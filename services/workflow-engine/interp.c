@@ -1093,6 +1093,38 @@ static void release(wf_engine *e, const char *run_id, const char *org, int64_t g
         log_warn("run.release", "run=%s: %s", run_id, err);
 }
 
+typedef struct invoke_arg {
+    wf_engine *e;
+    const char *run_id, *org;
+    const job *j;
+    char *result;
+} invoke_arg;
+
+static void *invoke_thread(void *arg) {
+    invoke_arg *a = arg;
+    a->result = invoke_tool(a->e, a->run_id, a->org, a->j);
+    return NULL;
+}
+
+/* Requests a tick's tool calls at once (one thread each, at most MAX_JOBS), so the tool steps
+ * of parallel branches overlap; one call runs inline. */
+static void invoke_all(wf_engine *e, const char *run_id, const char *org, const job *jobs,
+                       char **results, int n) {
+    invoke_arg args[MAX_JOBS];
+    pthread_t th[MAX_JOBS];
+    int started[MAX_JOBS] = {0};
+    for (int k = 0; k < n; k++) {
+        args[k] = (invoke_arg){e, run_id, org, &jobs[k], NULL};
+        if (n > 1 && k > 0) started[k] = pthread_create(&th[k], NULL, invoke_thread, &args[k]) == 0;
+        if (!started[k] && k > 0) invoke_thread(&args[k]);
+    }
+    invoke_thread(&args[0]);
+    for (int k = 0; k < n; k++) {
+        if (started[k]) pthread_join(th[k], NULL);
+        results[k] = args[k].result;
+    }
+}
+
 static void process_run(wf_engine *e, const char *run_id, const char *org, int64_t gen) {
     job jobs[MAX_JOBS], done[MAX_JOBS];
     char *results[MAX_JOBS];
@@ -1106,10 +1138,9 @@ static void process_run(wf_engine *e, const char *run_id, const char *org, int64
         }
         n_done = 0;
         if (r != TICK_JOBS) return; /* idle (released), finished, or the lease was lost */
-        for (int k = 0; k < n; k++) {
-            results[k] = invoke_tool(e, run_id, org, &jobs[k]);
+        invoke_all(e, run_id, org, jobs, results, n); /* parallel branches run concurrently */
+        for (int k = 0; k < n; k++)
             done[k] = jobs[k];
-        }
         n_done = n;
     }
     for (int k = 0; k < n_done; k++) {

@@ -44,7 +44,12 @@ int st_null(const PGresult *r, int row, int col) {
 
 int st_begin(db_pool *p, const char *org_id, const char *member_id, db_tx **out, char *err,
              size_t errlen) {
-    int rc = db_tx_begin(p, org_id, out, err, errlen);
+    return st_begin_ex(p, org_id, member_id, 0, out, err, errlen);
+}
+
+int st_begin_ex(db_pool *p, const char *org_id, const char *member_id, int flags, db_tx **out,
+                char *err, size_t errlen) {
+    int rc = db_tx_begin_ex(p, org_id, flags, out, err, errlen);
     if (rc != DB_OK || !member_id) return rc; /* the interpreter acts for no member */
     const char *pr[] = {member_id};
     rc = ex(*out, "SELECT set_config('app.member_id', $1, true)", 1, pr, NULL, err, errlen);

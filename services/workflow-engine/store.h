@@ -19,6 +19,11 @@
 
 int st_begin(db_pool *p, const char *org_id, const char *member_id, db_tx **out, char *err,
              size_t errlen);
+/* The same with DB_TX_* flags: reads that return several result sets (a run and its actions,
+ * a count and a page) use DB_TX_REPEATABLE_READ | DB_TX_READ_ONLY, one consistent snapshot. */
+int st_begin_ex(db_pool *p, const char *org_id, const char *member_id, int flags, db_tx **out,
+                char *err, size_t errlen);
+#define ST_SNAPSHOT (DB_TX_REPEATABLE_READ | DB_TX_READ_ONLY)
 int st_begin_service(db_pool *p, db_tx **out, char *err, size_t errlen);
 /* Switches an open service transaction to one org (for work found by a service scan). */
 int st_scope_org(db_tx *tx, const char *org_id, char *err, size_t errlen);
