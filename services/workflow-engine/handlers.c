@@ -441,6 +441,12 @@ static int set_enabled(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
     /* enabled is the schedule-firing gate: always false for a manual workflow */
     int enabled = schedule && rq->enabled;
     if ((rc = wf_locked(call, e, id, rq->workflow_id, &tx, &r))) goto done;
+    if (enabled && !strcmp(st_s(r, 0, WF_STATUS), "archived")) {
+        rc = rpc_error(call, RPC_FAILED_PRECONDITION,
+                       "workflow %s is archived; an archived workflow is never scheduled",
+                       rq->workflow_id);
+        goto done;
+    }
     if ((rc = st_wf_set_trigger(tx, rq->workflow_id, enabled, type, cfg, &r2, err, sizeof err)) ||
         (rc = enabled ? st_schedule_put(tx, rq->workflow_id, id->org_id, cfg, next, err, sizeof err)
                       : st_schedule_drop(tx, rq->workflow_id, err, sizeof err)) ||

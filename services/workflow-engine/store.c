@@ -167,8 +167,13 @@ int st_wf_update_def(db_tx *tx, const char *id, const char *def_json, PGresult *
 int st_wf_update_status(db_tx *tx, const char *id, const char *status, PGresult **out, char *err,
                         size_t errlen) {
     const char *p[] = {id, status};
-    int rc = ex(tx, "UPDATE " S "workflows SET status = $2 WHERE id = $1::uuid", 2, p, NULL, err,
-                errlen);
+    /* archiving also stops the schedule: an archived workflow never fires */
+    int rc = ex(tx,
+                "UPDATE " S "workflows SET status = $2, "
+                "enabled = CASE WHEN $2 = 'archived' THEN false ELSE enabled END "
+                "WHERE id = $1::uuid",
+                2, p, NULL, err, errlen);
+    if (rc == DB_OK && !strcmp(status, "archived")) rc = st_schedule_drop(tx, id, err, errlen);
     return rc != DB_OK ? rc : wf_by_id(tx, id, out, err, errlen);
 }
 

@@ -280,6 +280,17 @@ class EngineTest(unittest.TestCase):
             workflow_id=w.id, enabled=False, trigger_type="schedule",
             trigger_config=st({"cron": "30 9 * * 1-5", "timezone": "Europe/Paris"}))).workflow
         self.assertEqual((s.trigger_type, s.enabled), ("schedule", False))
+        # archived: never scheduled, not triggerable; archiving turns a schedule off
+        arch = self.create(d, name="arch")
+        on = self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
+            workflow_id=arch.id, enabled=True, trigger_type="schedule",
+            trigger_config=st({"cron": "0 3 * * *", "timezone": "UTC"}))).workflow
+        self.assertTrue(on.enabled)
+        a2 = self.A("UpdateWorkflowStatus", W.UpdateWorkflowStatusRequest(workflow_id=arch.id, status="archived")).workflow
+        self.assertEqual((a2.status, a2.enabled), ("archived", False))
+        self.err(C.FAILED_PRECONDITION, lambda: self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
+            workflow_id=arch.id, enabled=True, trigger_type="schedule", trigger_config=st({"interval_seconds": 60}))))
+        self.err(C.FAILED_PRECONDITION, lambda: self.trigger(arch.id))
         # delete: gone from Get/List, idempotent as NOT_FOUND, runs stay readable by id
         run = self.trigger(w.id)
         self.A("DeleteWorkflow", W.DeleteWorkflowRequest(workflow_id=w.id))
