@@ -617,6 +617,22 @@ class EngineTest(unittest.TestCase):
         self.assertEqual([a.step_name for a in self.done(r.id).actions], ["w", "old"])
         self.assertEqual([a.step_name for a in self.done(self.trigger(slow.id).id).actions], ["new"])
 
+    def test_07b_row_level_security(self):
+        """The service's own login role sees no row without the org scope, and only the org's
+        rows with it (FORCE ROW LEVEL SECURITY binds the owner too)."""
+        self.create(defn("a", {"a": tool("get_issue", number=1)}), client=self.other_org)
+        psql = [os.path.join(os.environ.get("PGBIN", "/usr/lib/postgresql/15/bin"), "psql"), "-X", "-A", "-t", DSN]
+
+        def q(sql):
+            return subprocess.run(psql + ["-c", sql], capture_output=True, text=True, timeout=20).stdout.split()
+
+        self.assertEqual(q("SELECT count(*) FROM workflow_engine.workflows"), ["0"])
+        self.assertEqual(q("SELECT count(*) FROM workflow_engine.runs"), ["0"])
+        scoped = q("BEGIN; SELECT set_config('app.org_id', '%s', true); "
+                   "SELECT count(DISTINCT org_id) || ':' || min(org_id::text) FROM workflow_engine.workflows; "
+                   "COMMIT" % self.org2)
+        self.assertIn("1:" + self.org2, scoped)
+
     def test_08_schedule_fires_once_per_slot(self):
         w = self.create(defn("a", {"a": tool("get_issue", number=1)}))
         self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
