@@ -283,6 +283,7 @@ static int load_acts(tick *t) {
         a->cost = st_d(r, i, IA_COST);
         snprintf(a->blocked, sizeof a->blocked, "%s", st_s(r, i, IA_BLOCKED));
         a->started_ms = st_i(r, i, IA_STARTED);
+        snprintf(a->approval, sizeof a->approval, "%s", st_s(r, i, IA_APPROVAL));
         state_put(t, a);
     }
     PQclear(r);
@@ -440,6 +441,11 @@ static int start_gate(tick *t, act *a, const cJSON *sd) {
              !strcmp(kind, "question_gate") ? "awaiting-question" : a->approval);
     set_status(a, "awaiting_approval");
     a->started = 1;
+    int tm = num(sd, "timeout_minutes", 0);
+    if (tm > 0) { /* the run's own timer: on_timeout applies at requested_at + N minutes */
+        a->deadline_ms = t->now + (int64_t)tm * 60000;
+        wake_at(t, a->deadline_ms);
+    }
     if (save(t, a)) return SCOPE_BUSY;
     char *sj = cJSON_PrintUnformatted(spec);
     t->rc = st_governance_insert(t->tx, a->approval, t->run->org, t->run->id, a->id, kind,
@@ -449,6 +455,59 @@ static int start_gate(tick *t, act *a, const cJSON *sd) {
     snprintf(line, sizeof line, "step %s is waiting for a person (%s)", a->step, kind);
     if (!t->rc) t->rc = wf_emit_log(t->run, a->id, "INFO", line, t->err, sizeof t->err);
     return SCOPE_BUSY;
+}
+
+/* A parked gate whose window closed: its on_timeout decides (docs/workflow-definitions.md). */
+static int gate_timed_out(tick *t, act *a, const cJSON *sd) {
+    if (a->deadline_ms <= 0 || strcmp(a->status, "awaiting_approval")) return SCOPE_BUSY;
+    if (t->now < a->deadline_ms) {
+        wake_at(t, a->deadline_ms);
+        return SCOPE_BUSY;
+    }
+    const char *ot = str(sd, "on_timeout") ? str(sd, "on_timeout") : "";
+    char line[300];
+    snprintf(line, sizeof line, "step %s timed out waiting for a person (on_timeout %s)", a->step,
+             ot[0] ? ot : "none");
+    if (a->approval[0]) t->rc = st_governance_expire(t->tx, a->approval, t->err, sizeof t->err);
+    if (!t->rc) t->rc = wf_emit_log(t->run, a->id, "WARN", line, t->err, sizeof t->err);
+    if (t->rc) return SCOPE_BUSY;
+    a->deadline_ms = 0;
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "answered_by", "timeout");
+    if (!strcmp(a->type, "approval_gate")) {
+        if (!strcmp(ot, "escalate")) {
+            cJSON_Delete(o);
+            set_status(a, "escalated");
+            save(t, a);
+            return SCOPE_BUSY;
+        }
+        cJSON_AddStringToObject(o, "decision", "rejected");
+        cJSON_AddStringToObject(o, "decided_by", "timeout");
+        set_output(a, o);
+        set_status(a, "rejected");
+        save(t, a);
+        if (str(sd, "on_reject")) return SCOPE_DONE;
+        snprintf(t->reason, sizeof t->reason, "step %s was rejected (timed out)", a->step);
+        return SCOPE_FAILED;
+    }
+    int question = !strcmp(a->type, "question");
+    if (!strcmp(ot, "default")) {
+        const char *def = str(sd, question ? "default_option_key" : "default_choice");
+        cJSON_AddStringToObject(o, question ? "option_key" : "choice", def ? def : "");
+        if (question)
+            cJSON_AddObjectToObject(o, "fields");
+        else
+            cJSON_AddStringToObject(o, "text", "");
+        complete_act(t, a, o);
+        return SCOPE_DONE;
+    }
+    if (!strcmp(ot, "continue")) {
+        complete_act(t, a, o);
+        return SCOPE_DONE;
+    }
+    cJSON_Delete(o);
+    fail_act(t, a, "timeout", "nobody answered in time");
+    return SCOPE_FAILED;
 }
 
 /* ---- waits ---- */
@@ -835,6 +894,8 @@ static int walk_step(tick *t, const char *name, const char *lap, int iteration) 
             return SCOPE_BUSY;
         }
     }
+    if (!strcmp(type, "approval_gate") || !strcmp(type, "user_input") || !strcmp(type, "question"))
+        return gate_timed_out(t, a, sd);
     return SCOPE_BUSY; /* parked on a person */
 }
 

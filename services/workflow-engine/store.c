@@ -447,37 +447,20 @@ int st_action_get(db_tx *tx, const char *run_id, const char *action_id, PGresult
               errlen);
 }
 
+/* The interpreter's columns (IA_*), as a select list: MS() timestamps in milliseconds. */
+#define IA_DEADLINE_MS MS("deadline_at")
+#define IA_NEXT_POLL_MS MS("next_poll_at")
+#define IA_STARTED_MS MS("started_at")
+#define IA_SELECT                                                                                  \
+    "SELECT id, step_name, step_type, lap_key, iteration, status, attempt, "                       \
+    "coalesce(idempotency_key, ''), coalesce(input::text, ''), coalesce(output::text, ''), "       \
+    "coalesce(result::text, ''), feedback, polls, " IA_DEADLINE_MS ", " IA_NEXT_POLL_MS            \
+    ", cost_usd, blocked_by, " IA_STARTED_MS ", approval_id FROM " S "actions "
+
 int st_actions_load(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen) {
     const char *p[] = {run_id};
-    return ex(
-        tx,
-        "SELECT id, step_name, step_type, lap_key, iteration, status, attempt, "
-        "coalesce(idempotency_key, ''), coalesce(input::text, ''), "
-        "coalesce(output::text, ''), coalesce(result::text, ''), feedback, polls, " MS(
-            "deadline_at") ", " MS("next_poll_at") ", cost_usd, blocked_by, " MS("started_at") " FR"
-                                                                                               "OM"
-                                                                                               " " S
-                                                                                               "act"
-                                                                                               "ion"
-                                                                                               "s "
-                                                                                               "WHE"
-                                                                                               "RE "
-                                                                                               "run"
-                                                                                               "_id"
-                                                                                               " = "
-                                                                                               "$1:"
-                                                                                               ":uu"
-                                                                                               "id "
-                                                                                               "ORD"
-                                                                                               "ER "
-                                                                                               "BY "
-                                                                                               "cre"
-                                                                                               "ate"
-                                                                                               "d_"
-                                                                                               "at,"
-                                                                                               " i"
-                                                                                               "d",
-        1, p, out, err, errlen);
+    return ex(tx, IA_SELECT "WHERE run_id = $1::uuid ORDER BY created_at, id", 1, p, out, err,
+              errlen);
 }
 
 static void ms_or_null(char *buf, size_t n, int64_t ms, const char **slot) {
@@ -576,6 +559,14 @@ int st_governance_insert(db_tx *tx, const char *id, const char *org, const char 
               "required_clearance, spec, expires_at) VALUES ($1, $2, $3, $4, $5, $6::int, "
               "$7::jsonb, now() + interval '24 hours')",
               7, p, NULL, err, errlen);
+}
+
+int st_governance_expire(db_tx *tx, const char *id, char *err, size_t errlen) {
+    const char *p[] = {id};
+    return ex(tx,
+              "UPDATE " S "governance SET status = 'expired' WHERE id = $1::uuid "
+              "AND status = 'pending'",
+              1, p, NULL, err, errlen);
 }
 
 int st_governance_close(db_tx *tx, const char *run, char *err, size_t errlen) {

@@ -212,6 +212,7 @@ enum {
     IA_COST,
     IA_BLOCKED,
     IA_STARTED,
+    IA_APPROVAL,
     IA_NCOLS
 };
 int st_actions_load(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen);
@@ -239,6 +240,8 @@ int st_governance_insert(db_tx *tx, const char *id, const char *org, const char 
                          const char *action, const char *kind, int clearance, const char *spec_json,
                          char *err, size_t errlen);
 
+/* Marks one governance row expired (its gate's timeout fired). */
+int st_governance_expire(db_tx *tx, const char *id, char *err, size_t errlen);
 /* Closes the run's open governance rows (the run was cancelled or failed). */
 int st_governance_close(db_tx *tx, const char *run, char *err, size_t errlen);
 

@@ -444,6 +444,48 @@ class EngineTest(unittest.TestCase):
         time.sleep(0.3)
         self.assertEqual(self.status(run.id).actions[0].status, "awaiting_approval")
 
+    def expire_gates(self, run_id):
+        """Moves the run's parked gates' deadlines into the past (the test's time travel: the
+        schema's smallest window is a minute) and wakes the run."""
+        psql = [os.path.join(os.environ.get("PGBIN", "/usr/lib/postgresql/15/bin"), "psql"), "-X", "-q",
+                "-v", "ON_ERROR_STOP=1", DSN]
+        sql = ("BEGIN; SELECT set_config('app.org_id', '%s', true); "
+               "UPDATE workflow_engine.actions SET deadline_at = now() - interval '1 second' "
+               "WHERE run_id = '%s' AND status = 'awaiting_approval'; "
+               "UPDATE workflow_engine.run_queue SET wake_at = now(), wake_gen = wake_gen + 1 "
+               "WHERE run_id = '%s'; COMMIT;" % (self.org, run_id, run_id))
+        subprocess.run(psql + ["-c", sql], check=True, capture_output=True, timeout=20)
+
+    def test_04b_gate_timeouts(self):
+        parked = lambda s: s.actions and s.actions[0].status == "awaiting_approval"
+        rej = self.create(defn("g", {"g": {"type": "approval_gate", "required_clearance": 1, "summary": "ok?",
+                                           "timeout_minutes": 1, "on_timeout": "reject", "on_reject": "after"},
+                                     "after": tool("get_issue", number=1)}))
+        r = self.trigger(rej.id)
+        self.wait_for(r.id, parked)
+        self.expire_gates(r.id)
+        s = self.done(r.id)
+        self.assertEqual((s.run.status, self.acts(s)), ("completed", [("g", "rejected", 0), ("after", "completed", 0)]))
+        self.assertEqual(js(s.actions[0].output)["decided_by"], "timeout")
+        ui = self.create(defn("ask", {"ask": {"type": "user_input", "question": "where?",
+                                              "options": [{"value": "a", "next": "x"}, {"value": "b"}],
+                                              "default_choice": "a", "timeout_minutes": 5, "on_timeout": "default"},
+                                      "x": tool("get_issue", number=1)}))
+        r = self.trigger(ui.id)
+        self.wait_for(r.id, parked)
+        self.expire_gates(r.id)
+        s = self.done(r.id)
+        self.assertEqual([a.step_name for a in s.actions], ["ask", "x"])
+        self.assertEqual(js(s.actions[0].output)["choice"], "a")
+        esc = self.create(defn("g", {"g": {"type": "approval_gate", "required_clearance": 3, "summary": "?",
+                                           "timeout_minutes": 1, "on_timeout": "escalate"}}))
+        r = self.trigger(esc.id)
+        self.wait_for(r.id, parked)
+        self.expire_gates(r.id)
+        s = self.wait_for(r.id, lambda s: s.actions[0].status == "escalated")
+        self.assertEqual(s.run.status, "running")
+        self.assertEqual(s.actions[0].blocked_by, s.actions[0].approval_id)
+
     def test_05_wait_and_events(self):
         w = self.create(defn("w", {"w": {"type": "wait", "mode": "signal", "event_key": "ci.done", "next": "w2"},
                                    "w2": {"type": "wait", "mode": "signal", "event_key": "ci.done", "timeout_minutes": 1,
