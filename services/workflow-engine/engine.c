@@ -1,0 +1,289 @@
+/* Configuration, start-up (validator, pool, migrations, bus, streams) and the engine's threads
+ * (wf.h). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ids.h"
+#include "interp.h"
+#include "log.h"
+#include "subjects.h"
+#include "upsquad/internal/v1/tool.pb-c.h"
+#include "util.h"
+#include "wf.h"
+
+static wf_config C;
+
+static const cfg_var vars[] = {
+    {"UPSQUAD_PG_DSN", CFG_STR, NULL,
+     "Postgres connection string of the workflow_engine login role (not a superuser, not "
+     "BYPASSRLS)",
+     &C.pg_dsn, 0, 0, CFG_REQUIRED | CFG_SECRET},
+    {"UPSQUAD_PG_POOL_SIZE", CFG_INT, "8",
+     "Postgres connections at most (RPC threads, interpreter threads, relay, scheduler share "
+     "them)",
+     &C.pg_pool_size, 2, 200},
+    {"UPSQUAD_NATS_URL", CFG_STR, "nats://127.0.0.1:4222",
+     "NATS server(s) with JetStream: events, agent steps and results, tool calls", &C.nats_url},
+    {"UPSQUAD_MIGRATIONS_DIR", CFG_STR, "services/workflow-engine/migrations",
+     "folder of the schema migrations applied at start; `none`: do not migrate at start (run "
+     "`workflow-engine --migrate` as a Job instead)",
+     &C.migrations_dir},
+    {"UPSQUAD_WF_SCHEMA_FILE", CFG_STR,
+     "services/workflow-engine/schema/workflow-definition.schema.json",
+     "the definition language's JSON Schema", &C.schema_file},
+    {"UPSQUAD_WF_CATALOG_FILE", CFG_STR, "services/workflow-engine/catalog/tools.json",
+     "the tool catalogue (validator and GetToolCatalog)", &C.catalog_file},
+    {"UPSQUAD_WF_PAGE_KEY", CFG_STR, NULL,
+     "HMAC key of ListRuns/ListVisibleRuns page tokens; the same on every replica. Unset: "
+     "derived from UPSQUAD_JWT_SECRET, else random per process (tokens then only work on the "
+     "replica that issued them)",
+     &C.page_key, 0, 0, CFG_SECRET},
+    {"UPSQUAD_WF_WORKERS", CFG_INT, "2", "interpreter threads (each advances one run at a time)",
+     &C.workers, 1, 64},
+    {"UPSQUAD_WF_LEASE", CFG_MS, "15s",
+     "run lease: a replica that dies holding a run loses it after this long and any replica "
+     "continues it",
+     &C.lease_ms, 500, 600000},
+    {"UPSQUAD_WF_IDLE_POLL", CFG_MS, "200ms",
+     "how often an idle interpreter thread looks for due runs (local triggers wake it at once)",
+     &C.idle_poll_ms, 5, 60000},
+    {"UPSQUAD_WF_TOOL_TIMEOUT", CFG_MS, "5s", "one tool request's reply timeout",
+     &C.tool_timeout_ms, 50, 600000},
+    {"UPSQUAD_WF_TOOL_ATTEMPTS", CFG_INT, "3",
+     "tool request attempts (same idempotency key) before the step fails", &C.tool_attempts, 1, 20},
+    {"UPSQUAD_WF_AGENT_TIMEOUT", CFG_MS, "30m",
+     "an agent step without timeout_minutes fails after this long without a result",
+     &C.agent_timeout_ms, 1000, 86400000},
+    {"UPSQUAD_WF_RELAY_BATCH", CFG_INT, "256", "outbox rows published per relay round",
+     &C.relay_batch, 1, 10000},
+    {"UPSQUAD_WF_SCHEDULE_POLL", CFG_MS, "1s", "how often a replica looks for due schedules",
+     &C.schedule_poll_ms, 50, 60000},
+};
+
+const cfg_var *wf_config_vars(size_t *n) {
+    *n = sizeof vars / sizeof vars[0];
+    return vars;
+}
+
+wf_config *wf_config_get(void) {
+    return &C;
+}
+
+static int set(const char *s) {
+    return s && s[0] && strcmp(s, "none") != 0;
+}
+
+void wf_engine_kick_relay(wf_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    e->relay_kick = 1;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+void wf_engine_kick(wf_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    e->kick = 1;
+    e->relay_kick = 1;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+int wf_engine_migrate(const wf_config *cfg, char *err, size_t errlen) {
+    db_pool *pool = NULL;
+    int applied = 0;
+    if (!set(cfg->migrations_dir))
+        return util_errf(err, errlen, -1, "UPSQUAD_MIGRATIONS_DIR is none");
+    if (db_pool_open(cfg->pg_dsn, 1, &pool, err, errlen) != DB_OK) return -1;
+    int rc = db_migrate(pool, WF_SCHEMA, cfg->migrations_dir, &applied, err, errlen);
+    db_pool_close(pool);
+    if (rc != DB_OK) return -1;
+    log_info("engine.migrated", "%d migration(s) applied", applied);
+    return 0;
+}
+
+static void page_key(wf_engine *e) {
+    const char *k = set(C.page_key) ? C.page_key : getenv("UPSQUAD_JWT_SECRET");
+    unsigned char raw[32];
+    if (k && k[0]) {
+        char hex[65];
+        char buf[512];
+        snprintf(buf, sizeof buf, "workflow-engine page tokens:%s", k);
+        ids_sha256_hex(buf, strlen(buf), hex);
+        for (int i = 0; i < 32; i++) {
+            unsigned v;
+            sscanf(hex + 2 * i, "%2x", &v);
+            raw[i] = (unsigned char)v;
+        }
+    } else {
+        char u[37];
+        ids_uuid_v4(u);
+        ids_sha256_hex(u, strlen(u), (char[65]){0});
+        for (int i = 0; i < 32; i++)
+            raw[i] = (unsigned char)u[i];
+        log_warn("engine.page_key", "no UPSQUAD_WF_PAGE_KEY: page tokens are per process");
+    }
+    memcpy(e->page_key, raw, 32);
+}
+
+static int streams(wf_engine *e, char *err, size_t errlen) {
+    const char *wf[] = {STREAM_WF_EVENTS_SUBJECT_STATUS, STREAM_WF_EVENTS_SUBJECT_LOG};
+    const char *steps[] = {STREAM_AGENT_STEPS_SUBJECTS};
+    const char *results[] = {STREAM_AGENT_RESULTS_SUBJECTS};
+    if (bus_js_stream_ensure(e->bus, STREAM_WF_EVENTS, wf, 2, BUS_RETENTION_LIMITS,
+                             STREAM_WF_EVENTS_MAX_AGE_S, NULL, err, errlen) != BUS_OK ||
+        bus_js_stream_ensure(e->bus, STREAM_AGENT_STEPS, steps, 1, BUS_RETENTION_WORKQUEUE,
+                             STREAM_AGENT_STEPS_MAX_AGE_S, NULL, err, errlen) != BUS_OK ||
+        bus_js_stream_ensure(e->bus, STREAM_AGENT_RESULTS, results, 1, BUS_RETENTION_WORKQUEUE,
+                             STREAM_AGENT_RESULTS_MAX_AGE_S, NULL, err, errlen) != BUS_OK)
+        return -1;
+    return bus_js_pull_subscribe(e->bus, STREAM_AGENT_RESULTS, DURABLE_AGENT_RESULTS,
+                                 STREAM_AGENT_RESULTS_SUBJECTS, 30000, -1, &e->result_sub, err,
+                                 errlen) == BUS_OK
+               ? 0
+               : -1;
+}
+
+/* Providers announce every 30 s (proto/upsquad/internal/v1/tool.proto): a tool not heard of
+ * for three periods is considered unmounted. */
+#define ANNOUNCE_TTL_MS (90 * 1000)
+
+static void take_announce(wf_engine *e, const void *data, int len) {
+    Upsquad__Internal__V1__ToolAnnounce *a =
+        upsquad__internal__v1__tool_announce__unpack(NULL, (size_t)len, data);
+    if (!a) return;
+    int64_t now = wf_now_ms();
+    pthread_mutex_lock(&e->tools_mu);
+    for (size_t i = 0; i < a->n_tools; i++) {
+        const char *t = a->tools[i]->tool;
+        int k = 0;
+        while (k < e->n_announced && strcmp(e->announced[k], t))
+            k++;
+        if (k == e->n_announced) {
+            if (k == 64 || strlen(t) >= sizeof e->announced[0]) continue; /* bounded */
+            snprintf(e->announced[k], sizeof e->announced[k], "%s", t);
+            e->n_announced++;
+        }
+        e->announced_at[k] = now;
+    }
+    pthread_mutex_unlock(&e->tools_mu);
+    protobuf_c_message_free_unpacked(&a->base, NULL);
+}
+
+static void on_announce(bus *b, natsMsg *m, void *ud) {
+    (void)b;
+    if (natsMsg_GetDataLength(m) > 0)
+        take_announce(ud, natsMsg_GetData(m), natsMsg_GetDataLength(m));
+}
+
+int wf_tool_mounted(wf_engine *e, const char *tool) {
+    int64_t now = wf_now_ms();
+    int mounted = 0;
+    pthread_mutex_lock(&e->tools_mu);
+    for (int k = 0; k < e->n_announced; k++)
+        if (!strcmp(e->announced[k], tool)) mounted = now - e->announced_at[k] < ANNOUNCE_TTL_MS;
+    if (e->n_announced == 0) mounted = 1;
+    pthread_mutex_unlock(&e->tools_mu);
+    return mounted;
+}
+
+static void metrics(wf_engine *e) {
+    e->m_transitions =
+        metrics_counter("workflow_engine_transitions_total", "action transitions committed", NULL);
+    e->m_runs_started = metrics_counter("workflow_engine_runs_started_total", "runs created", NULL);
+    e->m_runs_finished =
+        metrics_counter("workflow_engine_runs_finished_total", "runs that reached an end", NULL);
+    e->m_tool_calls = metrics_counter("workflow_engine_tool_requests_total",
+                                      "tool requests sent (retries included)", NULL);
+    e->m_tool_failures = metrics_counter("workflow_engine_tool_failures_total",
+                                         "tool steps whose every attempt failed", NULL);
+    e->m_published =
+        metrics_counter("workflow_engine_outbox_published_total", "outbox rows published", NULL);
+}
+
+int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen) {
+    char host[64] = "localhost";
+    db_pool_opts po;
+    bus_opts bo;
+    memset(e, 0, sizeof *e);
+    e->cfg = cfg;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    pthread_mutex_init(&e->tools_mu, NULL);
+    gethostname(host, sizeof host - 1);
+    char u[37];
+    ids_uuid_v4(u);
+    snprintf(e->instance, sizeof e->instance, "%s:%d:%.8s", host, (int)getpid(), u);
+    metrics(e);
+    page_key(e);
+    if (defn_ctx_load(cfg->schema_file, cfg->catalog_file, NULL, &e->defn, err, errlen) != DEFN_OK)
+        goto fail;
+    db_pool_opts_default(&po);
+    po.size = (int)cfg->pg_pool_size;
+    po.application_name = "workflow-engine";
+    if (db_pool_open_ex(cfg->pg_dsn, &po, &e->pool, err, errlen) != DB_OK) goto fail;
+    if (set(cfg->migrations_dir)) {
+        int applied = 0;
+        if (db_migrate(e->pool, WF_SCHEMA, cfg->migrations_dir, &applied, err, errlen) != DB_OK)
+            goto fail;
+        if (applied) log_info("engine.migrated", "%d migration(s) applied", applied);
+    }
+    bus_opts_default(&bo);
+    if (bus_connect_ex(cfg->nats_url, e->instance, &bo, &e->bus, err, errlen) != BUS_OK) goto fail;
+    if (streams(e, err, errlen)) goto fail;
+    if (bus_subscribe(e->bus, SUBJ_TOOL_ANNOUNCE, NULL, on_announce, e, &e->announce_sub, err,
+                      errlen) != BUS_OK)
+        goto fail;
+    natsMsg *reply = NULL; /* ask the providers already running (one answers now, all in 30 s) */
+    if (bus_request(e->bus, SUBJ_TOOL_ANNOUNCE, "", 0, 500, &reply) == BUS_OK) {
+        take_announce(e, natsMsg_GetData(reply), natsMsg_GetDataLength(reply));
+        natsMsg_Destroy(reply);
+    }
+    e->n_workers = (int)cfg->workers;
+    e->workers = calloc((size_t)e->n_workers, sizeof *e->workers);
+    for (int i = 0; i < e->n_workers; i++)
+        if (pthread_create(&e->workers[i], NULL, wf_interp_thread, e) != 0) {
+            e->n_workers = i;
+            util_errf(err, errlen, -1, "cannot start interpreter threads");
+            goto fail;
+        }
+    if (pthread_create(&e->relay, NULL, wf_relay_thread, e) == 0) e->relay_started = 1;
+    if (pthread_create(&e->results, NULL, wf_results_thread, e) == 0) e->results_started = 1;
+    if (pthread_create(&e->scheduler, NULL, wf_scheduler_thread, e) == 0) e->scheduler_started = 1;
+    if (!e->relay_started || !e->results_started || !e->scheduler_started) {
+        util_errf(err, errlen, -1, "cannot start engine threads");
+        goto fail;
+    }
+    log_info("engine.started", "instance=%s workers=%d", e->instance, e->n_workers);
+    return 0;
+fail:
+    wf_engine_stop(e);
+    return -1;
+}
+
+void wf_engine_stop(wf_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    e->stop = 1;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    for (int i = 0; i < e->n_workers; i++)
+        pthread_join(e->workers[i], NULL);
+    free(e->workers);
+    e->workers = NULL;
+    e->n_workers = 0;
+    if (e->relay_started) pthread_join(e->relay, NULL);
+    if (e->results_started) pthread_join(e->results, NULL);
+    if (e->scheduler_started) pthread_join(e->scheduler, NULL);
+    e->relay_started = e->results_started = e->scheduler_started = 0;
+    bus_unsubscribe(e->announce_sub);
+    e->announce_sub = NULL;
+    bus_pull_close(e->result_sub);
+    e->result_sub = NULL;
+    bus_close(e->bus);
+    e->bus = NULL;
+    db_pool_close(e->pool);
+    e->pool = NULL;
+    defn_ctx_free(e->defn);
+    e->defn = NULL;
+}

@@ -1,0 +1,1166 @@
+/* WorkflowService handlers. Each reads like the spec rule it implements; SQL is in store.c,
+ * run transitions in run.c / interp.c. Rules decided here (docs/workflow-engine.md):
+ *   - org and member come from the verified token; both must be UUIDs (UNAUTHENTICATED).
+ *   - Get/ListWorkflows show the org's team workflows and the caller's own private ones; a
+ *     private workflow of someone else, a deleted one, or another org's is NOT_FOUND. Runs of a
+ *     workflow follow the workflow's visibility (soft delete keeps them readable by id).
+ *   - ids are validated first: empty is INVALID_ARGUMENT "<field> is required", not a UUID is
+ *     INVALID_ARGUMENT "<field> must be a UUID"; nothing changes on any error. */
+#include "handlers.h"
+
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "defn_pb.h"
+#include "ids.h"
+#include "interp.h"
+#include "log.h"
+#include "pagetok.h"
+#include "pbjson.h"
+#include "run.h"
+#include "store.h"
+#include "upsquad/workflow/v1/workflow.pb-c.h"
+#include "wf_expr.h"
+
+#define P(x) Upsquad__Workflow__V1__##x
+#define INIT(x, m) upsquad__workflow__v1__##x##__init(m)
+
+#define NAME_MAX_CHARS 200
+#define DESC_MAX_CHARS 2000
+#define LIST_WF_DEFAULT 50
+#define LIST_WF_MAX 100
+#define LIST_RUNS_DEFAULT 20
+#define LIST_RUNS_MAX 100
+#define REASON_MAX 1000
+#define EVENT_KEY_MAX 128
+#define DELIVERY_ID_MAX 256
+#define EVENT_PAYLOAD_MAX (256 * 1024)
+
+/* ---- arena helpers ---- */
+
+static void *arena_alloc(void *ud, size_t n) {
+    return rpc_alloc(ud, n);
+}
+static void arena_free(void *ud, void *p) {
+    (void)ud;
+    (void)p;
+}
+
+/* A Struct in the call arena from JSON text (an object); NULL for "" or a non-object. */
+static Google__Protobuf__Struct *arena_struct_json(rpc_call *call, const cJSON *obj) {
+    Google__Protobuf__Struct *heap = NULL;
+    char e[256];
+    if (!cJSON_IsObject(obj) || pbjson_struct_from_json(obj, &heap, e, sizeof e) != 0) return NULL;
+    size_t len = protobuf_c_message_get_packed_size(&heap->base);
+    uint8_t *buf = rpc_alloc(call, len ? len : 1);
+    protobuf_c_message_pack(&heap->base, buf);
+    pbjson_struct_free(heap);
+    ProtobufCAllocator a = {arena_alloc, arena_free, call};
+    return (Google__Protobuf__Struct *)protobuf_c_message_unpack(
+        &google__protobuf__struct__descriptor, &a, len, buf);
+}
+
+static Google__Protobuf__Struct *arena_struct(rpc_call *call, const char *json) {
+    if (!json || !json[0]) return NULL;
+    cJSON *o = cJSON_Parse(json);
+    Google__Protobuf__Struct *s = arena_struct_json(call, o);
+    cJSON_Delete(o);
+    return s;
+}
+
+static Google__Protobuf__Timestamp *ts(rpc_call *call, const PGresult *r, int row, int col) {
+    if (st_null(r, row, col)) return NULL;
+    Google__Protobuf__Timestamp *t = rpc_alloc(call, sizeof *t);
+    pbjson_ts_from_ms(t, st_i(r, row, col));
+    return t;
+}
+
+static char *s(rpc_call *call, const PGresult *r, int row, int col) {
+    return rpc_strdup(call, st_s(r, row, col));
+}
+
+/* ---- errors ---- */
+
+static int db_fail(rpc_call *call, int rc, const char *err) {
+    log_error("db.error", "%s: %s (%s)", rpc_method_path(call), err, db_sqlstate());
+    if (rc == DB_ETIMEOUT || rc == DB_ECONN)
+        return rpc_error(call, RPC_UNAVAILABLE, "the database is unavailable; retry");
+    if (rc == DB_ESERIALIZE) return rpc_error(call, RPC_ABORTED, "concurrent update; retry");
+    return rpc_error(call, RPC_INTERNAL, "internal error");
+}
+
+static int need_id(rpc_call *call, const char *field, const char *v) {
+    if (!v || !v[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s is required", field);
+    if (!ids_uuid_valid(v))
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "%s must be a UUID", field);
+    return RPC_OK;
+}
+
+/* The caller: org and member from the verified token. */
+static int caller(rpc_call *call, const auth_identity **id) {
+    *id = rpc_identity(call);
+    if (!*id || !ids_uuid_valid((*id)->org_id) || !ids_uuid_valid((*id)->sub))
+        return rpc_error(call, RPC_UNAUTHENTICATED, "the token's org_id and sub must be UUIDs");
+    return RPC_OK;
+}
+
+static size_t utf8_chars(const char *s) {
+    size_t n = 0;
+    for (; *s; s++)
+        if (((unsigned char)*s & 0xC0) != 0x80) n++;
+    return n;
+}
+
+/* ---- messages ---- */
+
+static P(Workflow) * wf_msg(rpc_call *call, const PGresult *r, int row) {
+    P(Workflow) *w = rpc_alloc(call, sizeof *w);
+    INIT(workflow, w);
+    w->id = s(call, r, row, WF_ID);
+    w->org_id = s(call, r, row, WF_ORG);
+    w->team_id = s(call, r, row, WF_TEAM);
+    w->name = s(call, r, row, WF_NAME);
+    w->description = s(call, r, row, WF_DESC);
+    w->definition = arena_struct(call, st_s(r, row, WF_DEF));
+    w->created_by = s(call, r, row, WF_CREATED_BY);
+    w->status = s(call, r, row, WF_STATUS);
+    w->created_at = ts(call, r, row, WF_CREATED_AT);
+    w->deleted_at = ts(call, r, row, WF_DELETED_AT);
+    w->trigger_type = s(call, r, row, WF_TRIGGER_TYPE);
+    w->enabled = st_b(r, row, WF_ENABLED);
+    w->last_run_status = s(call, r, row, WF_LAST_RUN_STATUS);
+    w->last_run_at = ts(call, r, row, WF_LAST_RUN_AT);
+    w->run_count = (int32_t)st_i(r, row, WF_RUN_COUNT);
+    w->avg_cost_usd = st_d(r, row, WF_AVG_COST);
+    w->updated_at = ts(call, r, row, WF_UPDATED_AT);
+    w->visibility = s(call, r, row, WF_VISIBILITY);
+    return w;
+}
+
+static P(WorkflowRun) * run_msg(rpc_call *call, const PGresult *r, int row) {
+    P(WorkflowRun) *m = rpc_alloc(call, sizeof *m);
+    INIT(workflow_run, m);
+    m->id = s(call, r, row, RUN_ID);
+    m->workflow_id = s(call, r, row, RUN_WF);
+    m->org_id = s(call, r, row, RUN_ORG);
+    m->triggered_by = s(call, r, row, RUN_TRIGGERED_BY);
+    m->status = s(call, r, row, RUN_STATUS);
+    m->context = arena_struct(call, st_s(r, row, RUN_CONTEXT));
+    m->started_at = ts(call, r, row, RUN_STARTED_AT);
+    m->completed_at = ts(call, r, row, RUN_COMPLETED_AT);
+    m->created_at = ts(call, r, row, RUN_CREATED_AT);
+    m->cost_usd = st_d(r, row, RUN_COST);
+    m->paused_at = ts(call, r, row, RUN_PAUSED_AT);
+    m->cancelled_at = ts(call, r, row, RUN_CANCELLED_AT);
+    m->nodes_total = (int32_t)st_i(r, row, RUN_TOTAL);
+    m->nodes_done = (int32_t)st_i(r, row, RUN_DONE);
+    m->display_name = s(call, r, row, RUN_DISPLAY);
+    return m;
+}
+
+static P(WorkflowAction) * action_msg(rpc_call *call, const PGresult *r, int row) {
+    P(WorkflowAction) *a = rpc_alloc(call, sizeof *a);
+    INIT(workflow_action, a);
+    a->id = s(call, r, row, AC_ID);
+    a->run_id = s(call, r, row, AC_RUN);
+    a->org_id = s(call, r, row, AC_ORG);
+    a->step_name = s(call, r, row, AC_STEP);
+    a->agent_id = s(call, r, row, AC_AGENT);
+    a->status = s(call, r, row, AC_STATUS);
+    a->input = arena_struct(call, st_s(r, row, AC_INPUT));
+    a->output = arena_struct(call, st_s(r, row, AC_OUTPUT));
+    a->decided_by = s(call, r, row, AC_DECIDED_BY);
+    a->decided_at = ts(call, r, row, AC_DECIDED_AT);
+    a->created_at = ts(call, r, row, AC_CREATED_AT);
+    a->approval_id = s(call, r, row, AC_APPROVAL);
+    a->cost_usd = st_d(r, row, AC_COST);
+    a->elapsed_ms = st_i(r, row, AC_ELAPSED);
+    a->blocked_by = rpc_strdup(
+        call, wf_project_blocked_by(st_s(r, row, AC_STATUS), st_s(r, row, AC_BLOCKED_BY)));
+    a->iteration = (int32_t)st_i(r, row, AC_ITERATION);
+    return a;
+}
+
+/* ---- definitions ---- */
+
+/* Validates the definition; on success *json_out (malloc'd) is its JSON text. */
+static int validate_definition(rpc_call *call, wf_engine *e, const Google__Protobuf__Struct *def,
+                               const char *field, char **json_out) {
+    *json_out = NULL;
+    if (!def) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s is required", field);
+    cJSON *j = pbjson_struct_to_json(def);
+    char *text = j ? cJSON_PrintUnformatted(j) : NULL;
+    cJSON_Delete(j);
+    if (!text) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s nests too deeply", field);
+    defn_violations v;
+    defn_violations_init(&v);
+    int rc = defn_validate(e->defn, text, strlen(text), &v);
+    if (rc == DEFN_OK) {
+        defn_violations_free(&v);
+        *json_out = text;
+        return RPC_OK;
+    }
+    free(text);
+    if (rc != DEFN_INVALID) {
+        defn_violations_free(&v);
+        return rpc_error(call, RPC_INTERNAL, "definition validation failed");
+    }
+    char summary[600];
+    defn_violations_summary(&v, summary, sizeof summary);
+    defn_pb_error *pb = NULL;
+    if (defn_violations_to_pb(&v, &pb) == 0) {
+        rpc_error_detail(call, &pb->base);
+        defn_violations_pb_free(pb);
+    }
+    defn_violations_free(&v);
+    return rpc_error(call, RPC_INVALID_ARGUMENT, "%s is invalid: %s", field, summary);
+}
+
+static int create_workflow(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                           void *ud) {
+    const P(CreateWorkflowRequest) *rq = (const void *)req;
+    P(CreateWorkflowResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512], uuid[37], *def = NULL;
+    db_tx *tx = NULL;
+    PGresult *r = NULL;
+    int rc = caller(call, &id);
+    if (rc) return rc;
+    if (!rq->name || !rq->name[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "name is required");
+    if (utf8_chars(rq->name) > NAME_MAX_CHARS)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "name must be at most %d characters",
+                         NAME_MAX_CHARS);
+    if (utf8_chars(rq->description) > DESC_MAX_CHARS)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "description must be at most %d characters",
+                         DESC_MAX_CHARS);
+    if (rq->team_id[0] && !ids_uuid_valid(rq->team_id))
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "team_id must be a UUID");
+    const char *vis = rq->visibility[0] ? rq->visibility : "team";
+    if (strcmp(vis, "team") && strcmp(vis, "private"))
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "visibility must be \"team\" or \"private\"");
+    if ((rc = validate_definition(call, e, rq->definition, "definition", &def))) return rc;
+    ids_uuid_v7(uuid);
+    if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err)) ||
+        (rc = st_wf_insert(tx, uuid, id->org_id, rq->team_id, rq->name, rq->description, def,
+                           id->sub, vis, &r, err, sizeof err)) ||
+        (rc = st_audit(tx, id->org_id, id->sub, uuid, "workflow.create", "", err, sizeof err)) ||
+        (rc = db_tx_commit(tx, err, sizeof err))) {
+        tx = NULL;
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    tx = NULL;
+    out->workflow = wf_msg(call, r, 0);
+done:
+    db_tx_rollback(tx);
+    PQclear(r);
+    free(def);
+    return rc;
+}
+
+static int get_workflow(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                        void *ud) {
+    const P(GetWorkflowRequest) *rq = (const void *)req;
+    P(GetWorkflowResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512];
+    db_tx *tx = NULL;
+    PGresult *r = NULL;
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err)) ||
+        (rc = st_wf_get(tx, rq->workflow_id, id->sub, 0, &r, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    if (PQntuples(r) == 0) {
+        rc = rpc_error(call, RPC_NOT_FOUND, "workflow %s not found", rq->workflow_id);
+        goto done;
+    }
+    out->workflow = wf_msg(call, r, 0);
+done:
+    db_tx_rollback(tx);
+    PQclear(r);
+    return rc;
+}
+
+static int valid_wf_status(const char *s) {
+    return !strcmp(s, "draft") || !strcmp(s, "active") || !strcmp(s, "archived");
+}
+
+static int list_workflows(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                          void *ud) {
+    const P(ListWorkflowsRequest) *rq = (const void *)req;
+    P(ListWorkflowsResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512];
+    db_tx *tx = NULL;
+    PGresult *r = NULL;
+    int total = 0, rc = caller(call, &id);
+    if (rc) return rc;
+    if (rq->team_id[0] && !ids_uuid_valid(rq->team_id))
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "team_id must be a UUID");
+    if (rq->status[0] && !valid_wf_status(rq->status))
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "status must be one of draft, active, archived");
+    if (rq->offset < 0) return rpc_error(call, RPC_INVALID_ARGUMENT, "offset must be >= 0");
+    int limit = rq->limit <= 0            ? LIST_WF_DEFAULT
+                : rq->limit > LIST_WF_MAX ? LIST_WF_MAX
+                                          : rq->limit;
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err)) ||
+        (rc = st_wf_list(tx, id->sub, rq->team_id, rq->status, limit, rq->offset, &r, &total, err,
+                         sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    int n = PQntuples(r);
+    out->workflows = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *out->workflows);
+    for (int i = 0; i < n; i++)
+        out->workflows[i] = wf_msg(call, r, i);
+    out->n_workflows = (size_t)n;
+    out->total_count = total;
+done:
+    db_tx_rollback(tx);
+    PQclear(r);
+    return rc;
+}
+
+/* Opens a transaction and locks the caller's visible workflow: RPC_OK, or an error set. */
+static int wf_locked(rpc_call *call, wf_engine *e, const auth_identity *id, const char *wf,
+                     db_tx **tx, PGresult **r) {
+    char err[512];
+    int rc;
+    if ((rc = st_begin(e->pool, id->org_id, id->sub, tx, err, sizeof err)) ||
+        (rc = st_wf_get(*tx, wf, id->sub, 1, r, err, sizeof err)))
+        return db_fail(call, rc, err);
+    if (PQntuples(*r) == 0) return rpc_error(call, RPC_NOT_FOUND, "workflow %s not found", wf);
+    return RPC_OK;
+}
+
+static int update_definition(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                             void *ud) {
+    const P(UpdateWorkflowDefinitionRequest) *rq = (const void *)req;
+    P(UpdateWorkflowDefinitionResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512], *def = NULL;
+    db_tx *tx = NULL;
+    PGresult *r = NULL, *r2 = NULL;
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    if ((rc = validate_definition(call, e, rq->definition, "definition", &def))) return rc;
+    if ((rc = wf_locked(call, e, id, rq->workflow_id, &tx, &r))) goto done;
+    /* run immunity: runs carry their own copy of the definition; this touches only the row */
+    if ((rc = st_wf_update_def(tx, rq->workflow_id, def, &r2, err, sizeof err)) ||
+        (rc = st_audit(tx, id->org_id, id->sub, rq->workflow_id, "workflow.update_definition", "",
+                       err, sizeof err)) ||
+        (rc = db_tx_commit(tx, err, sizeof err))) {
+        tx = NULL;
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    tx = NULL;
+    out->workflow = wf_msg(call, r2, 0);
+done:
+    db_tx_rollback(tx);
+    PQclear(r);
+    PQclear(r2);
+    free(def);
+    return rc;
+}
+
+static int update_status(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                         void *ud) {
+    const P(UpdateWorkflowStatusRequest) *rq = (const void *)req;
+    P(UpdateWorkflowStatusResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512];
+    db_tx *tx = NULL;
+    PGresult *r = NULL, *r2 = NULL;
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    if (!rq->status[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "status is required");
+    if (!valid_wf_status(rq->status))
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "status must be one of draft, active, archived");
+    if ((rc = wf_locked(call, e, id, rq->workflow_id, &tx, &r))) goto done;
+    if ((rc = st_wf_update_status(tx, rq->workflow_id, rq->status, &r2, err, sizeof err)) ||
+        (rc = st_audit(tx, id->org_id, id->sub, rq->workflow_id, "workflow.update_status",
+                       rq->status, err, sizeof err)) ||
+        (rc = db_tx_commit(tx, err, sizeof err))) {
+        tx = NULL;
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    tx = NULL;
+    out->workflow = wf_msg(call, r2, 0);
+done:
+    db_tx_rollback(tx);
+    PQclear(r);
+    PQclear(r2);
+    return rc;
+}
+
+static int set_enabled(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                       void *ud) {
+    const P(SetWorkflowEnabledRequest) *rq = (const void *)req;
+    P(SetWorkflowEnabledResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512], *cfg = NULL;
+    db_tx *tx = NULL;
+    PGresult *r = NULL, *r2 = NULL;
+    int64_t next = 0;
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    const char *type = rq->trigger_type[0] ? rq->trigger_type : "manual";
+    if (strcmp(type, "manual") && strcmp(type, "schedule"))
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "trigger_type must be \"manual\" or \"schedule\"");
+    int schedule = !strcmp(type, "schedule");
+    if (schedule) {
+        if (!rq->trigger_config)
+            return rpc_error(call, RPC_INVALID_ARGUMENT,
+                             "trigger_config is required for a schedule trigger");
+        cJSON *j = pbjson_struct_to_json(rq->trigger_config);
+        cfg = j ? cJSON_PrintUnformatted(j) : NULL;
+        cJSON_Delete(j);
+        if (!cfg || wf_schedule_next(e->pool, cfg, wf_now_ms(), &next, err, sizeof err) != 0) {
+            rc =
+                rpc_error(call, RPC_INVALID_ARGUMENT, "trigger_config: %s", cfg ? err : "not JSON");
+            free(cfg);
+            return rc;
+        }
+    }
+    /* enabled is the schedule-firing gate: always false for a manual workflow */
+    int enabled = schedule && rq->enabled;
+    if ((rc = wf_locked(call, e, id, rq->workflow_id, &tx, &r))) goto done;
+    if (enabled && !strcmp(st_s(r, 0, WF_STATUS), "archived")) {
+        rc = rpc_error(call, RPC_FAILED_PRECONDITION,
+                       "workflow %s is archived; an archived workflow is never scheduled",
+                       rq->workflow_id);
+        goto done;
+    }
+    if ((rc = st_wf_set_trigger(tx, rq->workflow_id, enabled, type, cfg, &r2, err, sizeof err)) ||
+        (rc = enabled ? st_schedule_put(tx, rq->workflow_id, id->org_id, cfg, next, err, sizeof err)
+                      : st_schedule_drop(tx, rq->workflow_id, err, sizeof err)) ||
+        (rc = st_audit(tx, id->org_id, id->sub, rq->workflow_id,
+                       enabled ? "workflow.enable" : "workflow.disable", type, err, sizeof err)) ||
+        (rc = db_tx_commit(tx, err, sizeof err))) {
+        tx = NULL;
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    tx = NULL;
+    out->workflow = wf_msg(call, r2, 0);
+done:
+    db_tx_rollback(tx);
+    PQclear(r);
+    PQclear(r2);
+    free(cfg);
+    return rc;
+}
+
+static int delete_workflow(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                           void *ud) {
+    const P(DeleteWorkflowRequest) *rq = (const void *)req;
+    (void)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512];
+    db_tx *tx = NULL;
+    PGresult *r = NULL;
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    if ((rc = wf_locked(call, e, id, rq->workflow_id, &tx, &r))) goto done;
+    /* soft delete: runs, actions and logs stay, readable by id */
+    if ((rc = st_wf_delete(tx, rq->workflow_id, err, sizeof err)) ||
+        (rc = st_schedule_drop(tx, rq->workflow_id, err, sizeof err)) ||
+        (rc = st_audit(tx, id->org_id, id->sub, rq->workflow_id, "workflow.delete", "", err,
+                       sizeof err)) ||
+        (rc = db_tx_commit(tx, err, sizeof err))) {
+        tx = NULL;
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    tx = NULL;
+done:
+    db_tx_rollback(tx);
+    PQclear(r);
+    return rc;
+}
+
+static int get_tool_catalog(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                            void *ud) {
+    (void)req;
+    P(GetToolCatalogResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    size_t nt, no, k = 0;
+    const defn_tool *tools = defn_catalog_tools(e->defn, &nt);
+    const defn_poll_observation *obs = defn_catalog_observations(e->defn, &no);
+    out->tools = rpc_alloc(call, (nt ? nt : 1) * sizeof *out->tools);
+    for (size_t i = 0; i < nt; i++) {
+        /* gated off, or no provider mounted: omitted, not advertised */
+        if (!tools[i].enabled || !wf_tool_mounted(e, tools[i].tool)) continue;
+        P(ToolCatalogEntry) *t = rpc_alloc(call, sizeof *t);
+        INIT(tool_catalog_entry, t);
+        t->tool = (char *)tools[i].tool;
+        t->description = (char *)(tools[i].description ? tools[i].description : "");
+        t->actions =
+            rpc_alloc(call, (tools[i].n_actions ? tools[i].n_actions : 1) * sizeof *t->actions);
+        for (size_t a = 0; a < tools[i].n_actions; a++) {
+            const defn_tool_action *da = &tools[i].actions[a];
+            P(ToolCatalogAction) *m = rpc_alloc(call, sizeof *m);
+            INIT(tool_catalog_action, m);
+            m->action = (char *)da->action;
+            m->description = (char *)(da->description ? da->description : "");
+            m->args = rpc_alloc(call, (da->n_args ? da->n_args : 1) * sizeof *m->args);
+            for (size_t g = 0; g < da->n_args; g++) {
+                P(ToolCatalogArg) *ar = rpc_alloc(call, sizeof *ar);
+                INIT(tool_catalog_arg, ar);
+                ar->name = (char *)da->args[g].name;
+                ar->type = (char *)da->args[g].type;
+                ar->required = da->args[g].required;
+                ar->description = (char *)(da->args[g].description ? da->args[g].description : "");
+                ar->pinned_literal = da->args[g].pinned_literal;
+                m->args[g] = ar;
+            }
+            m->n_args = da->n_args;
+            t->actions[a] = m;
+        }
+        t->n_actions = tools[i].n_actions;
+        out->tools[k++] = t;
+    }
+    out->n_tools = k;
+    out->poll_observations = rpc_alloc(call, (no ? no : 1) * sizeof *out->poll_observations);
+    for (size_t i = 0; i < no; i++) {
+        P(PollObservation) *p = rpc_alloc(call, sizeof *p);
+        INIT(poll_observation, p);
+        p->tool = (char *)obs[i].tool;
+        p->action = (char *)obs[i].action;
+        p->rationale = (char *)(obs[i].rationale ? obs[i].rationale : "");
+        out->poll_observations[i] = p;
+    }
+    out->n_poll_observations = no;
+    return RPC_OK;
+}
+
+/* ---- runs ---- */
+
+/* A run visible to the caller (its workflow's visibility), loaded in tx. RPC_OK or an error. */
+static int visible_run(rpc_call *call, const auth_identity *id, db_tx *tx, const char *run_id,
+                       int lock, wf_run *r) {
+    char err[512];
+    int found = 0;
+    int rc = wf_run_load(tx, run_id, lock, r, &found, err, sizeof err);
+    if (rc) return db_fail(call, rc, err);
+    if (!found || (!strcmp(r->visibility, "private") && strcmp(r->owner, id->sub))) {
+        wf_run_free(r);
+        return rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
+    }
+    return RPC_OK;
+}
+
+static P(WorkflowRun) * run_now(rpc_call *call, db_tx *tx, const char *run_id, int *rc) {
+    char err[512];
+    PGresult *r = NULL;
+    P(WorkflowRun) *m = NULL;
+    *rc = st_run_row(tx, run_id, &r, err, sizeof err);
+    if (*rc) {
+        *rc = db_fail(call, *rc, err);
+    } else if (PQntuples(r) == 0) {
+        *rc = rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
+    } else {
+        m = run_msg(call, r, 0);
+    }
+    PQclear(r);
+    return m;
+}
+
+static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                            void *ud) {
+    const P(TriggerWorkflowRequest) *rq = (const void *)req;
+    P(TriggerWorkflowResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512], run_id[37], *ctx = NULL;
+    db_tx *tx = NULL;
+    PGresult *w = NULL;
+    cJSON *def = NULL, *cj = NULL;
+    wf_run run = {0};
+    int found = 0;
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    cj = rq->context ? pbjson_struct_to_json(rq->context) : cJSON_CreateObject();
+    if (!cj) return rpc_error(call, RPC_INVALID_ARGUMENT, "context nests too deeply");
+    if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err)) ||
+        (rc = st_wf_get(tx, rq->workflow_id, id->sub, 0, &w, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    if (PQntuples(w) == 0) {
+        rc = rpc_error(call, RPC_NOT_FOUND, "workflow %s not found", rq->workflow_id);
+        goto done;
+    }
+    if (!strcmp(st_s(w, 0, WF_STATUS), "archived")) {
+        rc = rpc_error(call, RPC_FAILED_PRECONDITION, "workflow %s is archived", rq->workflow_id);
+        goto done;
+    }
+    /* the trigger context must satisfy the definition's declared trigger fields */
+    def = cJSON_Parse(st_s(w, 0, WF_DEF));
+    const cJSON *fields = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(def, "trigger"), "fields");
+    if (fields && wf_expr_check_fields(fields, cj, "context", err, sizeof err) != 0) {
+        rc = rpc_error(call, RPC_INVALID_ARGUMENT, "%s", err);
+        goto done;
+    }
+    ctx = cJSON_PrintUnformatted(cj);
+    ids_uuid_v7(run_id);
+    if ((rc = st_run_insert(tx, run_id, id->org_id, rq->workflow_id, id->sub, ctx,
+                            st_s(w, 0, WF_DEF), err, sizeof err)) ||
+        (rc = wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err)) ||
+        (rc = wf_run_transition(&run, "pending", "", err, sizeof err)) ||
+        (rc = wf_run_flush(&run, err, sizeof err)) ||
+        (rc = st_audit(tx, id->org_id, id->sub, run_id, "run.trigger", "", err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    out->run = run_now(call, tx, run_id, &rc);
+    if (rc) goto done;
+    rc = db_tx_commit(tx, err, sizeof err);
+    tx = NULL;
+    if (rc) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    metric_inc(e->m_runs_started);
+    wf_engine_kick(e);
+done:
+    db_tx_rollback(tx);
+    wf_run_free(&run);
+    PQclear(w);
+    cJSON_Delete(def);
+    cJSON_Delete(cj);
+    free(ctx);
+    return rc;
+}
+
+static int get_status(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                      void *ud) {
+    const P(GetWorkflowStatusRequest) *rq = (const void *)req;
+    P(GetWorkflowStatusResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512];
+    db_tx *tx = NULL;
+    PGresult *a = NULL;
+    wf_run run = {0};
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "run_id", rq->run_id))) return rc;
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    if ((rc = visible_run(call, id, tx, rq->run_id, 0, &run))) goto done;
+    if (!(out->run = run_now(call, tx, rq->run_id, &rc))) goto done;
+    if ((rc = st_actions_of(tx, rq->run_id, &a, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    int n = PQntuples(a);
+    out->actions = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *out->actions);
+    for (int i = 0; i < n; i++)
+        out->actions[i] = action_msg(call, a, i);
+    out->n_actions = (size_t)n;
+done:
+    db_tx_rollback(tx);
+    wf_run_free(&run);
+    PQclear(a);
+    return rc;
+}
+
+/* RunStatusFilter -> Postgres text[] of run statuses (NULL: all); -1 for an unknown value. */
+static int status_filter(int f, const char **out) {
+    switch (f) {
+    case UPSQUAD__WORKFLOW__V1__RUN_STATUS_FILTER__RUN_STATUS_FILTER_UNSPECIFIED:
+    case UPSQUAD__WORKFLOW__V1__RUN_STATUS_FILTER__RUN_STATUS_FILTER_ALL:
+        *out = NULL;
+        return 0;
+    case UPSQUAD__WORKFLOW__V1__RUN_STATUS_FILTER__RUN_STATUS_FILTER_ACTIVE:
+        *out = "{pending,running,paused}";
+        return 0;
+    case UPSQUAD__WORKFLOW__V1__RUN_STATUS_FILTER__RUN_STATUS_FILTER_COMPLETED:
+        *out = "{completed}";
+        return 0;
+    case UPSQUAD__WORKFLOW__V1__RUN_STATUS_FILTER__RUN_STATUS_FILTER_FAILED:
+        *out = "{failed,cancelled}";
+        return 0;
+    }
+    return -1;
+}
+
+typedef struct page_q {
+    const char *method, *workflow_id;
+    int filter;
+    int page_size;
+    const char *token;
+} page_q;
+
+/* Runs one keyset page; rows in *res, with *n rows for this page and the next token. */
+static int run_page(rpc_call *call, wf_engine *e, const auth_identity *id, db_tx *tx,
+                    const page_q *q, PGresult **res, int *n, char **next) {
+    char err[512], query[65], after_id[37] = "", after_us[32] = "0", fs[8],
+                              teams[AUTH_MAX_TEAMS * 40 + 4];
+    int64_t us = 0;
+    const char *statuses;
+    if (status_filter(q->filter, &statuses) != 0)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "status_filter %d is not a RunStatusFilter",
+                         q->filter);
+    int size = q->page_size <= 0              ? LIST_RUNS_DEFAULT
+               : q->page_size > LIST_RUNS_MAX ? LIST_RUNS_MAX
+                                              : q->page_size;
+    snprintf(fs, sizeof fs, "%d", q->filter);
+    const char *parts[] = {q->method, id->org_id, id->sub, q->workflow_id, fs};
+    pagetok_query(query, parts, 5);
+    if (q->token && q->token[0]) {
+        if (pagetok_parse(e->page_key, query, q->token, &us, after_id) != 0)
+            return rpc_error(call, RPC_INVALID_ARGUMENT, "page_token is not a token of this query");
+        snprintf(after_us, sizeof after_us, "%lld", (long long)us);
+    }
+    size_t o = 0;
+    teams[o++] = '{';
+    for (size_t i = 0; i < id->n_teams; i++) {
+        if (!ids_uuid_valid(id->teams[i])) continue; /* team units are UUIDs; others match none */
+        o += (size_t)snprintf(teams + o, sizeof teams - o, "%s%s", o > 1 ? "," : "", id->teams[i]);
+    }
+    teams[o++] = '}';
+    teams[o] = 0;
+    int rc = st_run_page(tx, q->workflow_id, id->sub, teams, statuses, after_us, after_id, size,
+                         res, err, sizeof err);
+    if (rc) return db_fail(call, rc, err);
+    *n = PQntuples(*res);
+    *next = "";
+    if (*n > size) {
+        *n = size;
+        char tok[PAGETOK_MAX + 1];
+        if (pagetok_make(e->page_key, query, st_i(*res, size - 1, RUN_STARTED_US),
+                         st_s(*res, size - 1, RUN_ID), tok, sizeof tok) == 0)
+            *next = rpc_strdup(call, tok);
+    }
+    return RPC_OK;
+}
+
+static int list_runs(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                     void *ud) {
+    const P(ListRunsRequest) *rq = (const void *)req;
+    P(ListRunsResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512];
+    db_tx *tx = NULL;
+    PGresult *w = NULL, *r = NULL;
+    int n = 0;
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    /* the workflow must exist for the caller; soft-deleted ones keep their runs listable by id */
+    if ((rc = st_wf_row(tx, rq->workflow_id, &w, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    if (PQntuples(w) == 0 || (!strcmp(st_s(w, 0, WF_VISIBILITY), "private") &&
+                              strcmp(st_s(w, 0, WF_CREATED_BY), id->sub))) {
+        rc = rpc_error(call, RPC_NOT_FOUND, "workflow %s not found", rq->workflow_id);
+        goto done;
+    }
+    page_q q = {"ListRuns", rq->workflow_id, rq->status_filter, rq->page_size, rq->page_token};
+    if ((rc = run_page(call, e, id, tx, &q, &r, &n, &out->next_page_token))) goto done;
+    out->runs = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *out->runs);
+    for (int i = 0; i < n; i++)
+        out->runs[i] = run_msg(call, r, i);
+    out->n_runs = (size_t)n;
+done:
+    db_tx_rollback(tx);
+    PQclear(w);
+    PQclear(r);
+    return rc;
+}
+
+static int prompt_kind(const char *k) {
+    if (!strcmp(k, "user_prompt"))
+        return UPSQUAD__WORKFLOW__V1__RUN_PROMPT_KIND__RUN_PROMPT_KIND_USER_PROMPT;
+    if (!strcmp(k, "approval_gate"))
+        return UPSQUAD__WORKFLOW__V1__RUN_PROMPT_KIND__RUN_PROMPT_KIND_APPROVAL_GATE;
+    if (!strcmp(k, "question_gate"))
+        return UPSQUAD__WORKFLOW__V1__RUN_PROMPT_KIND__RUN_PROMPT_KIND_QUESTION_GATE;
+    return UPSQUAD__WORKFLOW__V1__RUN_PROMPT_KIND__RUN_PROMPT_KIND_UNSPECIFIED;
+}
+
+static int list_visible_runs(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                             void *ud) {
+    const P(ListVisibleRunsRequest) *rq = (const void *)req;
+    P(ListVisibleRunsResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512];
+    db_tx *tx = NULL;
+    PGresult *r = NULL;
+    int n = 0;
+    int rc = caller(call, &id);
+    if (rc) return rc;
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    page_q q = {"ListVisibleRuns", "", rq->status_filter, rq->page_size, rq->page_token};
+    if ((rc = run_page(call, e, id, tx, &q, &r, &n, &out->next_page_token))) goto done;
+    out->runs = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *out->runs);
+    for (int i = 0; i < n; i++) {
+        P(VisibleRunRow) *v = rpc_alloc(call, sizeof *v);
+        INIT(visible_run_row, v);
+        v->run = run_msg(call, r, i);
+        v->workflow_name = s(call, r, i, RUN_WF_NAME);
+        v->display_name = s(call, r, i, RUN_DISPLAY);
+        v->prompt_kind = prompt_kind(st_s(r, i, RUN_PROMPT_KIND));
+        v->_open_prompt_count_case =
+            UPSQUAD__WORKFLOW__V1__VISIBLE_RUN_ROW___OPEN_PROMPT_COUNT_OPEN_PROMPT_COUNT;
+        v->open_prompt_count = (int32_t)st_i(r, i, RUN_OPEN_PROMPTS);
+        v->is_waiting = st_b(r, i, RUN_WAITING);
+        out->runs[i] = v;
+    }
+    out->n_runs = (size_t)n;
+done:
+    db_tx_rollback(tx);
+    PQclear(r);
+    return rc;
+}
+
+/* ---- run control ---- */
+
+enum { CTL_PAUSE, CTL_RESUME, CTL_CANCEL };
+
+/* Pause, resume and cancel share their shape: validate, lock the run, apply the rule, audit
+ * every call, answer with the run as it is now. */
+static int run_control(rpc_call *call, wf_engine *e, int op, const char *run_id, const char *reason,
+                       P(WorkflowRun) * *out) {
+    static const char *const names[] = {"run.pause", "run.resume", "run.cancel"};
+    const auth_identity *id;
+    char err[512];
+    db_tx *tx = NULL;
+    wf_run run = {0};
+    int rc = caller(call, &id), woke = 0;
+    if (rc || (rc = need_id(call, "run_id", run_id))) return rc;
+    if (utf8_chars(reason) > REASON_MAX)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "reason must be at most %d characters",
+                         REASON_MAX);
+    if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    if ((rc = visible_run(call, id, tx, run_id, 1, &run))) goto done;
+    int terminal = wf_run_terminal(run.status);
+    const char *outcome = "noop";
+    if (op == CTL_PAUSE && !terminal && strcmp(run.status, "paused")) {
+        /* takes effect at the next step boundary: no new step starts while paused */
+        rc = wf_run_transition(&run, "paused", reason, err, sizeof err);
+        outcome = "paused";
+    } else if (op == CTL_RESUME) {
+        if (terminal) {
+            rc = rpc_error(call, RPC_FAILED_PRECONDITION, "run %s is %s; nothing to resume", run_id,
+                           run.status);
+            goto done;
+        }
+        if (!strcmp(run.status, "paused")) {
+            if (!(rc = wf_run_transition(&run, "running", reason, err, sizeof err)))
+                rc = st_queue_wake(tx, run_id, err, sizeof err);
+            outcome = "resumed";
+            woke = 1;
+        }
+    } else if (op == CTL_CANCEL && !terminal) {
+        if (!(rc = wf_interp_cancel(&run, err, sizeof err)) &&
+            !(rc = wf_run_transition(&run, "cancelled", reason[0] ? reason : "cancelled", err,
+                                     sizeof err)))
+            rc = st_queue_delete(tx, run_id, err, sizeof err);
+        outcome = "cancelled";
+    }
+    if (rc || (rc = wf_run_flush(&run, err, sizeof err)) ||
+        (rc = st_audit(tx, id->org_id, id->sub, run_id, names[op], reason[0] ? reason : outcome,
+                       err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    if (!(*out = run_now(call, tx, run_id, &rc))) goto done;
+    rc = db_tx_commit(tx, err, sizeof err);
+    tx = NULL;
+    if (rc) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    log_info("run.control", "%s run=%s org=%s by=%s outcome=%s", names[op], run_id, id->org_id,
+             id->sub, outcome);
+    if (woke)
+        wf_engine_kick(e);
+    else
+        wf_engine_kick_relay(e);
+done:
+    db_tx_rollback(tx);
+    wf_run_free(&run);
+    return rc;
+}
+
+static int pause_run(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                     void *ud) {
+    const P(PauseRunRequest) *rq = (const void *)req;
+    return run_control(call, ud, CTL_PAUSE, rq->run_id, rq->reason,
+                       &((P(PauseRunResponse) *)resp)->run);
+}
+static int resume_run(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                      void *ud) {
+    const P(ResumeRunRequest) *rq = (const void *)req;
+    return run_control(call, ud, CTL_RESUME, rq->run_id, rq->reason,
+                       &((P(ResumeRunResponse) *)resp)->run);
+}
+static int cancel_run(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                      void *ud) {
+    const P(CancelRunRequest) *rq = (const void *)req;
+    return run_control(call, ud, CTL_CANCEL, rq->run_id, rq->reason,
+                       &((P(CancelRunResponse) *)resp)->run);
+}
+
+static int key_char_ok(const char *k) {
+    for (; *k; k++)
+        if (!isalnum((unsigned char)*k) && !strchr("_.:-", *k)) return 0;
+    return 1;
+}
+
+static int deliver_event(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                         void *ud) {
+    const P(DeliverWorkflowEventRequest) *rq = (const void *)req;
+    P(DeliverWorkflowEventResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512], *payload = NULL, msg[400];
+    db_tx *tx = NULL;
+    wf_run run = {0};
+    int inserted = 0;
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "run_id", rq->run_id))) return rc;
+    if (!rq->event_key[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "event_key is required");
+    if (strlen(rq->event_key) > EVENT_KEY_MAX || !key_char_ok(rq->event_key))
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "event_key must be 1 to %d characters of [A-Za-z0-9_.:-]", EVENT_KEY_MAX);
+    if (!rq->delivery_id[0])
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "delivery_id is required");
+    if (strlen(rq->delivery_id) > DELIVERY_ID_MAX)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "delivery_id must be at most %d bytes",
+                         DELIVERY_ID_MAX);
+    if (rq->payload.len > EVENT_PAYLOAD_MAX)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "payload must be at most %d bytes",
+                         EVENT_PAYLOAD_MAX);
+    /* an absent payload and an explicit JSON null both normalise to {} */
+    cJSON *pj = rq->payload.len
+                    ? cJSON_ParseWithLength((const char *)rq->payload.data, rq->payload.len)
+                    : cJSON_CreateObject();
+    if (!pj) return rpc_error(call, RPC_INVALID_ARGUMENT, "payload must be JSON");
+    if (cJSON_IsNull(pj)) {
+        cJSON_Delete(pj);
+        pj = cJSON_CreateObject();
+    }
+    payload = cJSON_PrintUnformatted(pj);
+    cJSON_Delete(pj);
+    if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    if ((rc = visible_run(call, id, tx, rq->run_id, 1, &run))) goto done;
+    /* burned durably before anything is signalled; org is the run's own */
+    if ((rc = st_delivery_insert(tx, run.org, run.id, rq->event_key, rq->delivery_id, payload,
+                                 &inserted, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    if (inserted && wf_run_terminal(run.status)) {
+        rc = rpc_error(call, RPC_FAILED_PRECONDITION, "run %s is %s", rq->run_id, run.status);
+        goto done;
+    }
+    out->deduplicated = !inserted;
+    if (inserted) {
+        snprintf(msg, sizeof msg, "event %s delivered (delivery %.200s)", rq->event_key,
+                 rq->delivery_id);
+        if ((rc = st_queue_wake(tx, run.id, err, sizeof err)) ||
+            (rc = wf_emit_log(&run, NULL, "INFO", msg, err, sizeof err)) ||
+            (rc = wf_run_flush(&run, err, sizeof err)) ||
+            (rc = st_audit(tx, run.org, id->sub, run.id, "run.deliver_event", rq->event_key, err,
+                           sizeof err))) {
+            rc = db_fail(call, rc, err);
+            goto done;
+        }
+    }
+    if (!(out->run = run_now(call, tx, rq->run_id, &rc))) goto done;
+    rc = db_tx_commit(tx, err, sizeof err);
+    tx = NULL;
+    if (rc) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    if (inserted) wf_engine_kick(e);
+done:
+    db_tx_rollback(tx);
+    wf_run_free(&run);
+    free(payload);
+    return rc;
+}
+
+/* ---- GetNodeIO redaction (docs/workflow-engine.md, "Node I/O redaction") ---- */
+
+static int classification_floor(const char *c) {
+    if (!strcmp(c, "public")) return 0;
+    if (!strcmp(c, "confidential")) return 3;
+    if (!strcmp(c, "restricted")) return 4;
+    return 2; /* internal */
+}
+
+static int sensitive_key(const char *k) {
+    static const char *const words[] = {"password", "secret",        "token",      "api_key",
+                                        "apikey",   "authorization", "credential", "private_key"};
+    char low[128];
+    size_t i = 0;
+    for (; k[i] && i < sizeof low - 1; i++)
+        low[i] = (char)tolower((unsigned char)k[i]);
+    low[i] = 0;
+    for (size_t w = 0; w < sizeof words / sizeof words[0]; w++)
+        if (strstr(low, words[w])) return 1;
+    return 0;
+}
+
+/* Strips the top-level keys the caller may not see; names them in *red (deduplicated). */
+static void redact(cJSON *obj, int clearance, int floor, const char ***red, size_t *nred,
+                   size_t cap, rpc_call *call) {
+    cJSON *c = obj ? obj->child : NULL;
+    while (c) {
+        cJSON *next = c->next;
+        int strip = clearance < floor || (sensitive_key(c->string) && clearance < 4);
+        if (strip) {
+            int seen = 0;
+            for (size_t i = 0; i < *nred; i++)
+                seen |= !strcmp((*red)[i], c->string);
+            if (!seen && *nred < cap) (*red)[(*nred)++] = rpc_strdup(call, c->string);
+            cJSON_DeleteItemFromObjectCaseSensitive(obj, c->string);
+        }
+        c = next;
+    }
+}
+
+static int get_node_io(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                       void *ud) {
+    const P(GetNodeIORequest) *rq = (const void *)req;
+    P(GetNodeIOResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    char err[512];
+    db_tx *tx = NULL;
+    PGresult *a = NULL;
+    wf_run run = {0};
+    cJSON *in = NULL, *o = NULL;
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "run_id", rq->run_id)) ||
+        (rc = need_id(call, "node_id", rq->node_id)))
+        return rc;
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    if ((rc = visible_run(call, id, tx, rq->run_id, 0, &run))) goto done;
+    if ((rc = st_action_get(tx, rq->run_id, rq->node_id, &a, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    if (PQntuples(a) == 0) {
+        rc = rpc_error(call, RPC_NOT_FOUND, "node %s not found in run %s", rq->node_id, rq->run_id);
+        goto done;
+    }
+    in = cJSON_Parse(st_s(a, 0, AC_INPUT));
+    o = cJSON_Parse(st_s(a, 0, AC_OUTPUT));
+    size_t cap = (size_t)cJSON_GetArraySize(in) + (size_t)cJSON_GetArraySize(o) + 1, nred = 0;
+    const char **red = rpc_alloc(call, cap * sizeof *red);
+    int floor = classification_floor(run.classification);
+    redact(in, id->clearance, floor, &red, &nred, cap, call);
+    redact(o, id->clearance, floor, &red, &nred, cap, call);
+    out->input = cJSON_IsObject(in) ? arena_struct_json(call, in) : NULL;
+    out->output = cJSON_IsObject(o) ? arena_struct_json(call, o) : NULL;
+    out->redacted_fields = (char **)red;
+    out->n_redacted_fields = nred;
+done:
+    db_tx_rollback(tx);
+    wf_run_free(&run);
+    PQclear(a);
+    cJSON_Delete(in);
+    cJSON_Delete(o);
+    return rc;
+}
+
+/* ---- served elsewhere ---- */
+
+static int stream_elsewhere(rpc_call *call, const ProtobufCMessage *req, void *ud) {
+    (void)req;
+    (void)ud;
+    return rpc_error(call, RPC_UNIMPLEMENTED, "%s is served by stream-hub, not by workflow-engine",
+                     rpc_method_path(call));
+}
+
+static int transcript_elsewhere(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                                void *ud) {
+    (void)resp;
+    return stream_elsewhere(call, req, ud);
+}
+
+#define SVC "/upsquad.workflow.v1.WorkflowService/"
+#define D(x) &upsquad__workflow__v1__##x##__descriptor
+#define U(name, req, resp, fn)                                                                     \
+    { SVC name, RPC_UNARY, RPC_AUTH_REQUIRED, D(req), D(resp), fn, NULL, e }
+#define STREAM(name, req, resp)                                                                    \
+    { SVC name, RPC_SERVER_STREAM, RPC_AUTH_REQUIRED, D(req), D(resp), NULL, stream_elsewhere, e }
+
+int wf_handlers_register(rpc_server *srv, wf_engine *e) {
+    const rpc_method methods[] = {
+        U("CreateWorkflow", create_workflow_request, create_workflow_response, create_workflow),
+        U("GetWorkflow", get_workflow_request, get_workflow_response, get_workflow),
+        U("ListWorkflows", list_workflows_request, list_workflows_response, list_workflows),
+        U("UpdateWorkflowDefinition", update_workflow_definition_request,
+          update_workflow_definition_response, update_definition),
+        U("UpdateWorkflowStatus", update_workflow_status_request, update_workflow_status_response,
+          update_status),
+        U("SetWorkflowEnabled", set_workflow_enabled_request, set_workflow_enabled_response,
+          set_enabled),
+        U("DeleteWorkflow", delete_workflow_request, delete_workflow_response, delete_workflow),
+        U("GetToolCatalog", get_tool_catalog_request, get_tool_catalog_response, get_tool_catalog),
+        U("TriggerWorkflow", trigger_workflow_request, trigger_workflow_response, trigger_workflow),
+        U("GetWorkflowStatus", get_workflow_status_request, get_workflow_status_response,
+          get_status),
+        U("ListRuns", list_runs_request, list_runs_response, list_runs),
+        U("ListVisibleRuns", list_visible_runs_request, list_visible_runs_response,
+          list_visible_runs),
+        U("PauseRun", pause_run_request, pause_run_response, pause_run),
+        U("ResumeRun", resume_run_request, resume_run_response, resume_run),
+        U("CancelRun", cancel_run_request, cancel_run_response, cancel_run),
+        U("DeliverWorkflowEvent", deliver_workflow_event_request, deliver_workflow_event_response,
+          deliver_event),
+        U("GetNodeIO", get_node_iorequest, get_node_ioresponse, get_node_io),
+        U("GetNodeTranscript", get_node_transcript_request, get_node_transcript_response,
+          transcript_elsewhere),
+        STREAM("StreamRunStatus", stream_run_status_request, stream_run_status_response),
+        STREAM("StreamRunLogs", stream_run_logs_request, stream_run_logs_response),
+        STREAM("StreamNodeIO", stream_node_iorequest, stream_node_ioresponse),
+        STREAM("StreamVisibleRuns", stream_visible_runs_request, visible_run_event),
+    };
+    return rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
+}

@@ -1,0 +1,1584 @@
+/* The durable interpreter (interp.h; docs/workflow-engine.md "Run model").
+ *
+ * A run is advanced in ticks by whichever replica holds its lease (run_queue). One tick is one
+ * transaction scoped to the run's org: fence the lease, load the run and its actions, walk the
+ * definition from `start` recomputing where the run stands from the actions table (the single
+ * durable truth), apply outcomes that arrived (agent results, tool results, events), create the
+ * actions that become due, and write every transition with its outbox event. Side effects
+ * happen only after that commit: agent steps are outbox rows (published with the idempotency
+ * key as JetStream message id), tool calls are NATS requests made after the commit and
+ * recorded in a second transaction, retried with the same key. A crash at any point leaves
+ * either the transition uncommitted (nothing happened) or committed with its side effect keyed
+ * (a replay returns the recorded result). */
+#include "interp.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ids.h"
+#include "log.h"
+#include "pbjson.h"
+#include "store.h"
+#include "subjects.h"
+#include "upsquad/internal/v1/agent_step.pb-c.h"
+#include "upsquad/internal/v1/tool.pb-c.h"
+#include "wf_expr.h"
+
+enum { SCOPE_DONE, SCOPE_BUSY, SCOPE_FAILED };
+
+#define MAX_JOBS 64
+#define TICKS_PER_CLAIM 32
+
+typedef struct act {
+    char id[37];
+    char *step, *type, *lap;
+    int iteration;
+    char status[20];
+    int attempt;
+    char key[65];
+    cJSON *input, *output, *result;
+    char *feedback;
+    int polls;
+    int64_t deadline_ms, next_poll_ms, started_ms;
+    double cost;
+    char blocked[64], approval[37], agent_id[64];
+    /* pending writes */
+    int is_new, dirty, clear_result, started, finished;
+    double add_cost;
+    int64_t add_in, add_out;
+} act;
+
+typedef struct job {
+    char action_id[37], key[65], step[160], tool[64], action[64], lap[64];
+    int iteration;
+    char *args; /* JSON */
+} job;
+
+typedef struct tick {
+    wf_engine *e;
+    wf_run *run;
+    db_tx *tx;
+    act **acts;
+    size_t n, cap;
+    cJSON *state, *steps;
+    int64_t now, wake_ms;
+    job jobs[MAX_JOBS];
+    int n_jobs;
+    int paused;
+    char reason[512];
+    char err[512];
+    int rc;
+} tick;
+
+/* ---- small helpers ---- */
+
+static const cJSON *item(const cJSON *o, const char *k) {
+    return cJSON_GetObjectItemCaseSensitive(o, k);
+}
+static const char *str(const cJSON *o, const char *k) {
+    const cJSON *v = item(o, k);
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+static int num(const cJSON *o, const char *k, int def) {
+    const cJSON *v = item(o, k);
+    return cJSON_IsNumber(v) ? v->valueint : def;
+}
+static const cJSON *step_def(tick *t, const char *name) {
+    return item(item(t->run->def, "steps"), name);
+}
+
+static void wake_at(tick *t, int64_t ms) {
+    if (ms > 0 && (t->wake_ms == 0 || ms < t->wake_ms)) t->wake_ms = ms;
+}
+
+static void idem_key(const char *run, const char *step, const char *lap, const char *what, int n,
+                     char out[65]) {
+    char buf[1024];
+    /* sha256(run_id:step_name:iteration:attempt) (DESIGN.md); the lap path stands for the
+     * iteration so nested loops never collide */
+    int len = snprintf(buf, sizeof buf, "%s:%s:%s:%s%d", run, step, lap[0] ? lap : "0", what, n);
+    ids_sha256_hex(buf, (size_t)(len < (int)sizeof buf ? len : (int)sizeof buf - 1), out);
+}
+
+static void act_free(act *a) {
+    free(a->step);
+    free(a->type);
+    free(a->lap);
+    free(a->feedback);
+    cJSON_Delete(a->input);
+    cJSON_Delete(a->output);
+    cJSON_Delete(a->result);
+}
+
+static act *find(tick *t, const char *step, const char *lap) {
+    for (size_t i = t->n; i-- > 0;)
+        if (!strcmp(t->acts[i]->step, step) && !strcmp(t->acts[i]->lap, lap)) return t->acts[i];
+    return NULL;
+}
+
+/* The run state's view of one step: its latest lap. */
+static void state_put(tick *t, act *a) {
+    cJSON *s = cJSON_CreateObject();
+    cJSON_AddStringToObject(s, "status", a->status);
+    if (a->output) cJSON_AddItemToObject(s, "output", cJSON_Duplicate(a->output, 1));
+    cJSON_DeleteItemFromObjectCaseSensitive(t->steps, a->step);
+    cJSON_AddItemToObject(t->steps, a->step, s);
+}
+
+static const char *gov_kind(const act *a) {
+    if (!strcmp(a->type, "question")) return "question_gate";
+    if (!strcmp(a->type, "user_input")) return "user_prompt";
+    return "approval_gate";
+}
+
+/* Writes the action (insert or update) and its transition event. */
+static int save(tick *t, act *a) {
+    if (t->rc) return t->rc;
+    char *in = a->input ? cJSON_PrintUnformatted(a->input) : NULL;
+    char *out = a->output ? cJSON_PrintUnformatted(a->output) : NULL;
+    st_action_w w = {.id = a->id,
+                     .org = t->run->org,
+                     .run = t->run->id,
+                     .step = a->step,
+                     .type = a->type,
+                     .lap = a->lap,
+                     .iteration = a->iteration,
+                     .status = a->status,
+                     .attempt = a->attempt,
+                     .key = a->key,
+                     .input = in,
+                     .output = out,
+                     .feedback = a->feedback,
+                     .blocked_by = a->blocked,
+                     .approval_id = a->approval,
+                     .agent_id = a->agent_id,
+                     .polls = a->polls,
+                     .deadline_ms = a->deadline_ms,
+                     .next_poll_ms = a->next_poll_ms,
+                     .clear_result = a->clear_result,
+                     .started = a->started,
+                     .finished = a->finished,
+                     .add_cost = a->add_cost,
+                     .add_in_tokens = a->add_in,
+                     .add_out_tokens = a->add_out};
+    int rc = a->is_new ? st_action_insert(t->tx, &w, t->err, sizeof t->err)
+                       : st_action_update(t->tx, &w, t->err, sizeof t->err);
+    if (rc == DB_OK && a->is_new && (a->add_cost > 0 || a->agent_id[0]))
+        rc = st_action_update(t->tx, &w, t->err, sizeof t->err);
+    if (rc == DB_OK && a->add_cost > 0)
+        rc = st_run_add_cost(t->tx, t->run->id, a->add_cost, t->err, sizeof t->err);
+    a->cost += a->add_cost;
+    if (rc == DB_OK && a->started_ms == 0 && strcmp(a->status, "pending") &&
+        strcmp(a->status, "skipped"))
+        a->started_ms = t->now;
+    wf_node_ev ev = {a->id,
+                     a->step,
+                     a->type,
+                     a->status,
+                     a->blocked,
+                     a->iteration,
+                     a->started_ms ? t->now - a->started_ms : 0,
+                     a->cost,
+                     !strcmp(a->status, "awaiting_approval") ? gov_kind(a) : NULL};
+    if (rc == DB_OK) rc = wf_emit_node(t->run, &ev, t->err, sizeof t->err);
+    metric_inc(t->e->m_transitions);
+    free(in);
+    free(out);
+    a->is_new = a->clear_result = a->started = a->finished = 0;
+    a->add_cost = 0;
+    a->add_in = a->add_out = 0;
+    state_put(t, a);
+    t->rc = rc;
+    return rc;
+}
+
+static act *new_act(tick *t, const char *step, const char *type, const char *lap, int iteration,
+                    const char *status) {
+    /* actions are allocated one by one: callers keep pointers across walks that add more */
+    if (t->n == t->cap) {
+        size_t cap = t->cap ? t->cap * 2 : 32;
+        act **na = realloc(t->acts, cap * sizeof *na);
+        if (!na) return NULL;
+        t->acts = na;
+        t->cap = cap;
+    }
+    act *a = calloc(1, sizeof *a);
+    if (!a) return NULL;
+    t->acts[t->n++] = a;
+    memset(a, 0, sizeof *a);
+    ids_uuid_v7(a->id);
+    a->step = strdup(step);
+    a->type = strdup(type);
+    a->lap = strdup(lap);
+    a->iteration = iteration;
+    snprintf(a->status, sizeof a->status, "%s", status);
+    a->is_new = 1;
+    a->feedback = strdup("");
+    return a;
+}
+
+static void set_status(act *a, const char *status) {
+    snprintf(a->status, sizeof a->status, "%s", status);
+    if (wf_raw_terminal(status)) a->finished = 1;
+}
+
+static void set_output(act *a, cJSON *out) {
+    cJSON_Delete(a->output);
+    if (out && !cJSON_IsObject(out)) { /* an output envelope is an object */
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddItemToObject(o, "value", out);
+        out = o;
+    }
+    a->output = out;
+}
+
+static void fail_act(tick *t, act *a, const char *code, const char *msg) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "error", code);
+    cJSON_AddStringToObject(o, "message", msg);
+    set_output(a, o);
+    set_status(a, "failed");
+    snprintf(t->reason, sizeof t->reason, "step %s failed: %s", a->step, msg);
+    save(t, a);
+    char line[700];
+    snprintf(line, sizeof line, "step %s failed: %s", a->step, msg);
+    if (!t->rc) t->rc = wf_emit_log(t->run, a->id, "ERROR", line, t->err, sizeof t->err);
+}
+
+static void complete_act(tick *t, act *a, cJSON *output) {
+    set_output(a, output);
+    set_status(a, "completed");
+    save(t, a);
+}
+
+/* ---- loading ---- */
+
+static int load_acts(tick *t) {
+    PGresult *r = NULL;
+    int rc = st_actions_load(t->tx, t->run->id, &r, t->err, sizeof t->err);
+    if (rc) return rc;
+    for (int i = 0; i < PQntuples(r); i++) {
+        act *a = new_act(t, st_s(r, i, IA_STEP), st_s(r, i, IA_TYPE), st_s(r, i, IA_LAP),
+                         (int)st_i(r, i, IA_ITERATION), st_s(r, i, IA_STATUS));
+        if (!a) {
+            PQclear(r);
+            return DB_ENOMEM;
+        }
+        a->is_new = 0;
+        snprintf(a->id, sizeof a->id, "%s", st_s(r, i, IA_ID));
+        a->attempt = (int)st_i(r, i, IA_ATTEMPT);
+        snprintf(a->key, sizeof a->key, "%s", st_s(r, i, IA_KEY));
+        a->input = cJSON_Parse(st_s(r, i, IA_INPUT));
+        a->output = cJSON_Parse(st_s(r, i, IA_OUTPUT));
+        a->result = cJSON_Parse(st_s(r, i, IA_RESULT));
+        free(a->feedback);
+        a->feedback = strdup(st_s(r, i, IA_FEEDBACK));
+        a->polls = (int)st_i(r, i, IA_POLLS);
+        a->deadline_ms = st_i(r, i, IA_DEADLINE);
+        a->next_poll_ms = st_i(r, i, IA_NEXT_POLL);
+        a->cost = st_d(r, i, IA_COST);
+        snprintf(a->blocked, sizeof a->blocked, "%s", st_s(r, i, IA_BLOCKED));
+        a->started_ms = st_i(r, i, IA_STARTED);
+        snprintf(a->approval, sizeof a->approval, "%s", st_s(r, i, IA_APPROVAL));
+        state_put(t, a);
+    }
+    PQclear(r);
+    return DB_OK;
+}
+
+/* ---- side effects queued during a tick ---- */
+
+static void add_tool_job(tick *t, act *a, const char *tool, const char *action, const char *key) {
+    if (t->n_jobs >= MAX_JOBS) { /* bounded: the rest wait for the next tick */
+        wake_at(t, t->now);
+        return;
+    }
+    for (int i = 0; i < t->n_jobs; i++)
+        if (!strcmp(t->jobs[i].action_id, a->id)) return;
+    job *j = &t->jobs[t->n_jobs++];
+    memset(j, 0, sizeof *j);
+    snprintf(j->action_id, sizeof j->action_id, "%s", a->id);
+    snprintf(j->key, sizeof j->key, "%s", key);
+    snprintf(j->step, sizeof j->step, "%s", a->step);
+    snprintf(j->tool, sizeof j->tool, "%s", tool);
+    snprintf(j->action, sizeof j->action, "%s", action);
+    snprintf(j->lap, sizeof j->lap, "%s", a->lap);
+    j->iteration = a->iteration;
+    j->args = a->input ? cJSON_PrintUnformatted(a->input) : strdup("{}");
+}
+
+static int dispatch_agent(tick *t, act *a, const cJSON *sd) {
+    Upsquad__Internal__V1__AgentStepDispatch d;
+    Google__Protobuf__Struct *input = NULL;
+    Google__Protobuf__Timestamp now;
+    char e2[256];
+    upsquad__internal__v1__agent_step_dispatch__init(&d);
+    pbjson_ts_now(&now);
+    const cJSON *exp = item(sd, "expects"), *f;
+    size_t ne = (size_t)cJSON_GetArraySize(exp), k = 0;
+    Upsquad__Internal__V1__ExpectedField *ef = calloc(ne ? ne : 1, sizeof *ef);
+    Upsquad__Internal__V1__ExpectedField **efp = calloc(ne ? ne : 1, sizeof *efp);
+    cJSON_ArrayForEach(f, exp) {
+        upsquad__internal__v1__expected_field__init(&ef[k]);
+        ef[k].name = f->string;
+        ef[k].type = (char *)(str(f, "type") ? str(f, "type") : "");
+        ef[k].required = cJSON_IsTrue(item(f, "required"));
+        ef[k].description = (char *)(str(f, "description") ? str(f, "description") : "");
+        efp[k] = &ef[k];
+        k++;
+    }
+    pbjson_struct_from_json(a->input, &input, e2, sizeof e2);
+    const cJSON *goal = item(a->input, "prompt");
+    d.idempotency_key = a->key;
+    d.org_id = t->run->org;
+    d.run_id = t->run->id;
+    d.workflow_id = t->run->wf;
+    d.action_id = a->id;
+    d.step_name = a->step;
+    d.iteration = a->iteration;
+    d.attempt = a->attempt;
+    d.agent_role = (char *)(str(sd, "agent_role") ? str(sd, "agent_role") : "");
+    d.goal = cJSON_IsString(goal) ? goal->valuestring : "";
+    d.input = input;
+    d.expects = efp;
+    d.n_expects = k;
+    d.feedback = a->feedback;
+    d.triggered_by = t->run->triggered_by;
+    d.timeout_ms = (int32_t)t->e->cfg->agent_timeout_ms;
+    d.trace_id = a->key;
+    d.dispatched_at = &now;
+    d.team_id = t->run->team;
+    size_t len = protobuf_c_message_get_packed_size(&d.base);
+    uint8_t *buf = malloc(len ? len : 1);
+    protobuf_c_message_pack(&d.base, buf);
+    int rc = st_outbox_put(t->tx, t->run->org, SUBJ_AGENT_STEP_DISPATCH, a->key, buf, len, t->err,
+                           sizeof t->err);
+    free(buf);
+    free(ef);
+    free(efp);
+    if (input) pbjson_struct_free(input);
+    return rc;
+}
+
+/* ---- starting steps ---- */
+
+static int start_agent(tick *t, act *a, const cJSON *sd) {
+    char e2[300];
+    const char *prompt = str(sd, "prompt");
+    cJSON *goal = wf_expr_render(t->state, prompt ? prompt : "", e2, sizeof e2);
+    if (!goal) {
+        fail_act(t, a, "template", e2);
+        return SCOPE_FAILED;
+    }
+    /* a redo's feedback travels in AgentStepDispatch.feedback; the orchestrator adds it to the
+     * turn, so the goal stays the step's prompt */
+    cJSON *in = cJSON_CreateObject();
+    cJSON_AddStringToObject(in, "agent_role", str(sd, "agent_role") ? str(sd, "agent_role") : "");
+    cJSON_AddItemToObject(in, "prompt", cJSON_IsString(goal) ? goal : cJSON_CreateString(""));
+    if (!cJSON_IsString(goal)) cJSON_Delete(goal);
+    if (a->feedback[0]) cJSON_AddStringToObject(in, "feedback", a->feedback);
+    cJSON_Delete(a->input);
+    a->input = in;
+    a->attempt++;
+    idem_key(t->run->id, a->step, a->lap, "", a->attempt, a->key);
+    set_status(a, "in_progress");
+    a->started = 1;
+    a->clear_result = 1;
+    int tm = num(sd, "timeout_minutes", 0);
+    a->deadline_ms = t->now + (tm > 0 ? (int64_t)tm * 60000 : t->e->cfg->agent_timeout_ms);
+    wake_at(t, a->deadline_ms);
+    if (save(t, a)) return SCOPE_BUSY;
+    t->rc = dispatch_agent(t, a, sd);
+    return SCOPE_BUSY;
+}
+
+static int start_tool(tick *t, act *a, const cJSON *sd) {
+    char e2[300];
+    cJSON *with = item(sd, "with") ? wf_expr_render_tree(t->state, item(sd, "with"), e2, sizeof e2)
+                                   : cJSON_CreateObject();
+    if (!with) {
+        fail_act(t, a, "template", e2);
+        return SCOPE_FAILED;
+    }
+    cJSON_Delete(a->input);
+    a->input = with;
+    a->attempt++;
+    idem_key(t->run->id, a->step, a->lap, "", a->attempt, a->key);
+    set_status(a, "in_progress");
+    a->started = 1;
+    a->clear_result = 1;
+    if (save(t, a)) return SCOPE_BUSY;
+    add_tool_job(t, a, str(sd, "tool"), str(sd, "action"), a->key);
+    return SCOPE_BUSY;
+}
+
+static int start_gate(tick *t, act *a, const cJSON *sd) {
+    char e2[300];
+    cJSON *spec = cJSON_Duplicate(sd, 1);
+    /* render the human-facing text now: the card shows what the run saw */
+    const char *field = !strcmp(a->type, "approval_gate") ? "summary"
+                        : !strcmp(a->type, "user_input")  ? "question"
+                                                          : "prompt";
+    const char *text = str(sd, field);
+    if (text) {
+        cJSON *r = wf_expr_render(t->state, text, e2, sizeof e2);
+        if (!r) {
+            cJSON_Delete(spec);
+            fail_act(t, a, "template", e2);
+            return SCOPE_FAILED;
+        }
+        cJSON_ReplaceItemInObjectCaseSensitive(spec, field, r);
+    }
+    cJSON_Delete(a->input);
+    a->input = spec;
+    ids_uuid_v4(a->approval);
+    const char *kind = gov_kind(a);
+    snprintf(a->blocked, sizeof a->blocked, "%s",
+             !strcmp(kind, "question_gate") ? "awaiting-question" : a->approval);
+    set_status(a, "awaiting_approval");
+    a->started = 1;
+    int tm = num(sd, "timeout_minutes", 0);
+    if (tm > 0) { /* the run's own timer: on_timeout applies at requested_at + N minutes */
+        a->deadline_ms = t->now + (int64_t)tm * 60000;
+        wake_at(t, a->deadline_ms);
+    }
+    if (save(t, a)) return SCOPE_BUSY;
+    char *sj = cJSON_PrintUnformatted(spec);
+    t->rc = st_governance_insert(t->tx, a->approval, t->run->org, t->run->id, a->id, kind,
+                                 num(sd, "required_clearance", 0), sj, t->err, sizeof t->err);
+    free(sj);
+    char line[300];
+    snprintf(line, sizeof line, "step %s is waiting for a person (%s)", a->step, kind);
+    if (!t->rc) t->rc = wf_emit_log(t->run, a->id, "INFO", line, t->err, sizeof t->err);
+    return SCOPE_BUSY;
+}
+
+/* A parked gate whose window closed: its on_timeout decides (docs/workflow-definitions.md). */
+static int gate_timed_out(tick *t, act *a, const cJSON *sd) {
+    if (a->deadline_ms <= 0 || strcmp(a->status, "awaiting_approval")) return SCOPE_BUSY;
+    if (t->now < a->deadline_ms) {
+        wake_at(t, a->deadline_ms);
+        return SCOPE_BUSY;
+    }
+    const char *ot = str(sd, "on_timeout") ? str(sd, "on_timeout") : "";
+    char line[300];
+    snprintf(line, sizeof line, "step %s timed out waiting for a person (on_timeout %s)", a->step,
+             ot[0] ? ot : "none");
+    if (a->approval[0]) t->rc = st_governance_expire(t->tx, a->approval, t->err, sizeof t->err);
+    if (!t->rc) t->rc = wf_emit_log(t->run, a->id, "WARN", line, t->err, sizeof t->err);
+    if (t->rc) return SCOPE_BUSY;
+    a->deadline_ms = 0;
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "answered_by", "timeout");
+    if (!strcmp(a->type, "approval_gate")) {
+        if (!strcmp(ot, "escalate")) {
+            cJSON_Delete(o);
+            set_status(a, "escalated");
+            save(t, a);
+            return SCOPE_BUSY;
+        }
+        cJSON_AddStringToObject(o, "decision", "rejected");
+        cJSON_AddStringToObject(o, "decided_by", "timeout");
+        set_output(a, o);
+        set_status(a, "rejected");
+        save(t, a);
+        if (str(sd, "on_reject")) return SCOPE_DONE;
+        snprintf(t->reason, sizeof t->reason, "step %s was rejected (timed out)", a->step);
+        return SCOPE_FAILED;
+    }
+    int question = !strcmp(a->type, "question");
+    if (!strcmp(ot, "default")) {
+        const char *def = str(sd, question ? "default_option_key" : "default_choice");
+        cJSON_AddStringToObject(o, question ? "option_key" : "choice", def ? def : "");
+        if (question)
+            cJSON_AddObjectToObject(o, "fields");
+        else
+            cJSON_AddStringToObject(o, "text", "");
+        complete_act(t, a, o);
+        return SCOPE_DONE;
+    }
+    if (!strcmp(ot, "continue")) {
+        complete_act(t, a, o);
+        return SCOPE_DONE;
+    }
+    cJSON_Delete(o);
+    fail_act(t, a, "timeout", "nobody answered in time");
+    return SCOPE_FAILED;
+}
+
+/* ---- waits ---- */
+
+static int wait_timed_out(tick *t, act *a, const cJSON *sd) {
+    if (a->deadline_ms <= 0 || t->now < a->deadline_ms) {
+        wake_at(t, a->deadline_ms);
+        return SCOPE_BUSY;
+    }
+    const char *ot = str(sd, "on_timeout");
+    if (ot && !strcmp(ot, "continue")) {
+        cJSON *o = a->output ? cJSON_Duplicate(a->output, 1) : cJSON_CreateObject();
+        cJSON_DeleteItemFromObjectCaseSensitive(o, "timed_out");
+        cJSON_AddBoolToObject(o, "timed_out", 1);
+        complete_act(t, a, o);
+        return SCOPE_DONE;
+    }
+    fail_act(t, a, "timeout", "the wait timed out");
+    return SCOPE_FAILED;
+}
+
+static int advance_wait(tick *t, act *a, const cJSON *sd) {
+    const char *mode = str(sd, "mode");
+    if (mode && !strcmp(mode, "poll")) {
+        const cJSON *poll = item(sd, "poll");
+        if (a->result) { /* an observation arrived: evaluate `until` on it as our output */
+            const cJSON *ok = item(a->result, "ok");
+            a->polls++;
+            a->clear_result = 1;
+            if (cJSON_IsTrue(ok)) {
+                set_output(a, cJSON_Duplicate(item(a->result, "result"), 1));
+                state_put(t, a);
+                if (wf_expr_holds(t->state, item(poll, "until"))) {
+                    cJSON_Delete(a->result);
+                    a->result = NULL;
+                    complete_act(t, a, cJSON_Duplicate(a->output, 1));
+                    return SCOPE_DONE;
+                }
+            }
+            cJSON_Delete(a->result);
+            a->result = NULL;
+            a->next_poll_ms = t->now + (int64_t)num(poll, "interval_seconds", 60) * 1000;
+            save(t, a);
+        }
+        int r = wait_timed_out(t, a, sd);
+        if (r != SCOPE_BUSY) return r;
+        if (a->next_poll_ms <= t->now) {
+            char key[65];
+            idem_key(t->run->id, a->step, a->lap, "poll", a->polls + 1, key);
+            if (strcmp(a->key, key)) {
+                snprintf(a->key, sizeof a->key, "%s", key);
+                save(t, a);
+            }
+            char e2[300];
+            cJSON *with = item(poll, "with")
+                              ? wf_expr_render_tree(t->state, item(poll, "with"), e2, sizeof e2)
+                              : cJSON_CreateObject();
+            if (!with) {
+                fail_act(t, a, "template", e2);
+                return SCOPE_FAILED;
+            }
+            cJSON *keep = a->input;
+            a->input = with;
+            add_tool_job(t, a, str(poll, "tool"), str(poll, "action"), key);
+            a->input = keep;
+            cJSON_Delete(with);
+        } else {
+            wake_at(t, a->next_poll_ms);
+        }
+        return SCOPE_BUSY;
+    }
+    /* signal: the oldest buffered delivery on the key resolves the wait */
+    char *payload = NULL;
+    t->rc = st_delivery_take(t->tx, t->run->id, str(sd, "event_key"), a->id, &payload, t->err,
+                             sizeof t->err);
+    if (t->rc) return SCOPE_BUSY;
+    if (payload) {
+        cJSON *p = cJSON_Parse(payload);
+        free(payload);
+        if (!p || cJSON_IsNull(p)) {
+            cJSON_Delete(p);
+            p = cJSON_CreateObject();
+        }
+        complete_act(t, a, p);
+        return SCOPE_DONE;
+    }
+    return wait_timed_out(t, a, sd);
+}
+
+static int start_wait(tick *t, act *a, const cJSON *sd) {
+    const char *mode = str(sd, "mode");
+    int poll = mode && !strcmp(mode, "poll");
+    snprintf(a->blocked, sizeof a->blocked, "%s", poll ? "waiting-on-poll" : "waiting-on-signal");
+    set_status(a, "waiting");
+    a->started = 1;
+    int tm = num(sd, "timeout_minutes", 0);
+    if (tm > 0) a->deadline_ms = t->now + (int64_t)tm * 60000;
+    a->next_poll_ms = poll ? t->now : 0;
+    a->input = cJSON_CreateObject();
+    if (!poll) cJSON_AddStringToObject(a->input, "event_key", str(sd, "event_key"));
+    if (save(t, a)) return SCOPE_BUSY;
+    return advance_wait(t, a, sd);
+}
+
+/* ---- outcomes ---- */
+
+static int apply_tool_result(tick *t, act *a) {
+    cJSON *r = a->result;
+    a->result = NULL;
+    a->clear_result = 1;
+    if (cJSON_IsTrue(item(r, "ok"))) {
+        const cJSON *res = item(r, "result");
+        complete_act(t, a, res ? cJSON_Duplicate(res, 1) : cJSON_CreateObject());
+        cJSON_Delete(r);
+        return SCOPE_DONE;
+    }
+    char msg[400];
+    snprintf(msg, sizeof msg, "%s: %s", str(r, "error_code") ? str(r, "error_code") : "error",
+             str(r, "error_message") ? str(r, "error_message") : "");
+    fail_act(t, a, str(r, "error_code") ? str(r, "error_code") : "error", msg);
+    cJSON_Delete(r);
+    return SCOPE_FAILED;
+}
+
+/* expects + acceptance: 0 accepted, else feedback in fb. */
+static int accept_output(tick *t, act *a, const cJSON *sd, const cJSON *output, char *fb,
+                         size_t fblen) {
+    const cJSON *exp = item(sd, "expects");
+    if (exp && wf_expr_check_fields(exp, output, "output", fb, fblen) != 0) return -1;
+    const cJSON *acc = item(sd, "acceptance");
+    const cJSON *check = item(acc, "check");
+    if (!check) return 0;
+    /* the check may read the step's own output */
+    cJSON *keep = a->output;
+    a->output = (cJSON *)output;
+    state_put(t, a);
+    int ok = wf_expr_holds(t->state, check);
+    a->output = keep;
+    state_put(t, a);
+    if (ok) return 0;
+    const char *tmpl = str(acc, "feedback");
+    cJSON *r = NULL;
+    if (tmpl) {
+        cJSON *tmp = cJSON_Duplicate(t->state, 1);
+        cJSON *s = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(tmp, "steps"),
+                                                    a->step);
+        if (s) {
+            cJSON_DeleteItemFromObjectCaseSensitive(s, "output");
+            cJSON_AddItemToObject(s, "output", cJSON_Duplicate(output, 1));
+        }
+        char e2[200];
+        r = wf_expr_render(tmp, tmpl, e2, sizeof e2);
+        cJSON_Delete(tmp);
+    }
+    snprintf(fb, fblen, "%s",
+             r && cJSON_IsString(r) ? r->valuestring : "the output failed the acceptance check");
+    cJSON_Delete(r);
+    return -1;
+}
+
+static int apply_agent_result(tick *t, act *a, const cJSON *sd) {
+    cJSON *r = a->result;
+    a->result = NULL;
+    a->clear_result = 1;
+    a->add_cost += cJSON_IsNumber(item(r, "cost_usd")) ? item(r, "cost_usd")->valuedouble : 0;
+    a->add_in += num(r, "input_tokens", 0);
+    a->add_out += num(r, "output_tokens", 0);
+    if (str(r, "agent_id")) snprintf(a->agent_id, sizeof a->agent_id, "%s", str(r, "agent_id"));
+    const char *outcome = str(r, "outcome");
+    int ret = SCOPE_BUSY;
+    if (outcome && !strcmp(outcome, "completed")) {
+        const cJSON *output = item(r, "output");
+        char fb[600];
+        if (accept_output(t, a, sd, output, fb, sizeof fb) == 0) {
+            complete_act(t, a, cJSON_Duplicate(output, 1));
+            ret = SCOPE_DONE;
+        } else {
+            const cJSON *acc = item(sd, "acceptance");
+            int max_redos = num(acc, "max_redos", 0);
+            if (a->attempt - 1 < max_redos) { /* redo with the feedback */
+                char line[800];
+                snprintf(line, sizeof line, "step %s redone (attempt %d): %s", a->step,
+                         a->attempt + 1, fb);
+                free(a->feedback);
+                a->feedback = strdup(fb);
+                set_output(a, cJSON_Duplicate(output, 1));
+                t->rc = wf_emit_log(t->run, a->id, "WARN", line, t->err, sizeof t->err);
+                ret = start_agent(t, a, sd);
+            } else if (str(acc, "on_exhausted") && !strcmp(str(acc, "on_exhausted"), "continue")) {
+                complete_act(t, a, cJSON_Duplicate(output, 1));
+                ret = SCOPE_DONE;
+            } else {
+                set_output(a, cJSON_Duplicate(output, 1));
+                fail_act(t, a, "acceptance", fb);
+                ret = SCOPE_FAILED;
+            }
+        }
+    } else if (outcome &&
+               (!strcmp(outcome, "input_required") || !strcmp(outcome, "interrupt_required"))) {
+        /* parked: the governance row is what the next issue answers */
+        cJSON *spec = cJSON_Duplicate(r, 1);
+        ids_uuid_v4(a->approval);
+        snprintf(a->blocked, sizeof a->blocked, "%s", a->approval);
+        set_status(a, "awaiting_approval");
+        const char *kind = !strcmp(outcome, "input_required") ? "user_prompt" : "approval_gate";
+        if (!save(t, a)) {
+            char *sj = cJSON_PrintUnformatted(spec);
+            t->rc = st_governance_insert(t->tx, a->approval, t->run->org, t->run->id, a->id, kind,
+                                         0, sj, t->err, sizeof t->err);
+            free(sj);
+        }
+        cJSON_Delete(spec);
+    } else {
+        char msg[400];
+        snprintf(msg, sizeof msg, "%s",
+                 str(r, "message") ? str(r, "message") : "agent step failed");
+        fail_act(t, a, str(r, "code") ? str(r, "code") : "failed", msg);
+        ret = SCOPE_FAILED;
+    }
+    cJSON_Delete(r);
+    return ret;
+}
+
+/* ---- the walk ---- */
+
+static int walk_scope(tick *t, const char *entry, const char *lap, int iteration);
+
+/* Every step reachable from entry (inner scopes included) is marked skipped in this lap. */
+static void skip_from(tick *t, const char *entry, const char *lap, int iteration, int depth) {
+    if (!entry || depth > 64 || t->rc) return;
+    const cJSON *sd = step_def(t, entry);
+    if (!sd || find(t, entry, lap)) return;
+    act *a = new_act(t, entry, str(sd, "type") ? str(sd, "type") : "", lap, iteration, "skipped");
+    if (!a || save(t, a)) return;
+    static const char *const refs[] = {"next", "on_approve", "on_reject", "body", "then", "else"};
+    for (size_t i = 0; i < sizeof refs / sizeof refs[0]; i++)
+        skip_from(t, str(sd, refs[i]), lap, iteration, depth + 1);
+    const cJSON *c;
+    cJSON_ArrayForEach(c, item(sd, "branches")) {
+        if (cJSON_IsString(c)) skip_from(t, c->valuestring, lap, iteration, depth + 1);
+    }
+    cJSON_ArrayForEach(c, item(sd, "options"))
+        skip_from(t, str(c, "next"), lap, iteration, depth + 1);
+}
+
+/* Where a resolved step goes next. */
+static const char *next_of(const cJSON *sd, const act *a) {
+    const char *type = str(sd, "type");
+    if (!strcmp(type, "approval_gate"))
+        return !strcmp(a->status, "approved") ? str(sd, "on_approve") : str(sd, "on_reject");
+    if (!strcmp(type, "user_input") || !strcmp(type, "question")) {
+        const char *choice = str(a->output, !strcmp(type, "question") ? "option_key" : "choice");
+        const cJSON *o;
+        cJSON_ArrayForEach(o, item(sd, "options")) {
+            const char *v = str(o, !strcmp(type, "question") ? "key" : "value");
+            if (choice && v && !strcmp(choice, v) && str(o, "next")) return str(o, "next");
+        }
+    }
+    return str(sd, "next");
+}
+
+static void lap_path(char *out, size_t n, const char *lap, int l) {
+    if (lap[0])
+        snprintf(out, n, "%s/%d", lap, l);
+    else
+        snprintf(out, n, "%d", l);
+}
+
+static int walk_loop(tick *t, act *a, const cJSON *sd) {
+    int max = num(sd, "max_iterations", 1);
+    for (;;) {
+        int l = num(a->output, "iterations", 1);
+        char sub[128];
+        lap_path(sub, sizeof sub, a->lap, l);
+        cJSON *prev = cJSON_DetachItemFromObjectCaseSensitive(t->state, "loop");
+        cJSON *loop = cJSON_CreateObject();
+        cJSON_AddNumberToObject(loop, "iteration", l);
+        cJSON_AddNumberToObject(loop, "max_iterations", max);
+        cJSON_AddItemToObject(t->state, "loop", loop);
+        int r = walk_scope(t, str(sd, "body"), sub, l);
+        int done = r == SCOPE_DONE &&
+                   (l >= max || (item(sd, "until") && wf_expr_holds(t->state, item(sd, "until"))));
+        cJSON_DeleteItemFromObjectCaseSensitive(t->state, "loop");
+        if (prev) cJSON_AddItemToObject(t->state, "loop", prev);
+        if (r == SCOPE_FAILED) {
+            fail_act(t, a, "loop", "an iteration failed");
+            return SCOPE_FAILED;
+        }
+        if (r == SCOPE_BUSY || t->rc) return SCOPE_BUSY;
+        if (done) {
+            complete_act(t, a, cJSON_Duplicate(a->output, 1));
+            return SCOPE_DONE;
+        }
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddNumberToObject(o, "iterations", l + 1);
+        set_output(a, o);
+        if (save(t, a)) return SCOPE_BUSY;
+    }
+}
+
+static int walk_parallel(tick *t, act *a, const cJSON *sd) {
+    int busy = 0, failed = 0;
+    const cJSON *b;
+    cJSON_ArrayForEach(b, item(sd, "branches")) {
+        if (!cJSON_IsString(b)) continue;
+        int r = walk_scope(t, b->valuestring, a->lap, a->iteration);
+        if (r == SCOPE_FAILED) failed = 1;
+        if (r == SCOPE_BUSY) busy = 1;
+    }
+    if (failed) { /* a failed branch fails the run */
+        fail_act(t, a, "branch", "a branch failed");
+        return SCOPE_FAILED;
+    }
+    if (busy || t->rc) return SCOPE_BUSY;
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "branches", cJSON_GetArraySize(item(sd, "branches")));
+    complete_act(t, a, o);
+    return SCOPE_DONE;
+}
+
+static int walk_step(tick *t, const char *name, const char *lap, int iteration) {
+    const cJSON *sd = step_def(t, name);
+    const char *type = str(sd, "type");
+    if (!sd || !type) return SCOPE_FAILED;
+    act *a = find(t, name, lap);
+    if (!a) {
+        if (t->paused) return SCOPE_BUSY; /* pause: no new step starts */
+        const char *init = !strcmp(type, "condition") ? "completed" : "in_progress";
+        if (!(a = new_act(t, name, type, lap, iteration, init))) return SCOPE_BUSY;
+        if (!strcmp(type, "agent_action")) return start_agent(t, a, sd);
+        if (!strcmp(type, "tool_action")) return start_tool(t, a, sd);
+        if (!strcmp(type, "wait")) return start_wait(t, a, sd);
+        if (!strcmp(type, "approval_gate") || !strcmp(type, "user_input") ||
+            !strcmp(type, "question"))
+            return start_gate(t, a, sd);
+        if (!strcmp(type, "condition")) {
+            int holds = wf_expr_holds(t->state, item(sd, "if"));
+            cJSON *o = cJSON_CreateObject();
+            cJSON_AddStringToObject(o, "branch", holds ? "then" : "else");
+            a->output = o;
+            a->started = a->finished = 1;
+            if (save(t, a)) return SCOPE_BUSY;
+            /* the untaken arm's steps become skipped */
+            skip_from(t, str(sd, holds ? "else" : "then"), lap, iteration, 0);
+        } else { /* loop, parallel: containers in progress */
+            cJSON *o = cJSON_CreateObject();
+            if (!strcmp(type, "loop")) cJSON_AddNumberToObject(o, "iterations", 1);
+            a->output = o;
+            a->started = 1;
+            if (save(t, a)) return SCOPE_BUSY;
+        }
+    }
+    if (!strcmp(a->status, "failed") || !strcmp(a->status, "rejected")) {
+        if (!strcmp(a->status, "rejected") && !str(sd, "on_reject"))
+            snprintf(t->reason, sizeof t->reason, "step %s was rejected", name);
+        else if (!strcmp(a->status, "rejected"))
+            return SCOPE_DONE; /* routed by on_reject */
+        return SCOPE_FAILED;
+    }
+    if (!strcmp(type, "condition")) {
+        const char *arm = str(a->output, "branch");
+        const char *entry = arm ? str(sd, arm) : NULL;
+        return entry ? walk_scope(t, entry, lap, iteration) : SCOPE_DONE;
+    }
+    if (wf_raw_terminal(a->status)) return SCOPE_DONE;
+    if (!strcmp(type, "loop")) return walk_loop(t, a, sd);
+    if (!strcmp(type, "parallel")) return walk_parallel(t, a, sd);
+    if (!strcmp(type, "wait")) return advance_wait(t, a, sd);
+    if (!strcmp(a->status, "in_progress")) {
+        if (!strcmp(type, "agent_action")) {
+            if (a->result) return apply_agent_result(t, a, sd);
+            if (a->deadline_ms > 0 && t->now >= a->deadline_ms) {
+                fail_act(t, a, "timeout", "the agent step timed out");
+                return SCOPE_FAILED;
+            }
+            wake_at(t, a->deadline_ms);
+            return SCOPE_BUSY;
+        }
+        if (!strcmp(type, "tool_action")) {
+            if (a->result) return apply_tool_result(t, a);
+            /* in progress without a result: (re)invoke with the same key; a provider returns
+             * the recorded result for a key it has executed */
+            add_tool_job(t, a, str(sd, "tool"), str(sd, "action"), a->key);
+            return SCOPE_BUSY;
+        }
+    }
+    if (!strcmp(type, "approval_gate") || !strcmp(type, "user_input") || !strcmp(type, "question"))
+        return gate_timed_out(t, a, sd);
+    return SCOPE_BUSY; /* parked on a person */
+}
+
+static int walk_scope(tick *t, const char *entry, const char *lap, int iteration) {
+    const char *name = entry;
+    int guard = 0;
+    while (name && !t->rc) {
+        if (++guard > 1024) return SCOPE_FAILED;
+        int r = walk_step(t, name, lap, iteration);
+        if (r != SCOPE_DONE) return r;
+        const cJSON *sd = step_def(t, name);
+        act *a = find(t, name, lap);
+        if (!strcmp(str(sd, "type"), "condition") || !a) {
+            name = str(sd, "next");
+        } else {
+            name = next_of(sd, a);
+        }
+    }
+    return SCOPE_DONE;
+}
+
+/* ---- cancel ---- */
+
+static int stop_open_actions(tick *t, const char *why) {
+    t->rc = st_governance_close(t->tx, t->run->id, t->err, sizeof t->err);
+    for (size_t i = 0; i < t->n && !t->rc; i++) {
+        act *a = t->acts[i];
+        if (wf_raw_terminal(a->status)) continue;
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "error", why);
+        set_output(a, o);
+        set_status(a, "failed");
+        save(t, a);
+    }
+    return t->rc;
+}
+
+static void tick_init(tick *t, wf_engine *e, wf_run *run) {
+    memset(t, 0, sizeof *t);
+    t->e = e;
+    t->run = run;
+    t->tx = run->tx;
+    t->now = wf_now_ms();
+    t->state = cJSON_CreateObject();
+    cJSON_AddItemToObject(t->state, "trigger", cJSON_Duplicate(run->context, 1));
+    cJSON *r = cJSON_AddObjectToObject(t->state, "run");
+    cJSON_AddStringToObject(r, "id", run->id);
+    cJSON_AddStringToObject(r, "workflow_id", run->wf);
+    cJSON_AddStringToObject(r, "triggered_by", run->triggered_by);
+    Google__Protobuf__Timestamp ts;
+    char buf[PBJSON_TS_MAX];
+    pbjson_ts_from_ms(&ts, run->started_ms);
+    pbjson_ts_to_rfc3339(&ts, buf, sizeof buf);
+    cJSON_AddStringToObject(r, "started_at", buf);
+    t->steps = cJSON_AddObjectToObject(t->state, "steps");
+}
+
+static void tick_free(tick *t) {
+    for (size_t i = 0; i < t->n; i++)
+        act_free(t->acts[i]), free(t->acts[i]);
+    free(t->acts);
+    for (int i = 0; i < t->n_jobs; i++)
+        free(t->jobs[i].args);
+    cJSON_Delete(t->state);
+}
+
+int wf_interp_cancel(wf_run *r, char *err, size_t errlen) {
+    tick t;
+    tick_init(&t, NULL, r);
+    static wf_engine dummy;
+    t.e = &dummy; /* metrics are NULL-safe */
+    int rc = load_acts(&t);
+    if (!rc) rc = stop_open_actions(&t, "cancelled");
+    if (rc) snprintf(err, errlen, "%s", t.err);
+    tick_free(&t);
+    return rc;
+}
+
+/* ---- one tick ---- */
+
+enum { TICK_LOST = -1, TICK_IDLE = 0, TICK_JOBS = 1, TICK_FINISHED = 2 };
+
+/* Outcomes of the previous tick's tool requests, applied by the next tick of the same lease
+ * (never written on their own: a crash before that tick commits re-requests with the key). */
+static void apply_outcomes(tick *t, const job *done, char *const *results, int n_done) {
+    for (int k = 0; k < n_done; k++) {
+        for (size_t i = 0; i < t->n; i++) {
+            act *a = t->acts[i];
+            if (strcmp(a->id, done[k].action_id) || strcmp(a->key, done[k].key) || a->result)
+                continue;
+            if (!strcmp(a->status, "in_progress") || !strcmp(a->status, "waiting"))
+                a->result = cJSON_Parse(results[k]);
+        }
+    }
+}
+
+/* Runs one tick; on TICK_JOBS the jobs are moved to *jobs (caller frees args). An idle tick
+ * also frees the lease in its own transaction (the run sleeps until *wake_ms or a wake-up). */
+static int run_tick(wf_engine *e, const char *run_id, const char *org, int64_t gen, const job *done,
+                    char *const *results, int n_done, job *jobs, int *n_jobs, int64_t *wake_ms) {
+    char err[512];
+    db_tx *tx = NULL;
+    wf_run run = {0};
+    tick t;
+    int found = 0, held = 0, out = TICK_LOST;
+    memset(&t, 0, sizeof t);
+    *n_jobs = 0;
+    *wake_ms = 0;
+    /* lock order, everywhere: the run row, then its queue row, then its actions */
+    if (st_begin(e->pool, org, NULL, &tx, err, sizeof err) ||
+        wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err) ||
+        st_queue_fence(tx, run_id, e->instance, e->cfg->lease_ms, &held, err, sizeof err) || !held)
+        goto done;
+    if (!found || wf_run_terminal(run.status)) {
+        if (!st_queue_delete(tx, run_id, err, sizeof err) && !db_tx_commit(tx, err, sizeof err))
+            out = TICK_FINISHED;
+        tx = NULL;
+        goto done;
+    }
+    tick_init(&t, e, &run);
+    t.paused = !strcmp(run.status, "paused");
+    if ((t.rc = load_acts(&t))) goto done;
+    apply_outcomes(&t, done, results, n_done);
+    if (!strcmp(run.status, "pending") &&
+        (t.rc = wf_run_transition(&run, "running", "", t.err, sizeof t.err)))
+        goto done;
+    int r = walk_scope(&t, str(run.def, "start"), "", 0);
+    if (t.rc) goto done;
+    int finished = 0;
+    if (r == SCOPE_DONE && !t.paused) {
+        t.rc = wf_run_transition(&run, "completed", "", t.err, sizeof t.err);
+        finished = 1;
+    } else if (r == SCOPE_FAILED) {
+        if (!(t.rc = stop_open_actions(&t, "run failed")))
+            t.rc = wf_run_transition(&run, "failed", t.reason[0] ? t.reason : "a step failed",
+                                     t.err, sizeof t.err);
+        finished = 1;
+    }
+    if (finished && !t.rc) {
+        t.rc = st_queue_delete(tx, run_id, t.err, sizeof t.err);
+        metric_inc(e->m_runs_finished);
+    }
+    if (!finished && !t.rc && t.n_jobs == 0)
+        t.rc = st_queue_release(tx, run_id, e->instance, gen, t.wake_ms, t.err, sizeof t.err);
+    if (t.rc || (t.rc = wf_run_flush(&run, t.err, sizeof t.err)) ||
+        (t.rc = db_tx_commit(tx, t.err, sizeof t.err))) {
+        tx = NULL;
+        goto done;
+    }
+    tx = NULL;
+    wf_engine_kick_relay(e);
+    if (finished) {
+        out = TICK_FINISHED;
+        goto done;
+    }
+    for (int i = 0; i < t.n_jobs; i++) {
+        jobs[i] = t.jobs[i];
+        t.jobs[i].args = NULL;
+    }
+    *n_jobs = t.n_jobs;
+    t.n_jobs = 0;
+    *wake_ms = t.wake_ms;
+    out = *n_jobs ? TICK_JOBS : TICK_IDLE;
+done:
+    if (t.rc) log_error("run.tick", "run=%s: %s (%s)", run_id, t.err, db_sqlstate());
+    db_tx_rollback(tx);
+    if (t.state) tick_free(&t);
+    wf_run_free(&run);
+    return out;
+}
+
+/* One tool call over NATS request/reply, retried with the same key; the outcome as JSON. */
+static char *invoke_tool(wf_engine *e, const char *run_id, const char *org, const job *j) {
+    Upsquad__Internal__V1__ToolInvokeRequest rq;
+    Google__Protobuf__Struct *args = NULL;
+    char subject[160], e2[256];
+    upsquad__internal__v1__tool_invoke_request__init(&rq);
+    cJSON *aj = cJSON_Parse(j->args);
+    pbjson_struct_from_json(aj, &args, e2, sizeof e2);
+    cJSON_Delete(aj);
+    rq.idempotency_key = (char *)j->key;
+    rq.org_id = (char *)org;
+    rq.run_id = (char *)run_id;
+    rq.step_name = (char *)j->step;
+    rq.iteration = j->iteration;
+    rq.tool = (char *)j->tool;
+    rq.action = (char *)j->action;
+    rq.arguments = args;
+    rq.timeout_ms = (int32_t)e->cfg->tool_timeout_ms;
+    rq.trace_id = (char *)j->key;
+    size_t len = protobuf_c_message_get_packed_size(&rq.base);
+    uint8_t *buf = malloc(len ? len : 1);
+    protobuf_c_message_pack(&rq.base, buf);
+    if (args) pbjson_struct_free(args);
+    cJSON *out = cJSON_CreateObject();
+    const char *code = "no_provider";
+    int ok = 0;
+    if (!bus_token_valid(j->tool)) code = "invalid_tool";
+    snprintf(subject, sizeof subject, "%s.%s", SUBJ_TOOL_INVOKE, j->tool);
+    for (long long at = 0;
+         !ok && at < e->cfg->tool_attempts && !e->stop && strcmp(code, "invalid_tool"); at++) {
+        natsMsg *reply = NULL;
+        metric_inc(e->m_tool_calls);
+        int rc = e->bus ? bus_request(e->bus, subject, buf, (int)len, (int)e->cfg->tool_timeout_ms,
+                                      &reply)
+                        : BUS_ECLOSED;
+        if (rc == BUS_OK) {
+            Upsquad__Internal__V1__ToolInvokeResponse *rs =
+                upsquad__internal__v1__tool_invoke_response__unpack(
+                    NULL, (size_t)natsMsg_GetDataLength(reply),
+                    (const uint8_t *)natsMsg_GetData(reply));
+            natsMsg_Destroy(reply);
+            if (!rs) {
+                code = "bad_reply";
+                continue;
+            }
+            if (!rs->ok && rs->retryable && at + 1 < e->cfg->tool_attempts) {
+                protobuf_c_message_free_unpacked(&rs->base, NULL);
+                code = "retryable";
+                continue;
+            }
+            cJSON_AddBoolToObject(out, "ok", rs->ok);
+            cJSON_AddItemToObject(out, "result",
+                                  rs->result ? pbjson_struct_to_json(rs->result)
+                                             : cJSON_CreateObject());
+            cJSON_AddStringToObject(out, "error_code", rs->error_code);
+            cJSON_AddStringToObject(out, "error_message", rs->error_message);
+            cJSON_AddBoolToObject(out, "replayed", rs->replayed);
+            protobuf_c_message_free_unpacked(&rs->base, NULL);
+            ok = 1;
+        } else {
+            code = rc == BUS_ETIMEOUT ? "timeout" : "no_provider";
+            if (rc == BUS_ENORESP) usleep(200000);
+        }
+    }
+    free(buf);
+    if (!ok) {
+        metric_inc(e->m_tool_failures);
+        cJSON_AddBoolToObject(out, "ok", 0);
+        cJSON_AddStringToObject(out, "error_code", code);
+        cJSON_AddStringToObject(out, "error_message",
+                                "the tool provider did not answer within its attempts");
+    }
+    char *s = cJSON_PrintUnformatted(out);
+    cJSON_Delete(out);
+    return s;
+}
+
+static void release(wf_engine *e, const char *run_id, const char *org, int64_t gen,
+                    int64_t wake_ms) {
+    char err[512];
+    db_tx *tx = NULL;
+    if (st_begin(e->pool, org, NULL, &tx, err, sizeof err) ||
+        st_queue_release(tx, run_id, e->instance, gen, wake_ms, err, sizeof err) ||
+        db_tx_commit(tx, err, sizeof err))
+        log_warn("run.release", "run=%s: %s", run_id, err);
+}
+
+typedef struct invoke_arg {
+    wf_engine *e;
+    const char *run_id, *org;
+    const job *j;
+    char *result;
+} invoke_arg;
+
+static void *invoke_thread(void *arg) {
+    invoke_arg *a = arg;
+    a->result = invoke_tool(a->e, a->run_id, a->org, a->j);
+    return NULL;
+}
+
+/* Requests a tick's tool calls at once (one thread each, at most MAX_JOBS), so the tool steps
+ * of parallel branches overlap; one call runs inline. */
+static void invoke_all(wf_engine *e, const char *run_id, const char *org, const job *jobs,
+                       char **results, int n) {
+    invoke_arg args[MAX_JOBS];
+    pthread_t th[MAX_JOBS];
+    int started[MAX_JOBS] = {0};
+    for (int k = 0; k < n; k++) {
+        args[k] = (invoke_arg){e, run_id, org, &jobs[k], NULL};
+        if (n > 1 && k > 0) started[k] = pthread_create(&th[k], NULL, invoke_thread, &args[k]) == 0;
+        if (!started[k] && k > 0) invoke_thread(&args[k]);
+    }
+    invoke_thread(&args[0]);
+    for (int k = 0; k < n; k++) {
+        if (started[k]) pthread_join(th[k], NULL);
+        results[k] = args[k].result;
+    }
+}
+
+static void process_run(wf_engine *e, const char *run_id, const char *org, int64_t gen) {
+    job jobs[MAX_JOBS], done[MAX_JOBS];
+    char *results[MAX_JOBS];
+    int n = 0, n_done = 0;
+    int64_t wake = 0;
+    for (int i = 0; i < TICKS_PER_CLAIM && !e->stop; i++) {
+        int r = run_tick(e, run_id, org, gen, done, results, n_done, jobs, &n, &wake);
+        for (int k = 0; k < n_done; k++) {
+            free(results[k]);
+            free(done[k].args);
+        }
+        n_done = 0;
+        if (r != TICK_JOBS) return; /* idle (released), finished, or the lease was lost */
+        invoke_all(e, run_id, org, jobs, results, n); /* parallel branches run concurrently */
+        for (int k = 0; k < n; k++)
+            done[k] = jobs[k];
+        n_done = n;
+    }
+    for (int k = 0; k < n_done; k++) {
+        free(results[k]);
+        free(done[k].args);
+    }
+    release(e, run_id, org, gen, wf_now_ms());
+}
+
+static void idle_wait(wf_engine *e, long long ms) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += ms / 1000;
+    ts.tv_nsec += (ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&e->mu);
+    if (!e->kick && !e->stop) pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+    e->kick = 0;
+    pthread_mutex_unlock(&e->mu);
+}
+
+void *wf_interp_thread(void *arg) {
+    wf_engine *e = arg;
+    char err[512];
+    while (!e->stop) {
+        db_tx *tx = NULL;
+        PGresult *r = NULL;
+        int claimed = 0;
+        if (st_begin_service(e->pool, &tx, err, sizeof err) == DB_OK &&
+            st_queue_claim(tx, e->instance, e->cfg->lease_ms, 1, &r, err, sizeof err) == DB_OK &&
+            db_tx_commit(tx, err, sizeof err) == DB_OK) {
+            tx = NULL;
+            for (int i = 0; i < PQntuples(r); i++) {
+                claimed++;
+                char run_id[37], org[37];
+                snprintf(run_id, sizeof run_id, "%s", st_s(r, i, 0));
+                snprintf(org, sizeof org, "%s", st_s(r, i, 1));
+                process_run(e, run_id, org, st_i(r, i, 2));
+            }
+        } else if (tx) {
+            log_warn("run.claim", "%s", err);
+        }
+        db_tx_rollback(tx);
+        PQclear(r);
+        if (!claimed) idle_wait(e, e->cfg->idle_poll_ms);
+    }
+    return NULL;
+}
+
+/* ---- agent results ---- */
+
+static char *result_json(const Upsquad__Internal__V1__AgentStepResult *m) {
+    cJSON *o = cJSON_CreateObject();
+    const char *outcome = "failed";
+    switch (m->outcome_case) {
+    case UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_COMPLETED:
+        outcome = "completed";
+        cJSON_AddItemToObject(o, "output",
+                              m->completed->output ? pbjson_struct_to_json(m->completed->output)
+                                                   : cJSON_CreateObject());
+        if (!m->completed->output) {
+            cJSON_DeleteItemFromObjectCaseSensitive(o, "output");
+            cJSON *x = cJSON_AddObjectToObject(o, "output");
+            cJSON_AddStringToObject(x, "text", m->completed->text);
+        }
+        cJSON_AddStringToObject(o, "text", m->completed->text);
+        break;
+    case UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_FAILED:
+        cJSON_AddStringToObject(o, "code", m->failed->code);
+        cJSON_AddStringToObject(o, "message", m->failed->message);
+        cJSON_AddBoolToObject(o, "retryable", m->failed->retryable);
+        break;
+    case UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INPUT_REQUIRED:
+        outcome = "input_required";
+        break;
+    case UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INTERRUPT_REQUIRED:
+        outcome = "interrupt_required";
+        break;
+    default:
+        break;
+    }
+    cJSON_AddStringToObject(o, "outcome", outcome);
+    cJSON_AddStringToObject(o, "session_id", m->session_id);
+    cJSON_AddStringToObject(o, "agent_id", m->agent_id);
+    cJSON_AddNumberToObject(o, "attempt", m->attempt);
+    if (m->usage) {
+        cJSON_AddNumberToObject(o, "cost_usd", m->usage->cost_usd);
+        cJSON_AddNumberToObject(o, "input_tokens", m->usage->input_tokens);
+        cJSON_AddNumberToObject(o, "output_tokens", m->usage->output_tokens);
+        cJSON_AddStringToObject(o, "model", m->usage->model);
+    }
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    return s;
+}
+
+/* 0: handled (ack), -1: retry later (nak). */
+static int take_result(wf_engine *e, natsMsg *msg) {
+    char err[512];
+    Upsquad__Internal__V1__AgentStepResult *m = upsquad__internal__v1__agent_step_result__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(msg), (const uint8_t *)natsMsg_GetData(msg));
+    if (!m) return 0; /* poison: dropped */
+    int rc = 0, applied = 0;
+    if (ids_uuid_valid(m->org_id) && ids_uuid_valid(m->run_id) && ids_uuid_valid(m->action_id)) {
+        char *json = result_json(m);
+        db_tx *tx = NULL;
+        /* queue row before action row: the order a tick takes them in */
+        if (st_begin(e->pool, m->org_id, NULL, &tx, err, sizeof err) ||
+            st_queue_wake(tx, m->run_id, err, sizeof err) ||
+            st_action_put_result(tx, m->action_id, m->idempotency_key, json, &applied, err,
+                                 sizeof err) ||
+            db_tx_commit(tx, err, sizeof err)) {
+            log_warn("agent.result", "run=%s action=%s: %s", m->run_id, m->action_id, err);
+            rc = -1;
+        }
+        free(json);
+    }
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+    if (applied) wf_engine_kick(e);
+    return rc;
+}
+
+void *wf_results_thread(void *arg) {
+    wf_engine *e = arg;
+    char err[256];
+    while (!e->stop) {
+        natsMsgList list = {0};
+        if (bus_js_fetch(e->result_sub, 16, 500, &list, err, sizeof err) != BUS_OK) {
+            usleep(200000);
+            continue;
+        }
+        for (int i = 0; i < list.Count; i++) {
+            if (take_result(e, list.Msgs[i]) == 0)
+                bus_ack(list.Msgs[i]);
+            else
+                bus_nak(list.Msgs[i], 500);
+        }
+        natsMsgList_Destroy(&list);
+    }
+    return NULL;
+}
+
+/* ---- outbox relay ---- */
+
+void *wf_relay_thread(void *arg) {
+    wf_engine *e = arg;
+    char err[512];
+    while (!e->stop) {
+        db_tx *tx = NULL;
+        PGresult *r = NULL;
+        int locked = 0, sent = 0;
+        char ids[8192];
+        size_t o = 0;
+        ids[o++] = '{';
+        if (st_begin_service(e->pool, &tx, err, sizeof err) == DB_OK &&
+            st_outbox_fetch(tx, (int)e->cfg->relay_batch, &locked, &r, err, sizeof err) == DB_OK &&
+            locked) {
+            for (int i = 0; i < PQntuples(r); i++) {
+                const unsigned char *idb = (const unsigned char *)PQgetvalue(r, i, 0);
+                int64_t id = 0;
+                for (int b = 0; b < 8; b++)
+                    id = (id << 8) | idb[b];
+                if (bus_js_publish(e->bus, PQgetvalue(r, i, 1), PQgetvalue(r, i, 3),
+                                   PQgetlength(r, i, 3), PQgetvalue(r, i, 2), NULL, err,
+                                   sizeof err) != BUS_OK) {
+                    log_warn("outbox.publish", "%s: %s", PQgetvalue(r, i, 1), err);
+                    break; /* keep order: retry from here */
+                }
+                o += (size_t)snprintf(ids + o, sizeof ids - o, "%s%lld", sent ? "," : "",
+                                      (long long)id);
+                sent++;
+                if (o > sizeof ids - 40) break;
+            }
+            ids[o++] = '}';
+            ids[o] = 0;
+            if (sent && st_outbox_delete(tx, ids, err, sizeof err) == DB_OK &&
+                db_tx_commit(tx, err, sizeof err) == DB_OK) {
+                tx = NULL;
+                metric_add(e->m_published, sent);
+            }
+        }
+        db_tx_rollback(tx);
+        PQclear(r);
+        if (sent < (int)e->cfg->relay_batch) { /* drained: sleep until a commit kicks us */
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            long long ms = e->cfg->idle_poll_ms;
+            ts.tv_sec += ms / 1000;
+            ts.tv_nsec += (ms % 1000) * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_mutex_lock(&e->mu);
+            if (!e->stop && !e->relay_kick) pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            e->relay_kick = 0;
+            pthread_mutex_unlock(&e->mu);
+        }
+    }
+    return NULL;
+}
+
+/* ---- schedules ---- */
+
+/* One cron field into a Postgres int array text; *star when it was "*". */
+static int cron_field(const char *f, int lo, int hi, char *out, size_t outlen, int *star) {
+    unsigned char set[64] = {0};
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", f);
+    *star = !strcmp(f, "*");
+    for (char *save = NULL, *part = strtok_r(buf, ",", &save); part;
+         part = strtok_r(NULL, ",", &save)) {
+        int a = lo, b = hi, step = 1;
+        char *slash = strchr(part, '/');
+        if (slash) {
+            *slash = 0;
+            char *end;
+            step = (int)strtol(slash + 1, &end, 10);
+            if (*end || step <= 0) return -1;
+        }
+        if (strcmp(part, "*")) {
+            char *end;
+            a = (int)strtol(part, &end, 10);
+            if (end == part) return -1;
+            b = a;
+            if (*end == '-') {
+                char *e2;
+                b = (int)strtol(end + 1, &e2, 10);
+                if (e2 == end + 1 || *e2) return -1;
+            } else if (*end) {
+                return -1;
+            } else if (slash) {
+                b = hi;
+            }
+        }
+        if (a < lo || b > hi || a > b) return -1;
+        for (int v = a; v <= b; v += step)
+            set[v] = 1;
+    }
+    size_t o = 0;
+    out[o++] = '{';
+    for (int v = lo; v <= hi; v++)
+        if (set[v])
+            o += (size_t)snprintf(out + o, outlen - o, "%s%d", o > 1 ? "," : "",
+                                  v % (hi == 7 ? 7 : 1000));
+    if (o == 1) return -1;
+    out[o++] = '}';
+    out[o] = 0;
+    return 0;
+}
+
+int wf_schedule_next(db_pool *p, const char *spec_json, int64_t after_ms, int64_t *next_ms,
+                     char *err, size_t errlen) {
+    cJSON *spec = cJSON_Parse(spec_json);
+    int rc = -1;
+    const cJSON *iv = item(spec, "interval_seconds");
+    const char *cron = str(spec, "cron");
+    const char *tz = str(spec, "timezone") ? str(spec, "timezone") : "UTC";
+    if (!cJSON_IsObject(spec)) {
+        snprintf(err, errlen, "must be an object");
+    } else if (iv) {
+        if (!cJSON_IsNumber(iv) || iv->valuedouble < 1 || iv->valuedouble > 86400 * 366 ||
+            iv->valuedouble != (double)(int64_t)iv->valuedouble) {
+            snprintf(err, errlen, "interval_seconds must be an integer from 1 to 31622400");
+        } else {
+            int64_t step = (int64_t)iv->valuedouble * 1000;
+            *next_ms = (after_ms / step + 1) * step; /* epoch-aligned slots */
+            rc = 0;
+        }
+    } else if (!cron) {
+        snprintf(err, errlen, "cron (\"m h dom mon dow\") or interval_seconds is required");
+    } else {
+        char f[5][64], arr[5][256];
+        int stars[5];
+        static const int lo[] = {0, 0, 1, 1, 0}, hi[] = {59, 23, 31, 12, 7};
+        if (sscanf(cron, "%63s %63s %63s %63s %63s", f[0], f[1], f[2], f[3], f[4]) != 5) {
+            snprintf(err, errlen, "cron must have five fields: minute hour day month weekday");
+            goto done;
+        }
+        for (int i = 0; i < 5; i++)
+            if (cron_field(f[i], lo[i], hi[i], arr[i], sizeof arr[i], &stars[i]) != 0) {
+                snprintf(err, errlen, "cron field %d (\"%s\") is not valid", i + 1, f[i]);
+                goto done;
+            }
+        char e2[256];
+        if (st_cron_next(p, arr[0], arr[1], arr[2], arr[3], arr[4], stars[2], stars[4], tz,
+                         after_ms, next_ms, e2, sizeof e2) != DB_OK) {
+            snprintf(err, errlen, "timezone \"%s\" is not known", tz);
+            goto done;
+        }
+        if (*next_ms < 0) {
+            snprintf(err, errlen, "cron never fires within 400 days");
+            goto done;
+        }
+        rc = 0;
+    }
+done:
+    cJSON_Delete(spec);
+    return rc;
+}
+
+/* Fires one due schedule; 1 when one was handled. A (workflow, slot) firing row makes each
+ * firing start exactly one run however many replicas see it. */
+static int fire_one(wf_engine *e) {
+    char err[512], run_id[37], wf[37], org[37];
+    db_tx *tx = NULL;
+    PGresult *r = NULL, *w = NULL;
+    wf_run run = {0};
+    int handled = 0, inserted = 0, found = 0;
+    if (st_begin_service(e->pool, &tx, err, sizeof err) ||
+        st_schedule_due(tx, &r, err, sizeof err) || PQntuples(r) == 0)
+        goto done;
+    handled = 1;
+    snprintf(wf, sizeof wf, "%s", st_s(r, 0, 0));
+    snprintf(org, sizeof org, "%s", st_s(r, 0, 1));
+    int64_t slot = st_i(r, 0, 3), next = 0;
+    if (st_scope_org(tx, org, err, sizeof err) || st_wf_row(tx, wf, &w, err, sizeof err)) goto fail;
+    if (PQntuples(w) == 0 || !st_null(w, 0, WF_DELETED_AT) || !st_b(w, 0, WF_ENABLED) ||
+        strcmp(st_s(w, 0, WF_STATUS), "archived") == 0) {
+        if (st_schedule_drop(tx, wf, err, sizeof err)) goto fail;
+    } else {
+        ids_uuid_v7(run_id);
+        if (st_firing_insert(tx, org, wf, slot, run_id, &inserted, err, sizeof err)) goto fail;
+        if (inserted &&
+            (st_run_insert(tx, run_id, org, wf, NULL, "{}", st_s(w, 0, WF_DEF), err, sizeof err) ||
+             wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err) ||
+             wf_run_transition(&run, "pending", "schedule", err, sizeof err) ||
+             wf_run_flush(&run, err, sizeof err)))
+            goto fail;
+        int64_t now = wf_now_ms();
+        if (wf_schedule_next(e->pool, st_s(r, 0, 2), now > slot ? now : slot, &next, err,
+                             sizeof err) ||
+            st_schedule_advance(tx, wf, next, err, sizeof err))
+            goto fail;
+    }
+    if (db_tx_commit(tx, err, sizeof err)) {
+        tx = NULL;
+        goto fail;
+    }
+    tx = NULL;
+    if (inserted) {
+        log_info("schedule.fired", "workflow=%s run=%s", wf, run_id);
+        metric_inc(e->m_runs_started);
+        wf_engine_kick(e);
+    }
+    goto done;
+fail:
+    log_warn("schedule.fire", "workflow=%s: %s", wf, err);
+    handled = 0; /* back off for a poll period rather than spin on a failing schedule */
+done:
+    db_tx_rollback(tx);
+    wf_run_free(&run);
+    PQclear(r);
+    PQclear(w);
+    return handled;
+}
+
+void *wf_scheduler_thread(void *arg) {
+    wf_engine *e = arg;
+    while (!e->stop) {
+        if (!fire_one(e)) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            long long ms = e->cfg->schedule_poll_ms;
+            ts.tv_sec += ms / 1000;
+            ts.tv_nsec += (ms % 1000) * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_mutex_lock(&e->mu);
+            if (!e->stop) pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            pthread_mutex_unlock(&e->mu);
+        }
+    }
+    return NULL;
+}

@@ -1,0 +1,29 @@
+/* The durable interpreter: leases runs from the run queue, advances them through the
+ * definition they started with, dispatches side effects with idempotency keys, and records
+ * every transition (with its outbox events) before acting on it. See docs/workflow-engine.md. */
+#ifndef WF_INTERP_H
+#define WF_INTERP_H
+
+#include "run.h"
+#include "wf.h"
+
+/* Interpreter thread body (arg: wf_engine *). */
+void *wf_interp_thread(void *arg);
+/* Agent results consumer thread body. */
+void *wf_results_thread(void *arg);
+/* Outbox relay thread body. */
+void *wf_relay_thread(void *arg);
+/* Schedule firing thread body. */
+void *wf_scheduler_thread(void *arg);
+
+/* CancelRun inside the caller's transaction: every action not yet terminal fails as
+ * cancelled (emitting its transition), open governance rows close. */
+int wf_interp_cancel(wf_run *r, char *err, size_t errlen);
+
+/* Parses a schedule trigger_config ({"cron": "m h dom mon dow", "timezone": "Area/City"} or
+ * {"interval_seconds": N}) and computes the first firing after after_ms. 0, or -1 with err
+ * naming the field. */
+int wf_schedule_next(db_pool *p, const char *spec_json, int64_t after_ms, int64_t *next_ms,
+                     char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,286 @@
+/* Every SQL statement of the workflow engine (schema workflow_engine, migrations/).
+ *
+ * Tenant work runs in transactions scoped with SET LOCAL app.org_id and app.member_id
+ * (st_begin); the row-level security policies of every table confine each statement to the
+ * org. Service work (claiming runs, relaying the outbox, firing schedules) runs in
+ * transactions that set app.service = 'on', which only the id-and-timer tables admit
+ * (st_begin_service).
+ *
+ * Reads return a PGresult (caller PQclears) whose columns are listed next to each function
+ * (the *_COL enums). Timestamps come back as integer milliseconds since the epoch (NULL: "").
+ * Functions return DB_OK or a DB_E* code with err. */
+#ifndef WF_STORE_H
+#define WF_STORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "db.h"
+
+int st_begin(db_pool *p, const char *org_id, const char *member_id, db_tx **out, char *err,
+             size_t errlen);
+/* The same with DB_TX_* flags: reads that return several result sets (a run and its actions,
+ * a count and a page) use DB_TX_REPEATABLE_READ | DB_TX_READ_ONLY, one consistent snapshot. */
+int st_begin_ex(db_pool *p, const char *org_id, const char *member_id, int flags, db_tx **out,
+                char *err, size_t errlen);
+#define ST_SNAPSHOT (DB_TX_REPEATABLE_READ | DB_TX_READ_ONLY)
+int st_begin_service(db_pool *p, db_tx **out, char *err, size_t errlen);
+/* Switches an open service transaction to one org (for work found by a service scan). */
+int st_scope_org(db_tx *tx, const char *org_id, char *err, size_t errlen);
+
+/* Column helpers: "" for NULL. */
+const char *st_s(const PGresult *r, int row, int col);
+int64_t st_i(const PGresult *r, int row, int col);
+double st_d(const PGresult *r, int row, int col);
+int st_b(const PGresult *r, int row, int col);
+int st_null(const PGresult *r, int row, int col);
+
+/* ---- workflows: rows in WF_* columns ---- */
+enum {
+    WF_ID,
+    WF_ORG,
+    WF_TEAM,
+    WF_NAME,
+    WF_DESC,
+    WF_DEF,
+    WF_CREATED_BY,
+    WF_STATUS,
+    WF_CREATED_AT,
+    WF_DELETED_AT,
+    WF_TRIGGER_TYPE,
+    WF_ENABLED,
+    WF_LAST_RUN_STATUS,
+    WF_LAST_RUN_AT,
+    WF_RUN_COUNT,
+    WF_AVG_COST,
+    WF_UPDATED_AT,
+    WF_VISIBILITY,
+    WF_TRIGGER_CONFIG,
+    WF_CLASSIFICATION,
+    WF_NCOLS
+};
+int st_wf_insert(db_tx *tx, const char *id, const char *org, const char *team, const char *name,
+                 const char *desc, const char *def_json, const char *created_by,
+                 const char *visibility, PGresult **out, char *err, size_t errlen);
+/* A live (not deleted) workflow the member may see (team workflows: the org; private: owner).
+ * Zero rows when absent. */
+int st_wf_get(db_tx *tx, const char *id, const char *member, int lock, PGresult **out, char *err,
+              size_t errlen);
+int st_wf_list(db_tx *tx, const char *member, const char *team, const char *status, int limit,
+               int offset, PGresult **out, int *total, char *err, size_t errlen);
+int st_wf_update_def(db_tx *tx, const char *id, const char *def_json, PGresult **out, char *err,
+                     size_t errlen);
+int st_wf_update_status(db_tx *tx, const char *id, const char *status, PGresult **out, char *err,
+                        size_t errlen);
+int st_wf_set_trigger(db_tx *tx, const char *id, int enabled, const char *trigger_type,
+                      const char *trigger_config, PGresult **out, char *err, size_t errlen);
+/* Any workflow of the org by id, deleted or private included (the scheduler's view). */
+int st_wf_row(db_tx *tx, const char *id, PGresult **out, char *err, size_t errlen);
+int st_wf_delete(db_tx *tx, const char *id, char *err, size_t errlen);
+
+/* ---- schedules ---- */
+int st_schedule_put(db_tx *tx, const char *wf, const char *org, const char *spec_json,
+                    int64_t next_fire_ms, char *err, size_t errlen);
+int st_schedule_drop(db_tx *tx, const char *wf, char *err, size_t errlen);
+/* Service: one due schedule, locked (SKIP LOCKED). Columns: workflow_id, org_id, spec,
+ * next_fire_at ms. */
+int st_schedule_due(db_tx *tx, PGresult **out, char *err, size_t errlen);
+int st_schedule_advance(db_tx *tx, const char *wf, int64_t next_fire_ms, char *err, size_t errlen);
+/* 1 when the firing (wf, slot) was new, 0 when another replica already fired it. */
+int st_firing_insert(db_tx *tx, const char *org, const char *wf, int64_t slot_ms,
+                     const char *run_id, int *inserted, char *err, size_t errlen);
+/* Next minute strictly after after_ms whose wall-clock fields in time zone tz are in the
+ * given sets (Postgres arrays as text, "{0,15,30}"); -1 when none within 400 days. Returns
+ * DB_ERR for an unknown time zone. */
+int st_cron_next(db_pool *p, const char *mins, const char *hours, const char *doms,
+                 const char *months, const char *dows, int dom_star, int dow_star, const char *tz,
+                 int64_t after_ms, int64_t *next_ms, char *err, size_t errlen);
+
+/* ---- audit and logs ---- */
+int st_audit(db_tx *tx, const char *org, const char *member, const char *subject,
+             const char *action, const char *reason, char *err, size_t errlen);
+int st_log(db_tx *tx, const char *org, const char *run, const char *action_id, const char *level,
+           const char *message, char *err, size_t errlen);
+
+/* ---- runs ---- */
+int st_run_insert(db_tx *tx, const char *id, const char *org, const char *wf,
+                  const char *triggered_by, const char *context_json, const char *def_json,
+                  char *err, size_t errlen);
+/* The run with its workflow's scope, for the interpreter and run control. lock: FOR UPDATE.
+ * Zero rows when absent (or another org's: RLS). */
+enum {
+    RL_ID,
+    RL_ORG,
+    RL_WF,
+    RL_TRIGGERED_BY,
+    RL_STATUS,
+    RL_CONTEXT,
+    RL_DEF,
+    RL_DISPLAY,
+    RL_SEQ,
+    RL_COST,
+    RL_STARTED_AT,
+    RL_COMPLETED_AT,
+    RL_WF_NAME,
+    RL_TEAM,
+    RL_VISIBILITY,
+    RL_OWNER,
+    RL_CLASSIFICATION,
+    RL_NCOLS
+};
+int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *err, size_t errlen);
+/* WorkflowRun rows (RUN_* columns), node counts populated. */
+enum {
+    RUN_ID,
+    RUN_WF,
+    RUN_ORG,
+    RUN_TRIGGERED_BY,
+    RUN_STATUS,
+    RUN_CONTEXT,
+    RUN_STARTED_AT,
+    RUN_COMPLETED_AT,
+    RUN_CREATED_AT,
+    RUN_COST,
+    RUN_PAUSED_AT,
+    RUN_CANCELLED_AT,
+    RUN_TOTAL,
+    RUN_DONE,
+    RUN_DISPLAY,
+    RUN_WF_NAME,
+    RUN_PROMPT_KIND,
+    RUN_OPEN_PROMPTS,
+    RUN_WAITING,
+    RUN_STARTED_US,
+    RUN_NCOLS
+};
+int st_run_row(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen);
+/* Keyset page (started_at DESC, id DESC) after cursor (after_us, after_id; after_id NULL: from
+ * the newest). wf NULL: across workflows, limited to the member's visible ones (teams: Postgres
+ * array text). statuses: array text or NULL for all. Returns limit + 1 rows at most. */
+int st_run_page(db_tx *tx, const char *wf, const char *member, const char *teams,
+                const char *statuses, const char *after_us, const char *after_id, int limit,
+                PGresult **out, char *err, size_t errlen);
+/* Sets the run's status and its timestamps (completed_at on a terminal status, paused_at on
+ * paused, cleared on running, cancelled_at on cancelled), reason, and event_seq. */
+int st_run_set_status(db_tx *tx, const char *run_id, const char *status, const char *reason,
+                      char *err, size_t errlen);
+int st_run_set_seq(db_tx *tx, const char *run_id, int64_t seq, char *err, size_t errlen);
+int st_run_add_cost(db_tx *tx, const char *run_id, double cost, char *err, size_t errlen);
+
+/* ---- actions ---- */
+/* WorkflowAction rows, ordered (created_at, iteration, id). */
+enum {
+    AC_ID,
+    AC_RUN,
+    AC_ORG,
+    AC_STEP,
+    AC_AGENT,
+    AC_STATUS,
+    AC_INPUT,
+    AC_OUTPUT,
+    AC_DECIDED_BY,
+    AC_DECIDED_AT,
+    AC_CREATED_AT,
+    AC_APPROVAL,
+    AC_COST,
+    AC_ELAPSED,
+    AC_BLOCKED_BY,
+    AC_ITERATION,
+    AC_TYPE,
+    AC_NCOLS
+};
+int st_actions_of(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen);
+int st_action_get(db_tx *tx, const char *run_id, const char *action_id, PGresult **out, char *err,
+                  size_t errlen);
+/* The interpreter's view of every action of a run (IA_* columns), in creation order. */
+enum {
+    IA_ID,
+    IA_STEP,
+    IA_TYPE,
+    IA_LAP,
+    IA_ITERATION,
+    IA_STATUS,
+    IA_ATTEMPT,
+    IA_KEY,
+    IA_INPUT,
+    IA_OUTPUT,
+    IA_RESULT,
+    IA_FEEDBACK,
+    IA_POLLS,
+    IA_DEADLINE,
+    IA_NEXT_POLL,
+    IA_COST,
+    IA_BLOCKED,
+    IA_STARTED,
+    IA_APPROVAL,
+    IA_NCOLS
+};
+int st_actions_load(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen);
+typedef struct st_action_w {
+    const char *id, *org, *run, *step, *type, *lap;
+    int iteration;
+    const char *status;
+    int attempt;
+    const char *key, *input, *output, *feedback, *blocked_by, *approval_id, *agent_id;
+    int polls;
+    int64_t deadline_ms, next_poll_ms; /* 0: NULL */
+    int clear_result;
+    int started;  /* stamp started_at now (when NULL) */
+    int finished; /* stamp finished_at now */
+    double add_cost;
+    int64_t add_in_tokens, add_out_tokens;
+} st_action_w;
+int st_action_insert(db_tx *tx, const st_action_w *a, char *err, size_t errlen);
+int st_action_update(db_tx *tx, const st_action_w *a, char *err, size_t errlen);
+/* Records an outcome for the current attempt (idempotency key) of an in-progress action once;
+ * *applied = 0 when it was not in progress, a different attempt, or already recorded. */
+int st_action_put_result(db_tx *tx, const char *action_id, const char *key, const char *result_json,
+                         int *applied, char *err, size_t errlen);
+int st_governance_insert(db_tx *tx, const char *id, const char *org, const char *run,
+                         const char *action, const char *kind, int clearance, const char *spec_json,
+                         char *err, size_t errlen);
+
+/* Marks one governance row expired (its gate's timeout fired). */
+int st_governance_expire(db_tx *tx, const char *id, char *err, size_t errlen);
+/* Closes the run's open governance rows (the run was cancelled or failed). */
+int st_governance_close(db_tx *tx, const char *run, char *err, size_t errlen);
+
+/* ---- external events ---- */
+int st_delivery_insert(db_tx *tx, const char *org, const char *run, const char *key,
+                       const char *delivery, const char *payload_json, int *inserted, char *err,
+                       size_t errlen);
+/* Consumes the oldest buffered delivery on key for action; *payload (malloc'd JSON text) NULL
+ * when there is none. */
+int st_delivery_take(db_tx *tx, const char *run, const char *key, const char *action_id,
+                     char **payload, char *err, size_t errlen);
+
+/* ---- run queue (leases) ---- */
+int st_queue_insert(db_tx *tx, const char *run, const char *org, char *err, size_t errlen);
+int st_queue_wake(db_tx *tx, const char *run, char *err, size_t errlen);
+int st_queue_delete(db_tx *tx, const char *run, char *err, size_t errlen);
+/* Service: leases up to limit due runs whose lease is free or expired. Columns: run_id,
+ * org_id, wake_gen. */
+int st_queue_claim(db_tx *tx, const char *owner, int64_t lease_ms, int limit, PGresult **out,
+                   char *err, size_t errlen);
+/* 1 when owner still holds the lease (and extends it), 0 when it was lost. */
+int st_queue_fence(db_tx *tx, const char *run, const char *owner, int64_t lease_ms, int *held,
+                   char *err, size_t errlen);
+/* Frees the lease: the run sleeps until wake_ms (0: until woken), unless it was woken since
+ * gen was read. */
+int st_queue_release(db_tx *tx, const char *run, const char *owner, int64_t gen, int64_t wake_ms,
+                     char *err, size_t errlen);
+
+/* ---- outbox ---- */
+/* The run's new event_seq and its outbox rows at once; subjects, msg_ids: Postgres text[]
+ * literals; payloads: text[] of hex. */
+int st_events_put(db_tx *tx, const char *org, const char *run, int64_t seq, const char *subjects,
+                  const char *msg_ids, const char *payloads_hex, char *err, size_t errlen);
+int st_outbox_put(db_tx *tx, const char *org, const char *subject, const char *msg_id,
+                  const void *payload, size_t len, char *err, size_t errlen);
+/* Service: the oldest rows (id, subject, msg_id, payload as binary), under the relay's
+ * advisory lock (*locked 0: another replica relays now, no rows). */
+int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err, size_t errlen);
+/* Deletes the published rows; ids as a Postgres array text "{1,2,3}". */
+int st_outbox_delete(db_tx *tx, const char *ids, char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,90 @@
+/* workflow-engine: the shared state of one engine process (configuration, pools, bus,
+ * validator) and the projection rules of the spec, each in one place. */
+#ifndef WF_H
+#define WF_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "bus.h"
+#include "cfg.h"
+#include "db.h"
+#include "defn.h"
+#include "metrics.h"
+
+#define WF_SCHEMA "workflow_engine"
+
+typedef struct wf_config {
+    char *pg_dsn;
+    long long pg_pool_size;
+    char *nats_url;
+    char *migrations_dir;
+    char *schema_file;
+    char *catalog_file;
+    char *page_key;     /* HMAC key of page tokens (secret) */
+    long long workers;  /* interpreter threads */
+    long long lease_ms; /* run lease */
+    long long idle_poll_ms;
+    long long tool_timeout_ms;
+    long long tool_attempts;
+    long long agent_timeout_ms;
+    long long relay_batch;
+    long long schedule_poll_ms;
+} wf_config;
+
+const cfg_var *wf_config_vars(size_t *n);
+wf_config *wf_config_get(void);
+
+typedef struct wf_engine {
+    const wf_config *cfg;
+    db_pool *pool;
+    bus *bus;
+    defn_ctx *defn;
+    char instance[96];
+    unsigned char page_key[32];
+    volatile int stop;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;   /* wakes the interpreter threads, the relay, the scheduler */
+    unsigned kick;       /* work was queued locally */
+    unsigned relay_kick; /* outbox rows were committed locally */
+    pthread_t *workers;
+    int n_workers;
+    pthread_t relay, results, scheduler;
+    int relay_started, results_started, scheduler_started;
+    bus_pull *result_sub;
+    bus_sub *announce_sub;
+    /* tools announced by providers (tool.announce), with when they were last heard */
+    pthread_mutex_t tools_mu;
+    char announced[64][64];
+    int64_t announced_at[64];
+    int n_announced;
+    metric *m_transitions, *m_runs_started, *m_runs_finished, *m_tool_calls, *m_tool_failures,
+        *m_published, *m_first_step;
+} wf_engine;
+
+int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen);
+void wf_engine_stop(wf_engine *e);
+int wf_engine_migrate(const wf_config *cfg, char *err, size_t errlen);
+/* Wakes local interpreter threads (a run was queued or woken). */
+void wf_engine_kick(wf_engine *e);
+/* 1 when GetToolCatalog should list tool: a provider announced it within the last three
+ * announce periods, or no provider has announced anything yet (catalogue served whole). */
+int wf_tool_mounted(wf_engine *e, const char *tool);
+/* Wakes the outbox relay (events were committed). */
+void wf_engine_kick_relay(wf_engine *e);
+
+/* ---- projection rules (spec: WorkflowAction.status, NodeStatusUpdate, WorkflowRun) ---- */
+
+/* Raw action status (ten values) -> the five-colour palette. */
+const char *wf_fold_status(const char *raw);
+/* 1 for the raw statuses counted by nodes_done. */
+int wf_raw_terminal(const char *raw);
+/* blocked_by projected: the stored token only while the node is parked, else "". */
+const char *wf_project_blocked_by(const char *raw, const char *stored);
+/* 1 for a terminal run status. */
+int wf_run_terminal(const char *status);
+/* Wall clock, milliseconds since the epoch. */
+int64_t wf_now_ms(void);
+
+#endif

@@ -1,0 +1,722 @@
+"""workflow-engine over real gRPC (grpcio) with real Postgres and NATS, two engine replicas,
+devtools as the tool provider and an agent-step answerer in this file (a JetStream consumer of
+agent.step.dispatch, like the orchestrator).
+
+Each run of this file uses fresh org UUIDs, so it shares the runtime's database safely. The
+replicas run with a short lease (1.5 s) so the kill -9 part finishes quickly."""
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import unittest
+import uuid
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
+import upsquad_testlib as T  # noqa: E402
+import nats_mini  # noqa: E402
+
+DSN = os.environ.get("UPSQUAD_PG_DSN_WORKFLOW_ENGINE")
+NATS = os.environ.get("UPSQUAD_NATS_URL")
+if not DSN or not NATS:
+    print("SKIP: UPSQUAD_PG_DSN_WORKFLOW_ENGINE and UPSQUAD_NATS_URL are required")
+    sys.exit(0)
+
+import grpc  # noqa: E402
+from google.protobuf import struct_pb2, json_format  # noqa: E402
+from upsquad.workflow.v1 import workflow_pb2 as W  # noqa: E402
+from upsquad.internal.v1 import agent_step_pb2 as A, run_events_pb2 as E  # noqa: E402
+
+status_pb2 = T.load_generated("google/rpc/status_pb2.py", "status_pb2")
+SVC = "/upsquad.workflow.v1.WorkflowService/"
+SECRET = secrets.token_hex(16)
+PAGE_KEY = secrets.token_hex(16)
+C = grpc.StatusCode
+REPO = "acme/widgets"
+
+ENGINE_ENV = {
+    "UPSQUAD_PG_DSN": DSN, "UPSQUAD_NATS_URL": NATS, "UPSQUAD_JWT_SECRET": SECRET,
+    "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/workflow-engine/migrations"),
+    "UPSQUAD_WF_SCHEMA_FILE": os.path.join(T.ROOT, "services/workflow-engine/schema/workflow-definition.schema.json"),
+    "UPSQUAD_WF_CATALOG_FILE": os.path.join(T.ROOT, "services/workflow-engine/catalog/tools.json"),
+    "UPSQUAD_WF_PAGE_KEY": PAGE_KEY, "UPSQUAD_WF_LEASE": "1500ms", "UPSQUAD_WF_IDLE_POLL": "50ms",
+    "UPSQUAD_WF_TOOL_TIMEOUT": "700ms", "UPSQUAD_WF_TOOL_ATTEMPTS": "3",
+    "UPSQUAD_WF_SCHEDULE_POLL": "100ms", "UPSQUAD_LOG_LEVEL": "error", "UPSQUAD_WF_WORKERS": "2",
+}
+
+
+def st(d):
+    s = struct_pb2.Struct()
+    s.update(d)
+    return s
+
+
+def js(s):
+    return json_format.MessageToDict(s)
+
+
+def tool(action, nxt=None, **with_):
+    with_.setdefault("repo", REPO)
+    s = {"type": "tool_action", "tool": "github", "action": action, "with": with_}
+    if nxt:
+        s["next"] = nxt
+    return s
+
+
+def defn(start, steps, **extra):
+    d = {"version": 1, "start": start, "steps": steps}
+    d.update(extra)
+    return d
+
+
+class Client:
+    def __init__(self, addr, token):
+        self.ch = grpc.insecure_channel(addr)
+        self.md = [("authorization", "Bearer " + token)]
+
+    def __call__(self, method, req, timeout=10):
+        resp_cls = getattr(W, method + "Response") if hasattr(W, method + "Response") else None
+        f = self.ch.unary_unary(SVC + method, request_serializer=req.SerializeToString,
+                                response_deserializer=resp_cls.FromString)
+        return f(req, metadata=self.md, timeout=timeout)
+
+    def close(self):
+        self.ch.close()
+
+
+class Responder(threading.Thread):
+    """Answers agent steps from the goal: 'OUT={json}' is the output; 'REDO' returns {} until
+    the dispatch carries feedback; 'PARK' asks the user; 'FAIL' fails. Each turn costs 0.25."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.nc = nats_mini.Nats(NATS)
+        self.stop = False
+        self.seen = {}
+
+    def run(self):
+        while not self.stop:
+            try:
+                m = self.nc.js_fetch("AGENT_STEPS", "orchestrator-steps", 0.3)
+            except Exception:
+                time.sleep(0.2)
+                continue
+            if not m:
+                continue
+            subj, ack, data = m
+            d = A.AgentStepDispatch.FromString(data)
+            self.seen[d.idempotency_key] = self.seen.get(d.idempotency_key, 0) + 1
+            r = A.AgentStepResult(idempotency_key=d.idempotency_key, org_id=d.org_id,
+                                  run_id=d.run_id, action_id=d.action_id, step_name=d.step_name,
+                                  iteration=d.iteration, attempt=d.attempt, agent_id="agent-1")
+            r.usage.cost_usd = 0.25
+            r.usage.input_tokens = 10
+            r.usage.output_tokens = 5
+            goal = d.goal
+            if "SLOW" in goal:
+                time.sleep(1.5)
+            if "FAIL" in goal:
+                r.failed.code = "worker_error"
+                r.failed.message = "failed on cue"
+            elif "PARK" in goal:
+                r.input_required.SetInParent()
+            else:
+                out = {}
+                if "OUT=" in goal:
+                    out = json.loads(goal.split("OUT=", 1)[1].split("\n")[0])
+                if "REDO" in goal and not d.feedback:
+                    out = {}
+                r.completed.text = json.dumps(out)
+                r.completed.output.update(out)
+            self.nc.publish("agent.step.result.%s.%s" % (d.org_id, d.run_id),
+                            r.SerializeToString())
+            self.nc.publish(ack, b"")
+
+
+class EngineTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.devtools = subprocess.Popen([os.path.join(T.BUILD, "bin", "devtools")],
+                                        env=dict(os.environ, UPSQUAD_LOG_LEVEL="error"),
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        text=True, cwd=T.ROOT)
+        assert cls.devtools.stdout.readline().strip() == "ready"
+        cls.a = T.Server("workflow-engine", env=ENGINE_ENV)
+        cls.b = T.Server("workflow-engine", env=ENGINE_ENV)
+        cls.org = str(uuid.uuid4())
+        cls.org2 = str(uuid.uuid4())
+        cls.user = str(uuid.uuid4())
+        cls.user2 = str(uuid.uuid4())
+        cls.team = str(uuid.uuid4())
+        cls.team2 = str(uuid.uuid4())
+        cls.tok = T.mint(SECRET, sub=cls.user, org=cls.org, clearance=5, teams=[cls.team])
+        cls.A = Client(cls.a.addr, cls.tok)
+        cls.B = Client(cls.b.addr, cls.tok)
+        cls.other_org = Client(cls.b.addr, T.mint(SECRET, sub=cls.user, org=cls.org2, clearance=5))
+        cls.other_user = Client(cls.b.addr, T.mint(SECRET, sub=cls.user2, org=cls.org,
+                                                   clearance=1, teams=[cls.team2]))
+        cls.nc = nats_mini.Nats(NATS)
+        cls.nc.js_consumer("AGENT_STEPS", "orchestrator-steps", "agent.step.dispatch")
+        cls.responder = Responder()
+        cls.responder.start()
+        cls.events = []
+        cls.ev_sid, cls.ev_q = cls.nc.subscribe("wf.*.%s.>" % cls.org)
+        cls.nc.flush()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.responder.stop = True
+        for c in (cls.A, cls.B, cls.other_org, cls.other_user):
+            c.close()
+        cls.a.stop()
+        cls.b.stop()
+        cls.devtools.send_signal(signal.SIGTERM)
+        cls.devtools.wait(10)
+        cls.nc.close()
+
+    # ---- helpers ----
+    def err(self, code, fn, *args, contains=None):
+        with self.assertRaises(grpc.RpcError) as ctx:
+            fn(*args)
+        self.assertEqual(ctx.exception.code(), code, ctx.exception.details())
+        if contains:
+            self.assertIn(contains, ctx.exception.details())
+        return ctx.exception
+
+    def create(self, d, name="wf", client=None, **kw):
+        c = client or self.A
+        return c("CreateWorkflow", W.CreateWorkflowRequest(name=name, definition=st(d), **kw)).workflow
+
+    def trigger(self, wf, ctx=None, client=None):
+        c = client or self.A
+        req = W.TriggerWorkflowRequest(workflow_id=wf)
+        if ctx is not None:
+            req.context.update(ctx)
+        return c("TriggerWorkflow", req).run
+
+    def status(self, run, client=None):
+        return (client or self.B)("GetWorkflowStatus", W.GetWorkflowStatusRequest(run_id=run))
+
+    def wait_for(self, run, pred, timeout=20):
+        end = time.time() + timeout
+        s = None
+        while time.time() < end:
+            s = self.status(run)
+            if pred(s):
+                return s
+            time.sleep(0.1)
+        self.fail("timed out; last: %s %s" % (s.run.status, [(a.step_name, a.status) for a in s.actions]))
+
+    def done(self, run, timeout=20):
+        return self.wait_for(run, lambda s: s.run.status in ("completed", "failed", "cancelled"), timeout)
+
+    def acts(self, s):
+        return [(a.step_name, a.status, a.iteration) for a in s.actions]
+
+    # ---- definitions ----
+    def test_01_definitions(self):
+        with open(os.path.join(T.ROOT, "examples/workflows/issue-triage.json")) as f:
+            d = json.load(f)
+        w = self.create(d, name="triage", description="x", team_id=self.team)
+        self.assertEqual((w.status, w.visibility, w.org_id, w.created_by, w.trigger_type, w.enabled),
+                         ("draft", "team", self.org, self.user, "manual", False))
+        self.assertEqual(js(w.definition)["start"], d["start"])
+        g = self.B("GetWorkflow", W.GetWorkflowRequest(workflow_id=w.id)).workflow
+        self.assertEqual(g.name, "triage")
+        # invalid definitions: INVALID_ARGUMENT with the leaf violations as a detail
+        e = self.err(C.INVALID_ARGUMENT, self.create, {"version": 1, "start": "a", "steps": {
+            "a": {"type": "loop", "body": "b", "max_iterations": 99},
+            "b": tool("get_issue", number=1)}})
+        raw = dict(e.trailing_metadata())["grpc-status-details-bin"]
+        det = status_pb2.Status.FromString(raw).details[0]
+        v = W.DefinitionValidationError.FromString(det.value)
+        self.assertEqual(v.violations[0].instance_location, "/steps/a/max_iterations")
+        self.err(C.INVALID_ARGUMENT, self.create, d, "", contains="name")
+        self.err(C.INVALID_ARGUMENT, lambda: self.A("CreateWorkflow", W.CreateWorkflowRequest(name="x")), contains="definition")
+        self.err(C.INVALID_ARGUMENT, lambda: self.create(d, "x", visibility="public"), contains="visibility")
+        self.err(C.INVALID_ARGUMENT, lambda: self.create(d, "x", team_id="nope"), contains="team_id")
+        # get: malformed, missing, other org, other member's private
+        self.err(C.INVALID_ARGUMENT, lambda: self.A("GetWorkflow", W.GetWorkflowRequest(workflow_id="")), contains="workflow_id")
+        self.err(C.INVALID_ARGUMENT, lambda: self.A("GetWorkflow", W.GetWorkflowRequest(workflow_id="x")), contains="UUID")
+        self.err(C.NOT_FOUND, lambda: self.A("GetWorkflow", W.GetWorkflowRequest(workflow_id=str(uuid.uuid4()))))
+        self.err(C.NOT_FOUND, lambda: self.other_org("GetWorkflow", W.GetWorkflowRequest(workflow_id=w.id)))
+        p = self.create(d, name="mine", visibility="private")
+        self.err(C.NOT_FOUND, lambda: self.other_user("GetWorkflow", W.GetWorkflowRequest(workflow_id=p.id)))
+        self.other_user("GetWorkflow", W.GetWorkflowRequest(workflow_id=w.id))  # team: org-wide
+        # list: paging by limit/offset with total_count, filters
+        lst = self.A("ListWorkflows", W.ListWorkflowsRequest(limit=1))
+        self.assertEqual(len(lst.workflows), 1)
+        self.assertGreaterEqual(lst.total_count, 2)
+        ids = {x.id for x in self.A("ListWorkflows", W.ListWorkflowsRequest(limit=100)).workflows}
+        self.assertTrue({w.id, p.id} <= ids)
+        self.assertNotIn(p.id, {x.id for x in self.other_user("ListWorkflows", W.ListWorkflowsRequest()).workflows})
+        self.assertEqual(self.other_org("ListWorkflows", W.ListWorkflowsRequest()).total_count, 0)
+        self.assertEqual([x.id for x in self.A("ListWorkflows", W.ListWorkflowsRequest(team_id=self.team)).workflows], [w.id])
+        self.err(C.INVALID_ARGUMENT, lambda: self.A("ListWorkflows", W.ListWorkflowsRequest(status="bogus")), contains="status")
+        # update definition: invalid leaves it untouched; valid bumps updated_at
+        self.err(C.INVALID_ARGUMENT, lambda: self.A("UpdateWorkflowDefinition", W.UpdateWorkflowDefinitionRequest(workflow_id=w.id, definition=st({"version": 1}))))
+        time.sleep(0.01)
+        d2 = defn("only", {"only": tool("get_issue", number=3)})
+        u = self.A("UpdateWorkflowDefinition", W.UpdateWorkflowDefinitionRequest(workflow_id=w.id, definition=st(d2))).workflow
+        self.assertEqual(js(u.definition)["start"], "only")
+        self.assertGreater(u.updated_at.ToNanoseconds(), g.updated_at.ToNanoseconds())
+        self.err(C.NOT_FOUND, lambda: self.other_org("UpdateWorkflowDefinition", W.UpdateWorkflowDefinitionRequest(workflow_id=w.id, definition=st(d2))))
+        # status
+        self.assertEqual(self.A("UpdateWorkflowStatus", W.UpdateWorkflowStatusRequest(workflow_id=w.id, status="active")).workflow.status, "active")
+        self.err(C.INVALID_ARGUMENT, lambda: self.A("UpdateWorkflowStatus", W.UpdateWorkflowStatusRequest(workflow_id=w.id, status="paused")))
+        self.assertEqual(self.A("ListWorkflows", W.ListWorkflowsRequest(status="active", team_id=self.team)).total_count, 1)
+        # enabled: manual is never enabled; bad schedules are refused
+        m = self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(workflow_id=w.id, enabled=True)).workflow
+        self.assertEqual((m.trigger_type, m.enabled), ("manual", False))
+        for cfg, word in (({"cron": "61 * * * *"}, "cron"), ({"cron": "* * * * *", "timezone": "Mars/Base"}, "timezone"),
+                          ({}, "cron"), ({"interval_seconds": 0}, "interval_seconds")):
+            req = W.SetWorkflowEnabledRequest(workflow_id=w.id, enabled=True, trigger_type="schedule", trigger_config=st(cfg))
+            self.err(C.INVALID_ARGUMENT, lambda: self.A("SetWorkflowEnabled", req), contains=word)
+        self.err(C.INVALID_ARGUMENT, lambda: self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(workflow_id=w.id, trigger_type="webhook")))
+        s = self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
+            workflow_id=w.id, enabled=False, trigger_type="schedule",
+            trigger_config=st({"cron": "30 9 * * 1-5", "timezone": "Europe/Paris"}))).workflow
+        self.assertEqual((s.trigger_type, s.enabled), ("schedule", False))
+        # archived: never scheduled, not triggerable; archiving turns a schedule off
+        arch = self.create(d, name="arch")
+        on = self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
+            workflow_id=arch.id, enabled=True, trigger_type="schedule",
+            trigger_config=st({"cron": "0 3 * * *", "timezone": "UTC"}))).workflow
+        self.assertTrue(on.enabled)
+        a2 = self.A("UpdateWorkflowStatus", W.UpdateWorkflowStatusRequest(workflow_id=arch.id, status="archived")).workflow
+        self.assertEqual((a2.status, a2.enabled), ("archived", False))
+        self.err(C.FAILED_PRECONDITION, lambda: self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
+            workflow_id=arch.id, enabled=True, trigger_type="schedule", trigger_config=st({"interval_seconds": 60}))))
+        self.err(C.FAILED_PRECONDITION, lambda: self.trigger(arch.id))
+        # delete: gone from Get/List, idempotent as NOT_FOUND, runs stay readable by id
+        run = self.trigger(w.id)
+        self.A("DeleteWorkflow", W.DeleteWorkflowRequest(workflow_id=w.id))
+        self.err(C.NOT_FOUND, lambda: self.A("GetWorkflow", W.GetWorkflowRequest(workflow_id=w.id)))
+        self.err(C.NOT_FOUND, lambda: self.A("DeleteWorkflow", W.DeleteWorkflowRequest(workflow_id=w.id)))
+        self.assertNotIn(w.id, {x.id for x in self.A("ListWorkflows", W.ListWorkflowsRequest(limit=100)).workflows})
+        self.assertEqual(self.done(run.id).run.status, "completed")
+        self.err(C.NOT_FOUND, lambda: self.trigger(w.id))
+        self.assertEqual([r.id for r in self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id)).runs], [run.id])
+        self.err(C.NOT_FOUND, lambda: self.other_org("ListRuns", W.ListRunsRequest(workflow_id=w.id)))
+
+    def test_02_catalog_and_streams(self):
+        cat = self.A("GetToolCatalog", W.GetToolCatalogRequest())
+        tools = {t.tool: t for t in cat.tools}
+        self.assertIn("github", tools)
+        self.assertNotIn("code_exec", tools)  # gated off here: omitted, not advertised
+        gi = [a for a in tools["github"].actions if a.action == "get_issue"][0]
+        self.assertTrue([x for x in gi.args if x.name == "repo"][0].pinned_literal)
+        self.assertEqual(len(cat.poll_observations), 4)
+        for m, req, resp in (("StreamRunStatus", W.StreamRunStatusRequest, W.StreamRunStatusResponse),
+                             ("StreamRunLogs", W.StreamRunLogsRequest, W.StreamRunLogsResponse)):
+            f = self.A.ch.unary_stream(SVC + m, request_serializer=req.SerializeToString, response_deserializer=resp.FromString)
+            with self.assertRaises(grpc.RpcError) as ctx:
+                list(f(req(run_id=str(uuid.uuid4())), metadata=self.A.md, timeout=5))
+            self.assertEqual(ctx.exception.code(), C.UNIMPLEMENTED)
+            self.assertIn("stream-hub", ctx.exception.details())
+        bad = Client(self.a.addr, "garbage")
+        self.err(C.UNAUTHENTICATED, lambda: bad("GetToolCatalog", W.GetToolCatalogRequest()))
+
+    # ---- runs ----
+    def test_03_step_kinds(self):
+        d = defn("fetch", {
+            "fetch": tool("get_issue", "pick", number="${/trigger/n}"),
+            "pick": {"type": "condition", "if": {"op": "eq", "path": "/steps/fetch/output/number", "value": 5},
+                     "then": "label", "else": "other", "next": "rounds"},
+            "label": tool("add_labels", number=5, labels=["bug"]),
+            "other": tool("add_labels", "other2", number=5, labels=["x"]),
+            "other2": tool("add_labels", number=5, labels=["y"]),
+            "rounds": {"type": "loop", "body": "lap", "max_iterations": 4,
+                       "until": {"op": "eq", "path": "/loop/iteration", "value": 2}, "next": "fan"},
+            "lap": tool("get_issue", number="${/loop/iteration}"),
+            "fan": {"type": "parallel", "branches": ["left", "right"], "next": "think"},
+            "left": tool("create_comment", number=5, body="l"),
+            "right": tool("create_comment", number=5, body="r"),
+            "think": {"type": "agent_action", "agent_role": "analyst",
+                      "prompt": "REDO OUT={\"plan\": \"ship\"}", "expects": {"plan": {"type": "string", "required": True}},
+                      "acceptance": {"max_redos": 2, "feedback": "need a plan"}},
+        }, trigger={"fields": {"n": {"type": "integer", "required": True}}})
+        w = self.create(d)
+        self.err(C.INVALID_ARGUMENT, self.trigger, w.id, {}, contains="context.n")
+        self.err(C.INVALID_ARGUMENT, self.trigger, w.id, {"n": "five"}, contains="context.n")
+        run = self.trigger(w.id, {"n": 5})
+        self.assertIn(run.status, ("pending", "running"))
+        s = self.done(run.id)
+        self.assertEqual(s.run.status, "completed", self.acts(s))
+        by = {}
+        for a in s.actions:
+            by.setdefault(a.step_name, []).append(a)
+        self.assertEqual(by["other"][0].status, "skipped")
+        self.assertEqual(by["other2"][0].status, "skipped")
+        self.assertEqual(by["label"][0].status, "completed")
+        self.assertEqual([a.iteration for a in by["lap"]], [1, 2])  # until held on lap 2
+        self.assertEqual(by["rounds"][0].iteration, 0)
+        self.assertEqual(js(by["lap"][1].input)["number"], 2)
+        self.assertEqual({by["left"][0].status, by["right"][0].status}, {"completed"})
+        think = by["think"][0]
+        self.assertEqual(js(think.output), {"plan": "ship"})
+        self.assertAlmostEqual(think.cost_usd, 0.5)  # redone once: two turns
+        self.assertAlmostEqual(s.run.cost_usd, 0.5)
+        self.assertEqual((s.run.nodes_total, s.run.nodes_done), (len(s.actions), len(s.actions)))
+        self.assertTrue(all(a.blocked_by == "" for a in s.actions))
+        # node I/O, then redaction for a caller of clearance 1 against an internal workflow
+        io = self.A("GetNodeIO", W.GetNodeIORequest(run_id=run.id, node_id=by["fetch"][0].id))
+        self.assertEqual(js(io.input)["number"], 5)
+        self.assertEqual(list(io.redacted_fields), [])
+        low = Client(self.b.addr, T.mint(SECRET, sub=self.user, org=self.org, clearance=1))
+        io = low("GetNodeIO", W.GetNodeIORequest(run_id=run.id, node_id=by["fetch"][0].id))
+        self.assertIn("repo", io.redacted_fields)
+        self.assertIn("title", io.redacted_fields)
+        self.assertNotIn("repo", js(io.input))
+        low.close()
+        self.err(C.NOT_FOUND, lambda: self.A("GetNodeIO", W.GetNodeIORequest(run_id=run.id, node_id=str(uuid.uuid4()))))
+        self.err(C.NOT_FOUND, lambda: self.other_org("GetNodeIO", W.GetNodeIORequest(run_id=run.id, node_id=by["fetch"][0].id)))
+        self.err(C.INVALID_ARGUMENT, lambda: self.A("GetNodeIO", W.GetNodeIORequest(run_id=run.id)), contains="node_id")
+        self.err(C.NOT_FOUND, lambda: self.status(run.id, self.other_org))
+        # rollups on the workflow
+        g = self.A("GetWorkflow", W.GetWorkflowRequest(workflow_id=w.id)).workflow
+        self.assertEqual((g.run_count, g.last_run_status), (1, "completed"))
+        self.assertAlmostEqual(g.avg_cost_usd, 0.5)
+
+    def test_03b_many_laps(self):
+        d = defn("rounds", {
+            "rounds": {"type": "loop", "body": "chk", "max_iterations": 20, "next": "fan"},
+            "chk": {"type": "condition", "if": {"op": "eq", "path": "/loop/iteration", "value": 3},
+                    "then": "t1", "else": "t2"},
+            "t1": tool("get_issue", number="${/loop/iteration}"),
+            "t2": tool("get_issue", number=2),
+            "fan": {"type": "parallel", "branches": ["l", "r"]},
+            "l": tool("get_issue", number=1),
+            "r": tool("get_issue", number=1)})
+        s = self.done(self.trigger(self.create(d).id).id, 40)
+        self.assertEqual(s.run.status, "completed")
+        self.assertEqual(len(s.actions), 1 + 20 * 3 + 3)
+        self.assertEqual(s.run.nodes_done, len(s.actions))
+        t1 = [a for a in s.actions if a.step_name == "t1"]
+        self.assertEqual([(a.iteration, a.status) for a in t1 if a.status == "completed"], [(3, "completed")])
+        self.assertEqual(len([a for a in t1 if a.status == "skipped"]), 19)
+
+    def test_04_failures_and_gates(self):
+        f = self.create(defn("a", {"a": tool("create_comment", "b", number=1, body="boom __fail"),
+                                   "b": tool("get_issue", number=1)}))
+        s = self.done(self.trigger(f.id).id)
+        self.assertEqual(s.run.status, "failed")
+        self.assertEqual(self.acts(s), [("a", "failed", 0)])
+        retry = self.create(defn("a", {"a": tool("create_comment", number=1, body="x __fail_times=2")}))
+        self.assertEqual(self.done(self.trigger(retry.id).id).run.status, "completed")
+        ag = self.create(defn("a", {"a": {"type": "agent_action", "agent_role": "x", "prompt": "FAIL"}}))
+        self.assertEqual(self.done(self.trigger(ag.id).id).run.status, "failed")
+        g = self.create(defn("gate", {"gate": {"type": "approval_gate", "required_clearance": 2, "summary": "ok?", "on_approve": "x"},
+                                      "x": tool("get_issue", number=1)}))
+        run = self.trigger(g.id)
+        s = self.wait_for(run.id, lambda s: s.actions and s.actions[0].status == "awaiting_approval")
+        a = s.actions[0]
+        self.assertEqual(a.blocked_by, a.approval_id)
+        uuid.UUID(a.blocked_by)
+        self.assertEqual(s.run.status, "running")
+        q = self.create(defn("q", {"q": {"type": "question", "prompt": "risk?", "options": [{"key": "low", "label": "Low"}, {"key": "high", "label": "High"}]}}))
+        s = self.wait_for(self.trigger(q.id).id, lambda s: s.actions and s.actions[0].status == "awaiting_approval")
+        self.assertEqual(s.actions[0].blocked_by, "awaiting-question")
+        p = self.create(defn("a", {"a": {"type": "agent_action", "agent_role": "x", "prompt": "PARK"}}))
+        s = self.wait_for(self.trigger(p.id).id, lambda s: s.actions and s.actions[0].status == "awaiting_approval")
+        self.assertTrue(s.actions[0].blocked_by)
+        lv = self.A("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=100, status_filter=W.RUN_STATUS_FILTER_ACTIVE))
+        self.assertEqual(len(lv.runs), 0)  # these workflows have no team: not in anyone's team arm
+        # a parked gate in a team workflow: the visible row says which kind of gate it is
+        tg = self.create(defn("gate", {"gate": {"type": "approval_gate", "required_clearance": 2, "summary": "ok?"}}),
+                         team_id=self.team)
+        trun = self.trigger(tg.id)
+        self.wait_for(trun.id, lambda s: s.actions and s.actions[0].status == "awaiting_approval")
+        row = [r for r in self.A("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=100)).runs if r.run.id == trun.id][0]
+        self.assertEqual((row.prompt_kind, row.open_prompt_count, row.is_waiting),
+                         (W.RUN_PROMPT_KIND_APPROVAL_GATE, 1, False))
+        # cancel at a gate: the step fails as cancelled and the gate closes
+        self.assertEqual(self.A("CancelRun", W.CancelRunRequest(run_id=trun.id)).run.status, "cancelled")
+        row = [r for r in self.A("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=100)).runs if r.run.id == trun.id][0]
+        self.assertEqual((row.prompt_kind, row.open_prompt_count), (W.RUN_PROMPT_KIND_UNSPECIFIED, 0))
+        self.assertEqual(self.acts(self.status(trun.id)), [("gate", "failed", 0)])
+        # pause at a gate, then resume: still parked
+        self.assertEqual(self.A("PauseRun", W.PauseRunRequest(run_id=run.id)).run.status, "paused")
+        self.assertEqual(self.A("ResumeRun", W.ResumeRunRequest(run_id=run.id)).run.status, "running")
+        time.sleep(0.3)
+        self.assertEqual(self.status(run.id).actions[0].status, "awaiting_approval")
+
+    def expire_gates(self, run_id):
+        """Moves the run's parked gates' deadlines into the past (the test's time travel: the
+        schema's smallest window is a minute) and wakes the run."""
+        psql = [os.path.join(os.environ.get("PGBIN", "/usr/lib/postgresql/15/bin"), "psql"), "-X", "-q",
+                "-v", "ON_ERROR_STOP=1", DSN]
+        sql = ("BEGIN; SELECT set_config('app.org_id', '%s', true); "
+               "UPDATE workflow_engine.actions SET deadline_at = now() - interval '1 second' "
+               "WHERE run_id = '%s' AND status = 'awaiting_approval'; "
+               "UPDATE workflow_engine.run_queue SET wake_at = now(), wake_gen = wake_gen + 1 "
+               "WHERE run_id = '%s'; COMMIT;" % (self.org, run_id, run_id))
+        subprocess.run(psql + ["-c", sql], check=True, capture_output=True, timeout=20)
+
+    def test_04b_gate_timeouts(self):
+        parked = lambda s: s.actions and s.actions[0].status == "awaiting_approval"
+        rej = self.create(defn("g", {"g": {"type": "approval_gate", "required_clearance": 1, "summary": "ok?",
+                                           "timeout_minutes": 1, "on_timeout": "reject", "on_reject": "after"},
+                                     "after": tool("get_issue", number=1)}))
+        r = self.trigger(rej.id)
+        self.wait_for(r.id, parked)
+        self.expire_gates(r.id)
+        s = self.done(r.id)
+        self.assertEqual((s.run.status, self.acts(s)), ("completed", [("g", "rejected", 0), ("after", "completed", 0)]))
+        self.assertEqual(js(s.actions[0].output)["decided_by"], "timeout")
+        ui = self.create(defn("ask", {"ask": {"type": "user_input", "question": "where?",
+                                              "options": [{"value": "a", "next": "x"}, {"value": "b"}],
+                                              "default_choice": "a", "timeout_minutes": 5, "on_timeout": "default"},
+                                      "x": tool("get_issue", number=1)}))
+        r = self.trigger(ui.id)
+        self.wait_for(r.id, parked)
+        self.expire_gates(r.id)
+        s = self.done(r.id)
+        self.assertEqual([a.step_name for a in s.actions], ["ask", "x"])
+        self.assertEqual(js(s.actions[0].output)["choice"], "a")
+        esc = self.create(defn("g", {"g": {"type": "approval_gate", "required_clearance": 3, "summary": "?",
+                                           "timeout_minutes": 1, "on_timeout": "escalate"}}))
+        r = self.trigger(esc.id)
+        self.wait_for(r.id, parked)
+        self.expire_gates(r.id)
+        s = self.wait_for(r.id, lambda s: s.actions[0].status == "escalated")
+        self.assertEqual(s.run.status, "running")
+        self.assertEqual(s.actions[0].blocked_by, s.actions[0].approval_id)
+
+    def test_05_wait_and_events(self):
+        w = self.create(defn("w", {"w": {"type": "wait", "mode": "signal", "event_key": "ci.done", "next": "w2"},
+                                   "w2": {"type": "wait", "mode": "signal", "event_key": "ci.done", "timeout_minutes": 1,
+                                          "on_timeout": "fail", "next": "t"},
+                                   "t": tool("get_issue", number="${/steps/w2/output/n}")}))
+        run = self.trigger(w.id)
+        deliver = lambda key, did, payload=b"", c=None: (c or self.B)("DeliverWorkflowEvent", W.DeliverWorkflowEventRequest(
+            run_id=run.id, event_key=key, delivery_id=did, payload=payload))
+        # an early delivery is buffered; a redelivery is deduplicated, even after consumption
+        r = deliver("ci.done", "d1", b'{"n": 1}')
+        self.assertFalse(r.deduplicated)
+        self.assertTrue(deliver("ci.done", "d1", b'{"n": 1}').deduplicated)
+        s = self.wait_for(run.id, lambda s: len(s.actions) >= 2 and s.actions[1].status == "waiting")
+        self.assertEqual(s.actions[0].status, "completed")
+        self.assertEqual(js(s.actions[0].output), {"n": 1})
+        self.assertEqual(s.actions[1].blocked_by, "waiting-on-signal")
+        self.assertEqual(s.run.status, "running")
+        self.assertTrue(deliver("ci.done", "d1").deduplicated)  # consumed: still a no-op
+        self.err(C.INVALID_ARGUMENT, deliver, "", "d9", contains="event_key")
+        self.err(C.INVALID_ARGUMENT, deliver, "ci.done", "", contains="delivery_id")
+        self.err(C.INVALID_ARGUMENT, deliver, "ci.done", "d9", b"{not json", contains="payload")
+        self.err(C.NOT_FOUND, deliver, "ci.done", "d9", b"", self.other_org)
+        deliver("ci.done", "d2", b'{"n": 2}')
+        s = self.done(run.id)
+        self.assertEqual(s.run.status, "completed", self.acts(s))
+        self.assertEqual(js(s.actions[2].input)["number"], 2)
+        self.err(C.FAILED_PRECONDITION, deliver, "ci.done", "d3")
+        self.assertTrue(deliver("ci.done", "d2").deduplicated)
+        # null and absent payloads bind {}
+        w2 = self.create(defn("w", {"w": {"type": "wait", "mode": "signal", "event_key": "k"}}))
+        r2 = self.trigger(w2.id)
+        self.B("DeliverWorkflowEvent", W.DeliverWorkflowEventRequest(run_id=r2.id, event_key="k", delivery_id="x", payload=b"null"))
+        self.assertEqual(js(self.done(r2.id).actions[0].output), {})
+        # poll wait: the observation satisfies `until` at once
+        pw = self.create(defn("p", {"p": {"type": "wait", "mode": "poll", "poll": {
+            "tool": "github", "action": "get_check_runs", "with": {"repo": REPO, "ref": "abc"},
+            "until": {"op": "eq", "path": "/steps/p/output/status", "value": "completed"}, "interval_seconds": 10}}}))
+        s = self.done(self.trigger(pw.id).id)
+        self.assertEqual(s.run.status, "completed", self.acts(s))
+        # the bus: every event of a run in seq order from 1, with its scope
+        time.sleep(0.5)
+        evs = []
+        while not self.ev_q.empty():
+            subj, reply, hdr, data = self.ev_q.get()
+            ev = E.RunEvent.FromString(data)
+            if ev.scope.run_id == run.id:
+                evs.append((subj, ev))
+        seqs = [e.seq for _, e in evs]
+        self.assertEqual(seqs, list(range(1, len(seqs) + 1)))
+        self.assertTrue(all(e.scope.org_id == self.org and e.scope.workflow_id == w.id and e.scope.owner_id == self.user
+                            and e.scope.visibility == "team" for _, e in evs))
+        kinds = [e.WhichOneof("event") for _, e in evs]
+        self.assertIn("node", kinds)
+        self.assertIn("log", kinds)
+        runs = [e.run.status for _, e in evs if e.WhichOneof("event") == "run"]
+        self.assertEqual(runs, ["pending", "running", "completed"])
+        nodes = [e.node for _, e in evs if e.WhichOneof("event") == "node"]
+        self.assertTrue(all(n.update.node_id and n.step_name and n.raw_status and n.run_status for n in nodes))
+        self.assertIn("blocked", [n.update.status for n in nodes])
+        self.assertTrue(any(n.is_waiting and n.update.blocked_by == "waiting-on-signal" for n in nodes))
+        subjects = {s.split(".")[1] for s, _ in evs}
+        self.assertEqual(subjects, {"status", "log"})
+
+    def test_06_run_control(self):
+        w = self.create(defn("s", {"s": tool("create_comment", "t", number=1, body="slow __sleep_ms=600"),
+                                   "t": tool("get_issue", number=1)}))
+        run = self.trigger(w.id)
+        self.wait_for(run.id, lambda s: s.actions and s.actions[0].status == "in_progress")
+        p = self.B("PauseRun", W.PauseRunRequest(run_id=run.id, reason="look")).run
+        self.assertEqual(p.status, "paused")
+        self.assertTrue(p.HasField("paused_at"))
+        self.assertEqual(self.A("PauseRun", W.PauseRunRequest(run_id=run.id)).run.status, "paused")  # idempotent
+        time.sleep(1.5)
+        s = self.status(run.id)
+        self.assertEqual(self.acts(s), [("s", "completed", 0)])  # in flight finished, no new step
+        self.assertEqual(s.run.status, "paused")
+        r = self.A("ResumeRun", W.ResumeRunRequest(run_id=run.id)).run
+        self.assertIn(r.status, ("running", "paused"))
+        self.assertEqual(self.done(run.id).run.status, "completed")
+        self.assertEqual(self.A("PauseRun", W.PauseRunRequest(run_id=run.id)).run.status, "completed")  # terminal: unchanged
+        self.err(C.FAILED_PRECONDITION, lambda: self.A("ResumeRun", W.ResumeRunRequest(run_id=run.id)))
+        self.assertEqual(self.A("CancelRun", W.CancelRunRequest(run_id=run.id)).run.status, "completed")
+        # resume on a running run is a no-op; cancel stops a waiting run and is idempotent
+        w2 = self.create(defn("w", {"w": {"type": "wait", "mode": "signal", "event_key": "k", "next": "t"},
+                                    "t": tool("get_issue", number=1)}))
+        run2 = self.trigger(w2.id)
+        self.wait_for(run2.id, lambda s: s.actions and s.actions[0].status == "waiting")
+        self.assertEqual(self.A("ResumeRun", W.ResumeRunRequest(run_id=run2.id)).run.status, "running")
+        c = self.B("CancelRun", W.CancelRunRequest(run_id=run2.id, reason="stop")).run
+        self.assertEqual(c.status, "cancelled")
+        self.assertTrue(c.HasField("cancelled_at"))
+        self.assertEqual(self.A("CancelRun", W.CancelRunRequest(run_id=run2.id)).run.status, "cancelled")
+        time.sleep(0.5)
+        s = self.status(run2.id)
+        self.assertEqual(self.acts(s), [("w", "failed", 0)])  # no further step started
+        # cancel with an agent step in flight: its late result is ignored, nothing follows
+        ag = self.create(defn("a", {"a": {"type": "agent_action", "agent_role": "x", "prompt": "SLOW OUT={\"v\": 1}",
+                                          "next": "t"}, "t": tool("get_issue", number=1)}))
+        arun = self.trigger(ag.id)
+        self.wait_for(arun.id, lambda s: s.actions and s.actions[0].status == "in_progress")
+        self.assertEqual(self.B("CancelRun", W.CancelRunRequest(run_id=arun.id)).run.status, "cancelled")
+        time.sleep(2.5)
+        s = self.status(arun.id)
+        self.assertEqual((s.run.status, self.acts(s)), ("cancelled", [("a", "failed", 0)]))
+        self.assertEqual(js(s.actions[0].output), {"error": "cancelled"})
+        self.assertEqual(s.run.cost_usd, 0)
+        for m, R in (("PauseRun", W.PauseRunRequest), ("ResumeRun", W.ResumeRunRequest), ("CancelRun", W.CancelRunRequest)):
+            self.err(C.NOT_FOUND, lambda: self.other_org(m, R(run_id=run2.id)))
+            self.err(C.INVALID_ARGUMENT, lambda: self.A(m, R(run_id="")), contains="run_id")
+
+    def test_07_lists_and_visibility(self):
+        d = defn("a", {"a": tool("get_issue", number=1)})
+        team_wf = self.create(d, team_id=self.team)
+        priv = self.create(d, visibility="private")
+        other_team = self.create(d, team_id=self.team2)
+        runs = [self.trigger(team_wf.id).id for _ in range(5)]
+        prun = self.trigger(priv.id).id
+        orun = self.trigger(other_team.id).id
+        for r in runs + [prun, orun]:
+            self.done(r)
+        got, tok = [], ""
+        while True:
+            page = self.B("ListRuns", W.ListRunsRequest(workflow_id=team_wf.id, page_size=2, page_token=tok))
+            got += [r.id for r in page.runs]
+            self.assertLessEqual(len(page.runs), 2)
+            tok = page.next_page_token
+            if not tok:
+                break
+        self.assertEqual(got, list(reversed(runs)))
+        self.assertTrue(all(r.nodes_total == 1 and r.nodes_done == 1 for r in page.runs))
+        p1 = self.A("ListRuns", W.ListRunsRequest(workflow_id=team_wf.id, page_size=2))
+        t = p1.next_page_token
+        bad = t[:-2] + ("AA" if not t.endswith("AA") else "BB")
+        for req, c in ((W.ListRunsRequest(workflow_id=team_wf.id, page_size=2, page_token=bad), self.A),
+                       (W.ListRunsRequest(workflow_id=priv.id, page_size=2, page_token=t), self.A),
+                       (W.ListRunsRequest(workflow_id=team_wf.id, page_size=2, page_token=t, status_filter=W.RUN_STATUS_FILTER_FAILED), self.A)):
+            self.err(C.INVALID_ARGUMENT, lambda: c("ListRuns", req), contains="page_token")
+        other = Client(self.b.addr, T.mint(SECRET, sub=self.user, org=self.org2, clearance=5))
+        self.err(C.NOT_FOUND, lambda: other("ListRuns", W.ListRunsRequest(workflow_id=team_wf.id, page_token=t)))
+        self.err(C.INVALID_ARGUMENT, lambda: self.A("ListVisibleRuns", W.ListVisibleRunsRequest(page_token=t)), contains="page_token")
+        other.close()
+        self.assertEqual(len(self.A("ListRuns", W.ListRunsRequest(workflow_id=team_wf.id, status_filter=W.RUN_STATUS_FILTER_FAILED)).runs), 0)
+        self.assertEqual(len(self.A("ListRuns", W.ListRunsRequest(workflow_id=team_wf.id, status_filter=W.RUN_STATUS_FILTER_COMPLETED, page_size=500)).runs), 5)
+        # visible runs: my team's and my private ones; not another team's
+        seen = set()
+        tok = ""
+        while True:
+            page = self.A("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=3, page_token=tok))
+            seen |= {r.run.id for r in page.runs}
+            for r in page.runs:
+                self.assertTrue(r.workflow_name)
+                self.assertTrue(r.HasField("open_prompt_count"))
+            tok = page.next_page_token
+            if not tok:
+                break
+        self.assertTrue(set(runs) | {prun} <= seen)
+        self.assertNotIn(orun, seen)
+        theirs = {r.run.id for r in self.other_user("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=100)).runs}
+        self.assertIn(orun, theirs)
+        self.assertFalse((set(runs) | {prun}) & theirs)
+        self.err(C.NOT_FOUND, lambda: self.status(prun, self.other_user))
+        self.assertEqual(len(self.other_org("ListVisibleRuns", W.ListVisibleRunsRequest()).runs), 0)
+        self.err(C.INVALID_ARGUMENT, lambda: self.A("ListRuns", W.ListRunsRequest(workflow_id=team_wf.id, status_filter=9)))
+        # run immunity: a run keeps the definition it started with
+        slow = self.create(defn("w", {"w": {"type": "wait", "mode": "signal", "event_key": "k", "next": "old"},
+                                      "old": tool("get_issue", number=1)}))
+        r = self.trigger(slow.id)
+        self.A("UpdateWorkflowDefinition", W.UpdateWorkflowDefinitionRequest(
+            workflow_id=slow.id, definition=st(defn("new", {"new": tool("get_issue", number=2)}))))
+        self.B("DeliverWorkflowEvent", W.DeliverWorkflowEventRequest(run_id=r.id, event_key="k", delivery_id="1"))
+        self.assertEqual([a.step_name for a in self.done(r.id).actions], ["w", "old"])
+        self.assertEqual([a.step_name for a in self.done(self.trigger(slow.id).id).actions], ["new"])
+
+    def test_07b_row_level_security(self):
+        """The service's own login role sees no row without the org scope, and only the org's
+        rows with it (FORCE ROW LEVEL SECURITY binds the owner too)."""
+        self.create(defn("a", {"a": tool("get_issue", number=1)}), client=self.other_org)
+        psql = [os.path.join(os.environ.get("PGBIN", "/usr/lib/postgresql/15/bin"), "psql"), "-X", "-A", "-t", DSN]
+
+        def q(sql):
+            return subprocess.run(psql + ["-c", sql], capture_output=True, text=True, timeout=20).stdout.split()
+
+        self.assertEqual(q("SELECT count(*) FROM workflow_engine.workflows"), ["0"])
+        self.assertEqual(q("SELECT count(*) FROM workflow_engine.runs"), ["0"])
+        scoped = q("BEGIN; SELECT set_config('app.org_id', '%s', true); "
+                   "SELECT count(DISTINCT org_id) || ':' || min(org_id::text) FROM workflow_engine.workflows; "
+                   "COMMIT" % self.org2)
+        self.assertIn("1:" + self.org2, scoped)
+
+    def test_08_schedule_fires_once_per_slot(self):
+        w = self.create(defn("a", {"a": tool("get_issue", number=1)}))
+        self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
+            workflow_id=w.id, enabled=True, trigger_type="schedule", trigger_config=st({"interval_seconds": 1})))
+        time.sleep(3.6)
+        self.B("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
+            workflow_id=w.id, enabled=False, trigger_type="schedule", trigger_config=st({"interval_seconds": 1})))
+        n1 = len(self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id, page_size=100)).runs)
+        self.assertGreaterEqual(n1, 2)
+        self.assertLessEqual(n1, 5)  # one run per one-second slot, not one per replica
+        starts = sorted(r.started_at.ToMilliseconds() for r in self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id, page_size=100)).runs)
+        self.assertTrue(all(b - a > 500 for a, b in zip(starts, starts[1:])), starts)
+        time.sleep(1.5)
+        self.assertEqual(len(self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id, page_size=100)).runs), n1)
+
+    def test_09_kill9(self):
+        n = int(os.environ.get("WF_KILL_RUNS", "200"))
+        w = self.create(defn("a", {"a": tool("create_comment", "b", number=1, body="k"),
+                                   "b": tool("create_comment", "c", number=2, body="k"),
+                                   "c": {"type": "agent_action", "agent_role": "x", "prompt": "OUT={\"ok\": true}"}}))
+        runs = [self.trigger(w.id, client=self.B).id for _ in range(n)]
+        victim = self.a
+        for _ in range(5):
+            time.sleep(0.8)
+            victim.proc.kill()  # SIGKILL
+            victim.proc.wait()
+            victim.stop()
+            victim = T.Server("workflow-engine", env=ENGINE_ENV)
+        type(self).a = victim
+        type(self).A = Client(victim.addr, self.tok)
+        deadline = time.time() + 60
+        for r in runs:
+            s = self.done(r, max(1, deadline - time.time()))
+            self.assertEqual(s.run.status, "completed", self.acts(s))
+            self.assertEqual([(a.step_name, a.status) for a in s.actions], [("a", "completed"), ("b", "completed"), ("c", "completed")])
+        stats = json.loads(self.nc.request("devtools.stats", b"{}"))
+        self.assertEqual(stats["evicted"], 0)
+        self.assertEqual(stats["max_executions_per_key"], 1)
+        self.assertLessEqual(max(self.responder.seen.values()), 1)  # no agent step twice
+        per_run = json.loads(self.nc.request("devtools.stats", json.dumps({"run_id": runs[0]}).encode()))
+        self.assertEqual(sorted(r["step_name"] for r in per_run["records"]), ["a", "b"])
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

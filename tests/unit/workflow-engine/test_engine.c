@@ -1,0 +1,144 @@
+/* Unit tests of the engine's pure parts: templates and conditions over the run state, field
+ * specs, page tokens, and the spec's projection rules (status fold, blocked_by). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "../../../services/workflow-engine/pagetok.h"
+#include "../../../services/workflow-engine/wf.h"
+#include "../../../services/workflow-engine/wf_expr.h"
+
+static const char *STATE =
+    "{\"trigger\":{\"n\":5,\"title\":\"Hello\"},"
+    "\"steps\":{\"a\":{\"status\":\"completed\",\"output\":{\"x\":[1,2],\"s\":\"abc\",\"k\":3}},"
+    "\"a/b\":{\"status\":\"completed\",\"output\":{\"v\":true}}},"
+    "\"loop\":{\"iteration\":2,\"max_iterations\":3}}";
+
+static void test_templates(void **ctx) {
+    (void)ctx;
+    cJSON *st = cJSON_Parse(STATE);
+    char err[200];
+    cJSON *v = wf_expr_render(st, "${/trigger/n}", err, sizeof err);
+    assert_true(cJSON_IsNumber(v)); /* exactly one template keeps its type */
+    assert_int_equal(v->valueint, 5);
+    cJSON_Delete(v);
+    v = wf_expr_render(st, "#${/trigger/n}: ${/trigger/title} ${/steps/a/output/x} $${x}", err,
+                       sizeof err);
+    assert_string_equal(v->valuestring, "#5: Hello [1,2] ${x}");
+    cJSON_Delete(v);
+    v = wf_expr_render(st, "${/steps/a~1b/output/v}", err, sizeof err);
+    assert_true(cJSON_IsTrue(v));
+    cJSON_Delete(v);
+    assert_null(wf_expr_render(st, "x ${/steps/zz/output}", err, sizeof err));
+    assert_non_null(strstr(err, "/steps/zz/output"));
+    cJSON *with =
+        cJSON_Parse("{\"n\":\"${/loop/iteration}\",\"l\":[\"${/trigger/title}\"],\"k\":1}");
+    v = wf_expr_render_tree(st, with, err, sizeof err);
+    char *s = cJSON_PrintUnformatted(v);
+    assert_string_equal(s, "{\"n\":2,\"l\":[\"Hello\"],\"k\":1}");
+    free(s);
+    cJSON_Delete(v);
+    cJSON_Delete(with);
+    cJSON_Delete(st);
+}
+
+static int holds(const cJSON *st, const char *cond) {
+    cJSON *c = cJSON_Parse(cond);
+    int r = wf_expr_holds(st, c);
+    cJSON_Delete(c);
+    return r;
+}
+
+static void test_conditions(void **ctx) {
+    (void)ctx;
+    cJSON *st = cJSON_Parse(STATE);
+    assert_true(holds(st, "{\"op\":\"eq\",\"path\":\"/trigger/n\",\"value\":5.0}"));
+    assert_true(holds(st, "{\"op\":\"gte\",\"path\":\"/loop/iteration\",\"value\":2}"));
+    assert_false(holds(st, "{\"op\":\"gt\",\"path\":\"/trigger/title\",\"value\":1}"));
+    assert_true(holds(st, "{\"op\":\"contains\",\"path\":\"/steps/a/output/x\",\"value\":2}"));
+    assert_true(holds(st, "{\"op\":\"contains\",\"path\":\"/steps/a/output/s\",\"value\":\"bc\"}"));
+    assert_true(holds(st, "{\"op\":\"in\",\"path\":\"/steps/a/output/k\",\"value\":[1,3]}"));
+    /* a comparison on an absent value is false, ne and not_in included */
+    assert_false(holds(st, "{\"op\":\"ne\",\"path\":\"/nope\",\"value\":1}"));
+    assert_false(holds(st, "{\"op\":\"not_in\",\"path\":\"/nope\",\"value\":[1]}"));
+    assert_true(holds(st, "{\"op\":\"not_exists\",\"path\":\"/nope\"}"));
+    assert_true(holds(st, "{\"op\":\"all\",\"of\":[{\"op\":\"exists\",\"path\":\"/trigger\"},"
+                          "{\"op\":\"none\",\"of\":[{\"op\":\"exists\",\"path\":\"/x\"}]}]}"));
+    assert_false(holds(st, "{\"op\":\"any\",\"of\":[{\"op\":\"exists\",\"path\":\"/x\"}]}"));
+    cJSON_Delete(st);
+}
+
+static void test_field_specs(void **ctx) {
+    (void)ctx;
+    char err[200];
+    cJSON *spec = cJSON_Parse("{\"plan\":{\"type\":\"string\",\"required\":true},"
+                              "\"n\":{\"type\":\"integer\"}}");
+    cJSON *ok = cJSON_Parse("{\"plan\":\"p\",\"n\":2}");
+    cJSON *missing = cJSON_Parse("{\"n\":2}");
+    cJSON *badtype = cJSON_Parse("{\"plan\":\"p\",\"n\":2.5}");
+    assert_int_equal(wf_expr_check_fields(spec, ok, "output", err, sizeof err), 0);
+    assert_int_equal(wf_expr_check_fields(spec, missing, "output", err, sizeof err), -1);
+    assert_string_equal(err, "output.plan is required");
+    assert_int_equal(wf_expr_check_fields(spec, badtype, "output", err, sizeof err), -1);
+    assert_string_equal(err, "output.n must be of type integer");
+    cJSON_Delete(spec);
+    cJSON_Delete(ok);
+    cJSON_Delete(missing);
+    cJSON_Delete(badtype);
+}
+
+static void test_page_tokens(void **ctx) {
+    (void)ctx;
+    unsigned char key[32] = {1, 2, 3}, other[32] = {9};
+    char q1[65], q2[65], tok[PAGETOK_MAX + 1], id[37];
+    const char *p1[] = {"ListRuns", "org-a", "m", "wf", "0"};
+    const char *p2[] = {"ListRuns", "org-b", "m", "wf", "0"};
+    pagetok_query(q1, p1, 5);
+    pagetok_query(q2, p2, 5);
+    const char *uuid = "01a23ab2-a341-73c2-b513-a83badce79a4";
+    assert_int_equal(pagetok_make(key, q1, 1796281049123456LL, uuid, tok, sizeof tok), 0);
+    int64_t us = 0;
+    assert_int_equal(pagetok_parse(key, q1, tok, &us, id), 0);
+    assert_true(us == 1796281049123456LL);
+    assert_string_equal(id, uuid);
+    assert_int_equal(pagetok_parse(key, q2, tok, &us, id), -1);   /* another query / org */
+    assert_int_equal(pagetok_parse(other, q1, tok, &us, id), -1); /* another key */
+    tok[2] = tok[2] == 'A' ? 'B' : 'A';                           /* tampered */
+    assert_int_equal(pagetok_parse(key, q1, tok, &us, id), -1);
+    assert_int_equal(pagetok_parse(key, q1, "garbage", &us, id), -1);
+    assert_int_equal(pagetok_parse(key, q1, "", &us, id), -1);
+}
+
+static void test_projection(void **ctx) {
+    (void)ctx;
+    static const char *const raw[] = {"pending",   "in_progress", "awaiting_approval", "waiting",
+                                      "escalated", "approved",    "completed",         "skipped",
+                                      "rejected",  "failed"};
+    static const char *const fold[] = {"queued", "running", "blocked", "blocked", "blocked",
+                                       "done",   "done",    "done",    "failed",  "failed"};
+    static const int terminal[] = {0, 0, 0, 0, 0, 1, 1, 1, 1, 1};
+    for (int i = 0; i < 10; i++) {
+        assert_string_equal(wf_fold_status(raw[i]), fold[i]);
+        assert_int_equal(wf_raw_terminal(raw[i]), terminal[i]);
+    }
+    assert_string_equal(wf_project_blocked_by("waiting", "waiting-on-signal"), "waiting-on-signal");
+    assert_string_equal(wf_project_blocked_by("completed", "waiting-on-signal"), "");
+    assert_string_equal(wf_project_blocked_by("awaiting_approval", "awaiting-question"),
+                        "awaiting-question");
+    assert_true(wf_run_terminal("cancelled") && !wf_run_terminal("paused"));
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_templates),   cmocka_unit_test(test_conditions),
+        cmocka_unit_test(test_field_specs), cmocka_unit_test(test_page_tokens),
+        cmocka_unit_test(test_projection),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
