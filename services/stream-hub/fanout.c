@@ -39,6 +39,8 @@ typedef Upsquad__Workflow__V1__StreamGap Gap;
 typedef Upsquad__Workflow__V1__TranscriptEvent Transcript;
 
 enum { TK_RUN = 0, TK_IO = 1, TK_ORG = 2 };
+/* How long a subscriber fed from the store waits for a missing seq before skipping it. */
+#define HUB_HOLE_WAIT_MS 5000
 enum { SS_SNAP = 0, SS_REPAIR, SS_LIVE, SS_RESYNC, SS_DONE };
 
 static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -48,8 +50,8 @@ typedef struct seen {
     struct seen *next;
     char key[64];
     int64_t seq;
-    int in_set;     /* visible: the run is in the subscriber's filtered set */
-    int resume_gap; /* io: a resumed session; report a jump as a gap */
+    int in_set; /* visible: the run is in the subscriber's filtered set; io: seeded by the
+                   snapshot, no gap before the session's next frame */
 } seen;
 
 typedef struct pend {
@@ -72,7 +74,6 @@ struct hub_topic {
     hub_sub *subs;
     size_t nsubs;
     int64_t max_seq; /* TK_RUN: highest seq seen live */
-    seen *sessions;  /* TK_IO: last seq per session, for upstream gaps */
 };
 
 struct hub_sub {
@@ -97,6 +98,7 @@ struct hub_sub {
     char gap_node[64];
     int64_t stalled_since; /* ms; 0 = not stalled */
     int64_t recheck_at;    /* ms; run: look at the store once more after going live */
+    int64_t hole_since;    /* ms; run: waiting for a seq below one already projected */
     seen *seen;
     pend *pending;
     size_t n_pending;
@@ -266,6 +268,19 @@ static void catch_up(hub_sub *s) {
             rpc_frame *f;
             int64_t seq = 0;
             int term;
+            if (b.v[i].seq > s->last_seq + 1 && s->last_seq > 0) {
+                /* a hole: the missing event is still being projected by another replica;
+                 * wait for it, but not forever (an event lost upstream must not stall us) */
+                int64_t now = now_ms();
+                if (!s->hole_since) s->hole_since = now;
+                if (now - s->hole_since < HUB_HOLE_WAIT_MS) {
+                    hs_blobs_free(&b);
+                    return;
+                }
+                log_warn("hub.hole", "run %s: seq %lld..%lld never arrived; skipped", s->t->run,
+                         (long long)s->last_seq + 1, (long long)b.v[i].seq - 1);
+            }
+            s->hole_since = 0;
             if (run_frame(b.v[i].body, b.v[i].len, s->rpc, &seq, &term, &f) != 0) continue;
             if (f) {
                 int rc = push(s, f);
@@ -348,26 +363,24 @@ done:
 
 /* ---- node I/O ---- */
 
-/* Delivers one live frame (or gap) to a LIVE subscriber: de-duplicated against the snapshot,
- * preceded by the StreamGap that replaces what its full queue dropped. */
-static void io_deliver(hub_sub *s, const char *session, const char *node, int64_t seq, rpc_frame *f,
-                       int is_gap) {
-    if (is_gap) {
-        if (push(s, f) == RPC_EFULL && !s->gap) {
-            s->gap = 1;
-            s->gap_from = s->last_seq;
-            snprintf(s->gap_node, sizeof s->gap_node, "%s", node);
-        }
-        return;
-    }
-    seen *sn = seen_get(&s->seen, session, 0);
-    if (sn && seq <= sn->seq) return; /* the snapshot (or the client, resuming) has it */
-    if (sn && sn->resume_gap && seq > sn->seq + 1 && !s->gap) {
+/* Delivers one live frame to a LIVE subscriber: de-duplicated against the snapshot (by
+ * session_id, seq), and preceded by a StreamGap when frames are missing before it, whether the
+ * publisher skipped them (a jump in the session's seq) or this subscriber's full queue
+ * dropped them. */
+static void io_deliver(hub_sub *s, const char *session, const char *node, int64_t seq,
+                       rpc_frame *f) {
+    seen *sn = seen_get(&s->seen, session, 1);
+    if (!sn) return;
+    if (sn->seq && seq <= sn->seq) return; /* the snapshot (or the client, resuming) has it */
+    /* a frame after the snapshot's last transcript event may follow token frames the
+     * snapshot never holds: no gap then; a jump seen live (or after a resume) is one */
+    if (sn->seq && !sn->in_set && seq > sn->seq + 1 && !s->gap) {
         s->gap = 1;
         s->gap_from = sn->seq;
         snprintf(s->gap_node, sizeof s->gap_node, "%s", node);
     }
-    if (sn) sn->resume_gap = 0;
+    sn->seq = seq;
+    sn->in_set = 0;
     if (s->gap) {
         rpc_frame *g = gap_frame(s->gap_node, s->gap_from, seq);
         int rc = g ? push(s, g) : RPC_ENOMEM;
@@ -389,7 +402,7 @@ static void io_deliver(hub_sub *s, const char *session, const char *node, int64_
 static void on_io_msg(bus *b, natsMsg *m, void *ud) {
     (void)b;
     hub_topic *t = ud;
-    rpc_frame *full = NULL, *lean = NULL, *up = NULL;
+    rpc_frame *full = NULL, *lean = NULL;
     NodeIOEvent *ev = upsquad__internal__v1__node_ioevent__unpack(
         NULL, (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
     if (!ev) {
@@ -411,26 +424,18 @@ static void on_io_msg(bus *b, natsMsg *m, void *ud) {
     }
     if (!full || !lean) goto done;
     pthread_mutex_lock(&t->mu);
-    /* an upstream jump in seq (the publisher dropped frames) is reported as a gap */
-    seen *sn = seen_get(&t->sessions, fr->session_id, 1);
-    if (sn && sn->seq && fr->seq > sn->seq + 1) up = gap_frame(fr->node_id, sn->seq, fr->seq);
-    if (sn && fr->seq > sn->seq) sn->seq = fr->seq;
     for (hub_sub *s = t->subs; s; s = s->next) {
         if (s->node[0] && strcmp(s->node, fr->node_id) != 0) continue;
         rpc_frame *f = redact_full(s->clearance) ? full : lean;
-        if (s->state == SS_SNAP) {
-            if (up) pending_add(s, up, NULL, fr->seq, fr->session_id, fr->node_id, 0, 1);
+        if (s->state == SS_SNAP)
             pending_add(s, f, NULL, fr->seq, fr->session_id, fr->node_id, 0, 0);
-        } else if (s->state == SS_LIVE) {
-            if (up) io_deliver(s, fr->session_id, fr->node_id, fr->seq, up, 1);
-            io_deliver(s, fr->session_id, fr->node_id, fr->seq, f, 0);
-        }
+        else if (s->state == SS_LIVE)
+            io_deliver(s, fr->session_id, fr->node_id, fr->seq, f);
     }
     pthread_mutex_unlock(&t->mu);
 done:
     rpc_frame_unref(full);
     rpc_frame_unref(lean);
-    rpc_frame_unref(up);
     upsquad__internal__v1__node_ioevent__free_unpacked(ev, NULL);
 }
 
@@ -665,10 +670,14 @@ static int snapshot_run(hub_sub *s, int64_t *upto, int *terminal) {
         log_warn("hub.snapshot", "run %s: %s", s->t->run, err);
         return -1;
     }
-    *upto = found ? run.last_seq : 0;
-    *terminal = found && hub_status_terminal(run.status);
+    *upto = 0;
+    /* terminal only when the snapshot covers the run's last event */
+    for (size_t i = 0; i < b.n; i++)
+        if (b.v[i].kind == 'u') *upto = b.v[i].seq;
+    *terminal = found && hub_status_terminal(run.status) && *upto >= run.last_seq;
     for (size_t i = 0; i < b.n; i++) {
         rpc_frame *f;
+        if (b.v[i].kind == 'u') continue;
         int64_t seq;
         int term;
         if (run_frame(b.v[i].body, b.v[i].len, s->rpc, &seq, &term, &f) != 0 || !f) continue;
@@ -683,7 +692,6 @@ static int snapshot_run(hub_sub *s, int64_t *upto, int *terminal) {
             hs_blobs_free(&b);
             return -1;
         }
-        if (b.v[i].seq > *upto) *upto = b.v[i].seq;
     }
     hs_blobs_free(&b);
     return 0;
@@ -705,6 +713,7 @@ static int snapshot_io(hub_sub *s) {
         if (!te) continue;
         seen *sn = seen_get(&s->seen, te->session_id, 1);
         if (sn && te->seq > sn->seq) sn->seq = te->seq;
+        if (sn) sn->in_set = 1; /* io: seeded by the snapshot (see io_deliver) */
         redact_transcript(te, s->clearance, NULL, NULL, NULL);
         IOResp r = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__INIT;
         r.frame_case = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__FRAME_SNAPSHOT_EVENT;
@@ -807,7 +816,7 @@ static void flush_pending(hub_sub *s) {
     for (size_t i = 0; i < s->n_pending && s->state == SS_LIVE; i++) {
         pend *p = &s->pending[i];
         if (s->rpc == HUB_RPC_IO)
-            io_deliver(s, p->key, p->node, p->seq, p->f, p->is_gap);
+            io_deliver(s, p->key, p->node, p->seq, p->f);
         else
             vis_apply(s, p->key, p->seq, p->match, p->f, p->f_leave);
     }
@@ -885,10 +894,7 @@ int hub_serve(hub *h, rpc_call *call, const hub_sub_opts *o, int64_t snapshot_se
         int src;
         if (kind == TK_IO && o->resume) {
             seen *sn = seen_get(&s->seen, o->resume_session ? o->resume_session : "", 1);
-            if (sn) {
-                sn->seq = o->resume_seq;
-                sn->resume_gap = 1;
-            }
+            if (sn) sn->seq = o->resume_seq;
             IOResp done = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__INIT;
             done.frame_case = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__FRAME_SNAPSHOT_DONE;
             done.snapshot_done = 1;
@@ -1042,7 +1048,6 @@ static void close_idle_topics(hub *h) {
         hub_topic *t = dead;
         dead = t->next;
         bus_unsubscribe(t->bsub); /* waits for a running callback */
-        seen_free(t->sessions);
         pthread_mutex_destroy(&t->mu);
         free(t);
     }

@@ -265,19 +265,29 @@ int hs_get_run(db_pool *p, const char *org, const char *run_id, hs_run *out, int
     return db_tx_commit(tx, err, errlen);
 }
 
+/* The end of the first contiguous block of the run's seqs: events are projected by several
+ * replicas in parallel, so a later seq may be committed before an earlier one; a snapshot
+ * covers only what has no hole below it (the rest comes from the store or live, in order). */
+#define SQL_CONTIGUOUS                                                                             \
+    "(SELECT coalesce(min(e.seq), 0) FROM run_events e WHERE e.run_id = $1 AND NOT EXISTS "        \
+    " (SELECT 1 FROM run_events f WHERE f.run_id = $1 AND f.seq = e.seq + 1))"
+
 int hs_node_fold(db_pool *p, const char *org, const char *run_id, hs_blobs *out, hs_run *run,
                  int *found, char *err, size_t errlen) {
     static const char sql[] =
-        "SELECT seq, 'n', body FROM (SELECT DISTINCT ON (node_id, iteration) seq, body "
-        " FROM run_events WHERE run_id = $1 AND kind = 'n' "
-        " ORDER BY node_id, iteration, seq DESC) f ORDER BY seq";
+        "WITH c AS (SELECT " SQL_CONTIGUOUS " AS upto) "
+        "SELECT seq, k, body FROM (SELECT seq, 'n' AS k, body FROM "
+        " (SELECT DISTINCT ON (node_id, iteration) seq, body FROM run_events, c "
+        "  WHERE run_id = $1 AND kind = 'n' AND seq <= c.upto "
+        "  ORDER BY node_id, iteration, seq DESC) f "
+        " UNION ALL SELECT upto, 'u', ''::bytea FROM c) x ORDER BY k = 'u', seq";
     const char *v[1] = {run_id};
     return read_blobs(p, org, sql, 1, v, out, run, found, err, errlen);
 }
 
 int hs_events_after(db_pool *p, const char *org, const char *run_id, int64_t after, int limit,
                     hs_blobs *out, char *err, size_t errlen) {
-    static const char sql[] = "SELECT seq, left(kind, 1), body FROM run_events "
+    static const char sql[] = "SELECT seq, kind, body FROM run_events "
                               "WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
     char a[24], l[16];
     snprintf(a, sizeof a, "%lld", (long long)after);
@@ -289,8 +299,11 @@ int hs_events_after(db_pool *p, const char *org, const char *run_id, int64_t aft
 int hs_log_tail(db_pool *p, const char *org, const char *run_id, int tail, hs_blobs *out,
                 hs_run *run, int *found, char *err, size_t errlen) {
     static const char sql[] =
-        "SELECT seq, 'l', body FROM (SELECT seq, body FROM run_events "
-        " WHERE run_id = $1 AND kind = 'l' ORDER BY seq DESC LIMIT $2) t ORDER BY seq";
+        "WITH c AS (SELECT " SQL_CONTIGUOUS " AS upto) "
+        "SELECT seq, k, body FROM (SELECT seq, 'l' AS k, body FROM "
+        " (SELECT seq, body FROM run_events, c WHERE run_id = $1 AND kind = 'l' "
+        "  AND seq <= c.upto ORDER BY seq DESC LIMIT $2) t "
+        " UNION ALL SELECT upto, 'u', ''::bytea FROM c) x ORDER BY k = 'u', seq";
     char l[16];
     snprintf(l, sizeof l, "%d", tail);
     const char *v[2] = {run_id, l};

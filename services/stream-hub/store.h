@@ -15,7 +15,7 @@
 /* One stored event: a run event (seq = the run's sequence) or a transcript event. */
 typedef struct hs_blob {
     int64_t seq;
-    char kind; /* 'n' node, 'r' run, 'l' log; 't' transcript */
+    char kind; /* 'n' node, 'r' run, 'l' log; 't' transcript; 'u' the snapshot's upto mark */
     uint8_t *body;
     size_t len;
 } hs_blob;
@@ -71,14 +71,16 @@ int hs_put_transcript(db_pool *p, const hs_transcript_event *e, char *err, size_
 /* *found 0 when the run is unknown to this org (or belongs to another). */
 int hs_get_run(db_pool *p, const char *org, const char *run_id, hs_run *out, int *found, char *err,
                size_t errlen);
-/* The newest node event per (node_id, iteration), in seq order, and the run row read in the
- * same snapshot (*found 0: unknown run). */
+/* The newest node event per (node_id, iteration) among the seqs without a hole below them,
+ * in seq order, followed by one row of kind 'u' whose seq is the last seq the snapshot covers;
+ * and the run row read in the same snapshot (*found 0: unknown run). */
 int hs_node_fold(db_pool *p, const char *org, const char *run_id, hs_blobs *out, hs_run *run,
                  int *found, char *err, size_t errlen);
 /* Events of any kind with seq > after, in seq order, at most limit. */
 int hs_events_after(db_pool *p, const char *org, const char *run_id, int64_t after, int limit,
                     hs_blobs *out, char *err, size_t errlen);
-/* The last `tail` log events, in seq order, and the run row of the same snapshot. */
+/* The last `tail` log events without a hole below them, in seq order, then the 'u' row as
+ * above, and the run row of the same snapshot. */
 int hs_log_tail(db_pool *p, const char *org, const char *run_id, int tail, hs_blobs *out,
                 hs_run *run, int *found, char *err, size_t errlen);
 /* Transcript events of a run, of one node (step name or action id; NULL/"" = every node),

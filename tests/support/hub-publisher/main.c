@@ -214,7 +214,8 @@ static int publish_tokens(cJSON *c, double *secs, char *err, size_t errlen) {
         while ((size_t)k < size)
             tok[k++] = 'x';
         tok[k] = 0;
-        cJSON_ReplaceItemInObject(c, "seq", cJSON_CreateNumber((double)(from + i)));
+        cJSON_DeleteItemFromObjectCaseSensitive(c, "seq");
+        cJSON_AddNumberToObject(c, "seq", (double)(from + i));
         if (publish_io(c, tok, err, errlen)) {
             free(tok);
             return -1;
