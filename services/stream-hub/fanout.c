@@ -101,7 +101,7 @@ struct hub_sub {
     int64_t hole_since;    /* ms; run: waiting for a seq below one already projected */
     seen *seen;
     pend *pending;
-    size_t n_pending;
+    size_t n_pending, cap_pending;
     int pending_overflow;
 };
 
@@ -153,12 +153,15 @@ static void seen_free(seen *s) {
     }
 }
 
+/* Drops the held frames and their memory (a live subscriber holds none). */
 static void pending_clear(hub_sub *s) {
     for (size_t i = 0; i < s->n_pending; i++) {
         rpc_frame_unref(s->pending[i].f);
         rpc_frame_unref(s->pending[i].f_leave);
     }
-    s->n_pending = 0;
+    free(s->pending);
+    s->pending = NULL;
+    s->n_pending = s->cap_pending = 0;
     s->pending_overflow = 0;
 }
 
@@ -170,6 +173,18 @@ static void pending_add(hub_sub *s, rpc_frame *f, rpc_frame *f_leave, int64_t se
         s->pending_overflow = 1;
         metric_inc(s->h->m_drops);
         return;
+    }
+    if (s->n_pending == s->cap_pending) { /* grows while a snapshot is sent, freed after */
+        size_t cap = s->cap_pending ? s->cap_pending * 2 : 16;
+        if (cap > (size_t)s->h->cfg->pending_max) cap = (size_t)s->h->cfg->pending_max;
+        pend *v = realloc(s->pending, cap * sizeof *v);
+        if (!v) {
+            s->pending_overflow = 1;
+            metric_inc(s->h->m_drops);
+            return;
+        }
+        s->pending = v;
+        s->cap_pending = cap;
     }
     pend *p = &s->pending[s->n_pending++];
     p->f = f ? rpc_frame_ref(f) : NULL;
@@ -599,7 +614,6 @@ static void sub_unref(hub_sub *s) {
     pthread_mutex_unlock(&h->mu);
     if (!last) return;
     pending_clear(s);
-    free(s->pending);
     seen_free(s->seen);
     free(s->teams);
     if (s->detached) rpc_call_unref(s->call);
@@ -843,11 +857,8 @@ int hub_serve(hub *h, rpc_call *call, const hub_sub_opts *o, int64_t snapshot_se
     snprintf(s->member, sizeof s->member, "%s", o->who->sub);
     snprintf(s->node, sizeof s->node, "%s", o->node ? o->node : "");
     s->status_mask = o->status_mask;
-    s->pending = calloc((size_t)h->cfg->pending_max, sizeof *s->pending);
     if (o->who->n_teams) s->teams = calloc(o->who->n_teams, sizeof *s->teams);
-    if (!s->pending || (o->who->n_teams && !s->teams)) {
-        free(s->pending);
-        free(s->teams);
+    if (o->who->n_teams && !s->teams) {
         free(s);
         return rpc_error(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
     }
