@@ -5,7 +5,8 @@
  *       the stream and, once BENCH_SUBS streams are attached (plus 300 ms), pushes BENCH_FRAMES
  *       live frames (token_text = "<publish ns>|" padded to BENCH_SIZE bytes), each encoded once
  *       and pushed to every stream, at BENCH_RATE frames/s (0 = as fast as the queues take
- *       them; a full queue is waited for, so nothing is lost). No hub logic. Prints port=N.
+ *       them; a full queue is waited for, so nothing is lost). No hub logic. BENCH_THREADS:
+ *       the server's completion-queue threads (libcommon's one knob). Prints port=N.
  *
  *   stream-hub-fanout client ADDR
  *       Opens BENCH_SUBS StreamNodeIO streams of run BENCH_RUN (token BENCH_TOKEN) over one
@@ -118,7 +119,9 @@ static int run_bare(void) {
     rpc_server *srv = NULL;
     want_subs = env_l("BENCH_SUBS", 1000);
     calls = calloc((size_t)want_subs, sizeof *calls);
-    rpc_server_opts o = {.addr = "127.0.0.1:0", .max_streams = (int)want_subs + 64};
+    rpc_server_opts o = {.addr = "127.0.0.1:0",
+                         .max_streams = (int)want_subs + 64,
+                         .unary_threads = (int)env_l("BENCH_THREADS", 1)};
     rpc_method m = {METHOD,
                     RPC_SERVER_STREAM,
                     RPC_AUTH_NONE,
