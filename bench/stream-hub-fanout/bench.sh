@@ -46,7 +46,8 @@ trap cleanup EXIT
 
 uuid() { cat /proc/sys/kernel/random/uuid; }
 rss_kb() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
-json() { python3 -c "import json,sys; print(json.loads(sys.argv[1])[sys.argv[2]])" "$1" "$2"; }
+PY=/usr/bin/python3
+json() { "$PY" -c "import json,sys; print(json.loads(sys.argv[1])[sys.argv[2]])" "$1" "$2"; }
 
 # start_hub NAME [ENV=VALUE...]: a hub on a free port; sets HUB_PID and HUB_ADDR
 start_hub() {
@@ -151,9 +152,6 @@ rss1=$(rss_kb "$HUB_PID")
 publish "$FRAMES" 0 "$SIZE"
 client_result
 HUB_T=$RESULT
-if [[ -n "${KEEP:-}" ]]; then
-    curl -s "127.0.0.1:$(sed -n 's/^metrics_port=//p' "$TMP/hub.out")/metrics" | grep '^stream_hub' >"$TMP/metrics"
-fi
 
 BARE_T=
 BARE_THREADS=1
@@ -198,7 +196,7 @@ echo "  bare:       $BARE_T"
 echo "  hub paced:  $HUB_L"
 echo "  bare paced: $BARE_L"
 echo "  stalled:    $HUB_S"
-python3 - "$HUB_T" "$BARE_T" "$HUB_L" "$BARE_L" "$HUB_S" "$rss0" "$rss1" "$brss0" "$brss1" "$SUBS" "$BARE_THREADS" <<'EOF'
+"$PY" - "$HUB_T" "$BARE_T" "$HUB_L" "$BARE_L" "$HUB_S" "$rss0" "$rss1" "$brss0" "$brss1" "$SUBS" "$BARE_THREADS" <<'EOF'
 import json, sys
 ht, bt, hl, bl, hs = (json.loads(a) for a in sys.argv[1:6])
 rss0, rss1, brss0, brss1, subs, threads = (int(a) for a in sys.argv[6:12])
