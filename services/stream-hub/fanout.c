@@ -999,8 +999,10 @@ static void maint_pass(hub *h) {
         size_t q = rpc_stream_queued(s->call);
         depth += (double)q;
         if ((double)q > depth_max) depth_max = (double)q;
+        pthread_mutex_lock(&s->t->mu); /* hub -> topic: the lock order */
         int due = s->state == SS_REPAIR || s->state == SS_RESYNC || s->gap || s->stalled_since ||
                   (s->recheck_at > 0 && now >= s->recheck_at);
+        pthread_mutex_unlock(&s->t->mu);
         if (!due) continue;
         s->refs++;
         work[n++] = s;
@@ -1011,22 +1013,28 @@ static void maint_pass(hub *h) {
     for (size_t i = 0; i < n; i++) {
         hub_sub *s = work[i];
         size_t q = rpc_stream_queued(s->call);
-        if (s->stalled_since && q > qcap / 2 && now - s->stalled_since > h->cfg->stall_ms) {
+        pthread_mutex_lock(&s->t->mu);
+        int state = s->state,
+            stall = s->stalled_since && q > qcap / 2 && now - s->stalled_since > h->cfg->stall_ms;
+        int recheck_due = state == SS_LIVE && s->recheck_at > 0 && now >= s->recheck_at;
+        if (stall) {
+            s->state = SS_DONE;
+        } else if (q <= qcap / 2 && s->gap && s->stalled_since) {
+            s->stalled_since = 0; /* draining again: the gap goes out before the next frame */
+        }
+        pthread_mutex_unlock(&s->t->mu);
+        if (stall) {
             /* it stopped reading: end it and return its memory (docs: stall limit) */
             rpc_stream_abort(s->call, RPC_RESOURCE_EXHAUSTED,
                              "subscriber too slow: its queue stayed full past the stall limit");
             metric_inc(h->m_stalled);
-            pthread_mutex_lock(&s->t->mu);
-            s->state = SS_DONE;
-            pthread_mutex_unlock(&s->t->mu);
         } else if (q <= qcap / 2) {
-            if (s->state == SS_REPAIR)
+            if (state == SS_REPAIR)
                 catch_up(s);
-            else if (s->state == SS_RESYNC)
+            else if (state == SS_RESYNC)
                 resync_visible(s);
-            else if (s->state == SS_LIVE && s->recheck_at > 0 && now >= s->recheck_at)
+            else if (recheck_due)
                 recheck(s);
-            if (s->gap && s->stalled_since) s->stalled_since = 0; /* draining again */
         }
         sub_unref(s);
     }

@@ -351,7 +351,7 @@ int hs_visible_runs(db_pool *p, const char *org, const char *member, const char 
                     hs_run **out, size_t *n, char *err, size_t errlen) {
     db_tx *tx = NULL;
     PGresult *res = NULL;
-    char sql[sizeof SQL_GET_RUN + 256], l[16];
+    char sql[sizeof SQL_GET_RUN + 512], l[16];
     char *ta = array_literal(teams, n_teams), *sa = array_literal(statuses, n_statuses);
     *out = NULL;
     *n = 0;
