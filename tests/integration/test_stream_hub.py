@@ -244,6 +244,45 @@ class StreamHub(unittest.TestCase):
         self.assertFailsFirst(vis, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("status_filter", vis.details)
 
+    def test_row_level_security_confines_the_service_role_to_one_org(self):
+        org, other = uid(), uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+
+        def as_service(sql):  # the hub's own login role, as the hub runs its transactions
+            return psql(self.dsn, "BEGIN; SELECT set_config('app.org_id', '%s', true); %s; COMMIT"
+                        % (other, sql)).splitlines()[-1]
+        self.assertEqual(as_service("SELECT count(*) FROM stream_hub.run_events WHERE run_id = "
+                                    "'%s'" % run), "0")
+        self.assertEqual(as_service("SELECT count(*) FROM stream_hub.runs"), "0")
+        self.assertEqual(psql(self.dsn, "SELECT count(*) FROM stream_hub.runs"), "0")  # no org
+        with self.assertRaises(RuntimeError) as e:
+            as_service("INSERT INTO stream_hub.runs (org_id, run_id) VALUES ('%s', '%s')"
+                       % (org, uid()))
+        self.assertIn("row-level security", str(e.exception))
+
+    def test_node_io_resume_from_a_session_seq_skips_the_snapshot(self):
+        org = uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        io = dict(org=org, run=run, node="coder", session="s9")
+        self.pub("io", seq=1, status="thinking",
+                 transcript={"event_type": "assistant_message", "content": {"text": "t"}}, **io)
+        wait_until(lambda: len(self.transcript(self.a, org, run, "coder").events) == 1, 10,
+                   "the transcript")
+        r = self.read(self.b, "StreamNodeIO", W.StreamNodeIORequest(run_id=run), org,
+                      extra=(("x-upsquad-resume-seq", "s9:3"),))
+        wait_until(lambda: r.msgs, 10, "snapshot_done")
+        for seq in (3, 6, 7):  # 3 was seen; 4 and 5 were published while it was away
+            self.pub("io", seq=seq, token="t%d" % seq, **io)
+        wait_until(lambda: len(r.msgs) >= 4, 10, "live frames")
+        time.sleep(0.2)
+        r.cancel()
+        self.assertEqual([m.WhichOneof("frame") for m in r.msgs],
+                         ["snapshot_done", "gap", "live", "live"])
+        self.assertEqual((r.msgs[1].gap.from_seq, r.msgs[1].gap.to_seq), (3, 6))
+        self.assertEqual([m.live.seq for m in r.msgs[2:]], [6, 7])
+
     # ---- snapshot, then live ----
     def test_status_snapshot_then_live_with_events_fired_during_the_snapshot(self):
         org = uid()
