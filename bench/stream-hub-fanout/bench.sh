@@ -57,7 +57,7 @@ start_hub() {
         UPSQUAD_METRICS_ADDR=127.0.0.1:0 UPSQUAD_LOG_LEVEL=warn \
         UPSQUAD_MIGRATIONS_DIR=services/stream-hub/migrations \
         UPSQUAD_HUB_PROJECTION_DURABLE="bench-$$-$name-events" \
-        UPSQUAD_HUB_TRANSCRIPT_DURABLE="bench-$$-$name-io" \
+        UPSQUAD_HUB_TRANSCRIPT_DURABLE="bench-$$-$name-io" UPSQUAD_HUB_PROJECTION_FROM=new \
         UPSQUAD_RPC_MAX_STREAMS=$((SUBS + 64)) ${HUB_ENV:-UPSQUAD_RPC_UNARY_THREADS=2} "$@" \
         "$BIN/stream-hub" >"$TMP/$name.out" 2>"$TMP/$name.err" &
     HUB_PID=$!

@@ -74,6 +74,8 @@ struct hub_topic {
     hub_sub *subs;
     size_t nsubs;
     int64_t max_seq; /* TK_RUN: highest seq seen live */
+    seen *runs;      /* TK_ORG: highest seq seen live per run (a re-snapshot waits for the
+                        store to reach it); as many entries as runs the topic saw */
 };
 
 struct hub_sub {
@@ -532,6 +534,8 @@ static void on_org_msg(bus *b, natsMsg *m, void *ud) {
     if (!f || !leave) goto done;
     int bit = status[0] ? hub_status_bit(status) : 0;
     pthread_mutex_lock(&t->mu);
+    seen *tr = seen_get(&t->runs, sc->run_id, 1);
+    if (tr && ev->seq > tr->seq) tr->seq = ev->seq;
     for (hub_sub *s = t->subs; s; s = s->next) {
         if (!sub_sees(s, sc->visibility, sc->team_id, sc->owner_id)) continue;
         int match = status[0] ? (s->status_mask & bit) != 0 : -1;
@@ -942,22 +946,51 @@ leave:
 
 /* ---- maintenance ---- */
 
+/* 1 when the store has not yet caught up with every run event the topic has seen (the
+ * re-snapshot would miss what was dropped); topic->mu held by nobody. */
+static int store_behind(hub_sub *s) {
+    size_t n = 0, i = 0;
+    int behind = 1;
+    char err[256];
+    pthread_mutex_lock(&s->t->mu);
+    for (seen *v = s->t->runs; v; v = v->next)
+        n++;
+    const char **ids = calloc(n ? n : 1, sizeof *ids);
+    int64_t *seqs = calloc(n ? n : 1, sizeof *seqs);
+    char(*keys)[64] = calloc(n ? n : 1, sizeof *keys);
+    for (seen *v = s->t->runs; v && ids && seqs && keys; v = v->next, i++) {
+        memcpy(keys[i], v->key, sizeof keys[i]);
+        ids[i] = keys[i];
+        seqs[i] = v->seq;
+    }
+    pthread_mutex_unlock(&s->t->mu);
+    if (ids && seqs && keys &&
+        hs_runs_behind(s->h->pool, s->t->org, ids, seqs, n, &behind, err, sizeof err) != DB_OK) {
+        log_warn("hub.resync", "%s", err);
+        behind = 1;
+    }
+    free(ids);
+    free(seqs);
+    free(keys);
+    return behind != 0;
+}
+
 static void resync_visible(hub_sub *s) {
     pthread_mutex_lock(&s->t->mu);
     if (s->state != SS_RESYNC) {
         pthread_mutex_unlock(&s->t->mu);
         return;
     }
-    s->state = SS_SNAP;
+    s->state = SS_SNAP; /* from here on, live events are held */
     pending_clear(s);
     pthread_mutex_unlock(&s->t->mu);
-    int rc = snapshot_visible(s, 1);
+    int rc = store_behind(s) ? 1 : snapshot_visible(s, 1);
     pthread_mutex_lock(&s->t->mu);
     if (s->state == SS_SNAP) {
         if (rc == 0) {
             flush_pending(s);
         } else {
-            pending_clear(s);
+            pending_clear(s); /* the store lags (or the client is full again): next tick */
             s->state = SS_RESYNC;
         }
     }
@@ -1067,6 +1100,7 @@ static void close_idle_topics(hub *h) {
         hub_topic *t = dead;
         dead = t->next;
         bus_unsubscribe(t->bsub); /* waits for a running callback */
+        seen_free(t->runs);
         pthread_mutex_destroy(&t->mu);
         free(t);
     }

@@ -31,6 +31,10 @@ static const cfg_var vars[] = {
      &C.projection_durable},
     {"UPSQUAD_HUB_TRANSCRIPT_DURABLE", CFG_STR, DURABLE_HUB_TRANSCRIPTS,
      "durable JetStream consumer of node I/O (WFIO) shared by the replicas", &C.transcript_durable},
+    {"UPSQUAD_HUB_PROJECTION_FROM", CFG_STR, "all",
+     "where durable consumers this hub creates start: `all` (the streams' history: a new "
+     "deployment projects what the streams still hold) or `new` (tests, throw-away stores)",
+     &C.projection_from},
     {"UPSQUAD_HUB_STALL_LIMIT", CFG_MS, "10s",
      "a subscriber whose queue stays more than half full this long is ended with "
      "RESOURCE_EXHAUSTED",
@@ -129,11 +133,16 @@ int hub_start(hub *h, const hub_config *cfg, char *err, size_t errlen) {
     if (bus_connect_ex(cfg->nats_url, name, &o, &h->bus, err, errlen) != BUS_OK) goto fail;
     nats_SetMessageDeliveryPoolSize((int)cfg->delivery_threads);
     if (ensure_streams(h, err, errlen)) goto fail;
-    if (bus_js_pull_subscribe(h->bus, STREAM_WF_EVENTS, cfg->projection_durable, "wf.>", 30000, -1,
-                              &h->pull_events, err, errlen) != BUS_OK)
+    int from_new = strcmp(cfg->projection_from, "new") == 0;
+    if (!from_new && strcmp(cfg->projection_from, "all") != 0) {
+        fail(err, errlen, "UPSQUAD_HUB_PROJECTION_FROM must be all or new");
         goto fail;
-    if (bus_js_pull_subscribe(h->bus, STREAM_WFIO, cfg->transcript_durable, "wfio.>", 30000, -1,
-                              &h->pull_io, err, errlen) != BUS_OK)
+    }
+    if (bus_js_pull_subscribe_ex(h->bus, STREAM_WF_EVENTS, cfg->projection_durable, "wf.>", 30000,
+                                 -1, from_new, &h->pull_events, err, errlen) != BUS_OK)
+        goto fail;
+    if (bus_js_pull_subscribe_ex(h->bus, STREAM_WFIO, cfg->transcript_durable, "wfio.>", 30000, -1,
+                                 from_new, &h->pull_io, err, errlen) != BUS_OK)
         goto fail;
     if (pthread_create(&h->proj_events, NULL, hub_proj_events_main, h) != 0) goto threads;
     if (pthread_create(&h->proj_io, NULL, hub_proj_io_main, h) != 0) {

@@ -37,6 +37,7 @@ typedef struct hub_config {
     char *migrations_dir;
     char *projection_durable;
     char *transcript_durable;
+    char *projection_from;
     long long stall_ms;
     long long pending_max;
     long long log_tail;

@@ -346,6 +346,45 @@ static char *array_literal(const char *const *v, size_t n) {
     return o;
 }
 
+int hs_runs_behind(db_pool *p, const char *org, const char *const *run_ids, const int64_t *seqs,
+                   size_t n, int *behind, char *err, size_t errlen) {
+    static const char sql[] =
+        "SELECT count(*) FROM unnest($1::uuid[], $2::bigint[]) AS t(run_id, seq) "
+        "LEFT JOIN runs r ON r.run_id = t.run_id WHERE coalesce(r.last_seq, 0) < t.seq";
+    db_tx *tx = NULL;
+    PGresult *res = NULL;
+    char **nums = calloc(n ? n : 1, sizeof *nums);
+    char *ids = array_literal(run_ids, n), *sq = NULL;
+    int rc = DB_OK;
+    *behind = 0;
+    for (size_t i = 0; nums && i < n; i++) {
+        nums[i] = malloc(24);
+        if (nums[i]) snprintf(nums[i], 24, "%lld", (long long)seqs[i]);
+    }
+    if (nums) sq = array_literal((const char *const *)nums, n);
+    if (!ids || !sq) {
+        rc = fail(err, errlen, "out of memory");
+        goto done;
+    }
+    rc = db_tx_begin_ex(p, org, DB_TX_READ_ONLY, &tx, err, errlen);
+    if (rc != DB_OK) goto done;
+    const char *v[2] = {ids, sq};
+    rc = db_exec(db_tx_conn(tx), sql, 2, v, &res, err, errlen);
+    if (rc == DB_OK) *behind = atoi(PQgetvalue(res, 0, 0));
+    PQclear(res);
+    if (rc != DB_OK)
+        db_tx_rollback(tx);
+    else
+        rc = db_tx_commit(tx, err, errlen);
+done:
+    for (size_t i = 0; nums && i < n; i++)
+        free(nums[i]);
+    free(nums);
+    free(ids);
+    free(sq);
+    return rc;
+}
+
 int hs_visible_runs(db_pool *p, const char *org, const char *member, const char *const *teams,
                     size_t n_teams, const char *const *statuses, size_t n_statuses, int limit,
                     hs_run **out, size_t *n, char *err, size_t errlen) {

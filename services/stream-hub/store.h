@@ -87,6 +87,10 @@ int hs_log_tail(db_pool *p, const char *org, const char *run_id, int tail, hs_bl
  * ordered by (session_id, seq, created_at), at most limit. seq carries the event's seq. */
 int hs_transcript(db_pool *p, const char *org, const char *run_id, const char *node, int limit,
                   hs_blobs *out, char *err, size_t errlen);
+/* How many of the given runs the projection holds at a lower seq than given (or not at all):
+ * nonzero means the store has not caught up with what was seen live. */
+int hs_runs_behind(db_pool *p, const char *org, const char *const *run_ids, const int64_t *seqs,
+                   size_t n, int *behind, char *err, size_t errlen);
 /* Visible runs of a member: team arm (team_id in teams) or private arm (owner_id = member),
  * whose status is in `statuses` (NULL = any), newest first, at most limit. *out: caller frees. */
 int hs_visible_runs(db_pool *p, const char *org, const char *member, const char *const *teams,

@@ -150,6 +150,7 @@ class StreamHub(unittest.TestCase):
             "UPSQUAD_MIGRATIONS_DIR": MIGRATIONS, "UPSQUAD_LOG_LEVEL": "warn",
             "UPSQUAD_HUB_PROJECTION_DURABLE": "hub-it-%s-events" % TAG,
             "UPSQUAD_HUB_TRANSCRIPT_DURABLE": "hub-it-%s-io" % TAG,
+            "UPSQUAD_HUB_PROJECTION_FROM": "new",
             "UPSQUAD_RPC_STREAM_QUEUE": str(QUEUE), "UPSQUAD_HUB_STALL_LIMIT": "%dms" % STALL_MS,
             "UPSQUAD_RPC_MAX_STREAMS": "4096", "UPSQUAD_RPC_STREAM_WORKERS": "16",
             "UPSQUAD_SHUTDOWN_GRACE": "2s"})
@@ -624,6 +625,56 @@ class StreamHub(unittest.TestCase):
         live_all = [(m.run_id, m.status, m.leaving) for m in every.msgs[3:]]
         self.assertEqual(live_all, [(r5, "running", False), (r1, "running", False),
                                     (r1, "completed", False)])
+
+    def test_visible_runs_overflow_is_repaired_by_a_resnapshot(self):
+        org, team, me = uid(), uid(), uid()
+        r1 = self.new_run(org, team=team, name="busy")
+        self.projected(r1, 1)
+        small = grpc.insecure_channel(self.b.addr, options=[("grpc.http2.bdp_probe", 0),
+                                                            ("grpc.use_local_subchannel_pool", 1)])
+        self.channels["small-b"] = small
+        stub = small.unary_stream(SVC + "StreamVisibleRuns",
+                                  request_serializer=W.StreamVisibleRunsRequest.SerializeToString,
+                                  response_deserializer=W.VisibleRunEvent.FromString)
+        gaps0 = self.b.metric("stream_hub_gaps_total")
+        r = Reader(stub, W.StreamVisibleRunsRequest(status_filter=1),
+                   self.md(org, teams=(team,), sub=me), pause_after_first=1.2)
+        wait_until(lambda: r.msgs, 10, "the first snapshot row")
+        # far more than its queue and HTTP/2 window hold, while it does not read
+        t0 = time.time()
+        self.pub("node", org=org, run=r1, seq=2, repeat=1200, node_id="x", status="running",
+                 run_status="running", team=team, workflow_name="w" * 2000)
+        self.assertLess(time.time() - t0, 1.2, "publishing was too slow to overflow anything")
+        self.pub("run", org=org, run=r1, seq=1202, status="completed", team=team)
+        r2 = self.new_run(org, team=team, name="new")
+        try:
+            wait_until(lambda: any(m.run_id == r2 for m in r.msgs), 20, "the new run")
+        except AssertionError:
+            print(r.code, r.details, len(r.msgs), [(m.run_id[:4], m.leaving, m.is_snapshot)
+                                                  for m in r.msgs[-5:]],
+                  self.b.metric("stream_hub_gaps_total"), self.b.metric("stream_hub_stalled_total"),
+                  self.b.metric("stream_hub_queue_depth_max"), file=sys.stderr)
+            fd = self.b.proc.stderr.fileno()
+            os.set_blocking(fd, False)
+            try:
+                print(os.read(fd, 200000).decode()[-3000:], file=sys.stderr)
+            except BlockingIOError:
+                pass
+            raise
+        time.sleep(0.3)
+        r.cancel()
+        self.assertGreater(self.b.metric("stream_hub_gaps_total"), gaps0)
+        # whatever was dropped, the set the client ends up with is right: r1 left, r2 entered
+        inset = set()
+        for m in r.msgs:
+            if m.snapshot_done:
+                continue
+            if m.leaving:
+                inset.discard(m.run_id)
+            else:
+                inset.add(m.run_id)
+        self.assertEqual(inset, {r2})
+        self.assertLess(len(r.msgs), 1204)  # frames were dropped, not queued without bound
 
     # ---- restart and shutdown ----
     def test_zz_replica_restart_loses_nothing_and_shutdown_ends_streams_unavailable(self):

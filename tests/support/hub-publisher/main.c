@@ -11,6 +11,7 @@
  *   node  {... scope as run, seq, node_id, step, status, run_status, iteration, blocked_by,
  *          raw_status, needs_input, needs_approval, prompt_id, is_waiting} -> wf.status (JS)
  *   log   {... scope, seq, node_id, level, message}           -> wf.log.<org>.<run> (JetStream)
+ *         run, node and log take "repeat": N (N events, seq, seq+1, ...)
  *   io    {org, run, node, session, seq, iteration, token | status | tool_call {name, id, args} |
  *          tool_result {name, id, summary, is_error, duration_ms},
  *          transcript {event_type, content}}                  -> wfio.<org>.<run> (core: the
@@ -248,7 +249,13 @@ int main(int argc, char **argv) {
             rc = -1;
             snprintf(err, sizeof err, "not JSON");
         } else if (!strcmp(op, "run") || !strcmp(op, "node") || !strcmp(op, "log")) {
-            rc = publish_run_event(c, op, err, sizeof err);
+            /* "repeat": N events with seq, seq+1, ... (bursts without a round trip each) */
+            long n = (long)num(c, "repeat", 1), seq0 = (long)num(c, "seq", 0);
+            for (long i = 0; i < n && rc == 0; i++) {
+                cJSON_DeleteItemFromObjectCaseSensitive(c, "seq");
+                cJSON_AddNumberToObject(c, "seq", (double)(seq0 + i));
+                rc = publish_run_event(c, op, err, sizeof err);
+            }
         } else if (!strcmp(op, "io")) {
             rc = publish_io(c, NULL, err, sizeof err);
         } else if (!strcmp(op, "tokens")) {
