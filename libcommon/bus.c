@@ -535,6 +535,13 @@ int bus_js_publish(bus *b, const char *subject, const void *data, int len, const
 int bus_js_pull_subscribe(bus *b, const char *stream, const char *durable,
                           const char *filter_subject, int ack_wait_ms, int max_deliver,
                           bus_pull **out, char *err, size_t errlen) {
+    return bus_js_pull_subscribe_ex(b, stream, durable, filter_subject, ack_wait_ms, max_deliver, 0,
+                                    out, err, errlen);
+}
+
+int bus_js_pull_subscribe_ex(bus *b, const char *stream, const char *durable,
+                             const char *filter_subject, int ack_wait_ms, int max_deliver,
+                             int deliver_new, bus_pull **out, char *err, size_t errlen) {
     *out = NULL;
     if (!b || !bus_token_valid(stream) || !bus_token_valid(durable) || !filter_subject ||
         !*filter_subject || ack_wait_ms < 1 || max_deliver == 0 || max_deliver < -1) {
@@ -552,6 +559,7 @@ int bus_js_pull_subscribe(bus *b, const char *stream, const char *durable,
     cc.AckWait = (int64_t)ack_wait_ms * 1000000LL;
     cc.MaxDeliver = max_deliver;
     cc.MaxAckPending = BUS_MAX_ACK_PENDING;
+    if (deliver_new) cc.DeliverPolicy = js_DeliverNew;
     jsErrCode jerr = 0;
     jsConsumerInfo *ci = NULL;
     natsStatus s = js_AddConsumer(&ci, b->js, stream, &cc, NULL, &jerr);

@@ -165,6 +165,12 @@ int bus_js_publish(bus *b, const char *subject, const void *data, int len, const
 int bus_js_pull_subscribe(bus *b, const char *stream, const char *durable,
                           const char *filter_subject, int ack_wait_ms, int max_deliver,
                           bus_pull **out, char *err, size_t errlen);
+/* The same; deliver_new 1: a consumer this call creates starts with the messages published
+ * after its creation instead of the stream's whole history. A durable's start cannot change
+ * later: bind it with the value it was created with. */
+int bus_js_pull_subscribe_ex(bus *b, const char *stream, const char *durable,
+                             const char *filter_subject, int ack_wait_ms, int max_deliver,
+                             int deliver_new, bus_pull **out, char *err, size_t errlen);
 /* Fetches up to batch messages, waiting up to timeout_ms for the first. A timeout with nothing
  * to deliver is BUS_OK with out->Count == 0. The caller owns the list: ack/nak/term each
  * message, then natsMsgList_Destroy(out). */

@@ -241,6 +241,9 @@ int rpc_stream_push(rpc_call *call, rpc_frame *f);
 size_t rpc_stream_queued(rpc_call *call);
 /* Sends the final status after the queued frames. Idempotent. */
 int rpc_stream_finish(rpc_call *call, int code, const char *message);
+/* Ends the stream at once with `code`, dropping the queued frames (a subscriber that stopped
+ * reading: its memory is returned and it learns why). Idempotent; never blocks. */
+int rpc_stream_abort(rpc_call *call, int code, const char *message);
 void rpc_call_unref(rpc_call *call);
 
 #endif

@@ -251,3 +251,23 @@ rpc_call *rpc_stream_detach(rpc_call *c, rpc_close_fn on_close, void *ud) {
     pthread_mutex_unlock(&c->mu);
     return c;
 }
+
+/* Ends the stream now with `code`: the queued frames are dropped and the status goes out
+ * without waiting for the frames (or the send in flight) a stalled client is not reading.
+ * grpc_call_cancel_with_status on a server call writes the status trailers, which HTTP/2 flow
+ * control does not hold back; on_close runs as for any other end. */
+int rpc_stream_abort(rpc_call *c, int code, const char *message) {
+    int go = 0;
+    pthread_mutex_lock(&c->mu);
+    if (!c->closed && !c->end_started) {
+        c->closed = 1;
+        c->finishing = 1;
+        c->code = code;
+        drop_queue_locked(c);
+        pthread_cond_broadcast(&c->cv);
+        go = 1;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (go) grpc_call_cancel_with_status(c->call, (grpc_status_code)code, message, NULL);
+    return RPC_OK;
+}

@@ -1,0 +1,439 @@
+/* Every SQL statement of stream-hub (see store.h). */
+#include "store.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ids.h"
+#include "util.h"
+
+#define fail(err, errlen, ...) util_errf((err), (errlen), DB_ERR, __VA_ARGS__)
+
+void hs_blobs_free(hs_blobs *b) {
+    for (size_t i = 0; i < b->n; i++)
+        free(b->v[i].body);
+    free(b->v);
+    b->v = NULL;
+    b->n = 0;
+}
+
+/* ---- writes ---- */
+
+static const char SQL_PUT_EVENT[] =
+    "INSERT INTO run_events (org_id, run_id, seq, kind, node_id, iteration, at, body) "
+    "VALUES ($1, $2, $3, $4, $5, $6, CASE WHEN $7::float8 > 0 THEN to_timestamp($7::float8) "
+    "ELSE now() END, $8) ON CONFLICT (run_id, seq) DO NOTHING";
+
+/* Scope columns come with every event; the status group and the counters are only replaced by
+ * a newer seq than the one that wrote them (replicas may project out of order). */
+static const char SQL_PUT_RUN[] =
+    "INSERT INTO runs AS r (org_id, run_id, workflow_id, workflow_name, team_id, visibility, "
+    " owner_id, display_name, status, needs_input, needs_approval, prompt_kind, prompt_id, "
+    " asked_by_role, is_waiting, status_seq, nodes_total, nodes_done, counters_seq, last_seq) "
+    "VALUES ($1, $2, $3, $4, $5, CASE WHEN $6 = '' THEN 'team' ELSE $6 END, $7, $8, "
+    " CASE WHEN $9 = '' THEN 'pending' ELSE $9 END, $10, $11, $12, $13, $14, $15, "
+    " CASE WHEN $9 = '' THEN 0 ELSE $16::bigint END, $17, $18, "
+    " CASE WHEN $19 THEN $16::bigint ELSE 0 END, $16::bigint) "
+    "ON CONFLICT (run_id) DO UPDATE SET "
+    " workflow_id = CASE WHEN EXCLUDED.workflow_id <> '' THEN EXCLUDED.workflow_id "
+    "   ELSE r.workflow_id END, "
+    " workflow_name = CASE WHEN EXCLUDED.workflow_name <> '' THEN EXCLUDED.workflow_name "
+    "   ELSE r.workflow_name END, "
+    " team_id = CASE WHEN $5 <> '' THEN EXCLUDED.team_id ELSE r.team_id END, "
+    " visibility = CASE WHEN $6 <> '' THEN EXCLUDED.visibility ELSE r.visibility END, "
+    " owner_id = CASE WHEN EXCLUDED.owner_id <> '' THEN EXCLUDED.owner_id ELSE r.owner_id END, "
+    " display_name = CASE WHEN EXCLUDED.display_name <> '' THEN EXCLUDED.display_name "
+    "   ELSE r.display_name END, "
+    " status = CASE WHEN $9 <> '' AND r.status_seq < $16::bigint THEN EXCLUDED.status "
+    "   ELSE r.status END, "
+    " needs_input = CASE WHEN $9 <> '' AND r.status_seq < $16::bigint THEN EXCLUDED.needs_input "
+    "   ELSE r.needs_input END, "
+    " needs_approval = CASE WHEN $9 <> '' AND r.status_seq < $16::bigint "
+    "   THEN EXCLUDED.needs_approval ELSE r.needs_approval END, "
+    " prompt_kind = CASE WHEN $9 <> '' AND r.status_seq < $16::bigint THEN EXCLUDED.prompt_kind "
+    "   ELSE r.prompt_kind END, "
+    " prompt_id = CASE WHEN $9 <> '' AND r.status_seq < $16::bigint THEN EXCLUDED.prompt_id "
+    "   ELSE r.prompt_id END, "
+    " asked_by_role = CASE WHEN $9 <> '' AND r.status_seq < $16::bigint "
+    "   THEN EXCLUDED.asked_by_role ELSE r.asked_by_role END, "
+    " is_waiting = CASE WHEN $9 <> '' AND r.status_seq < $16::bigint THEN EXCLUDED.is_waiting "
+    "   ELSE r.is_waiting END, "
+    " status_seq = CASE WHEN $9 <> '' THEN greatest(r.status_seq, $16::bigint) "
+    "   ELSE r.status_seq END, "
+    " nodes_total = CASE WHEN $19 AND r.counters_seq < $16::bigint THEN EXCLUDED.nodes_total "
+    "   ELSE r.nodes_total END, "
+    " nodes_done = CASE WHEN $19 AND r.counters_seq < $16::bigint THEN EXCLUDED.nodes_done "
+    "   ELSE r.nodes_done END, "
+    " counters_seq = CASE WHEN $19 THEN greatest(r.counters_seq, $16::bigint) "
+    "   ELSE r.counters_seq END, "
+    " last_seq = greatest(r.last_seq, $16::bigint), updated_at = now()";
+
+static const char *b(int v) {
+    return v ? "t" : "f";
+}
+
+static const char *s(const char *v) {
+    return v ? v : "";
+}
+
+int hs_put_run_event(db_pool *p, const hs_run_event *e, char *err, size_t errlen) {
+    db_tx *tx = NULL;
+    char seq[24], iter[16], at[40], kind[2] = {e->kind, 0}, pk[16], tot[16], done[16];
+    int rc = db_tx_begin(p, e->org_id, &tx, err, errlen);
+    if (rc != DB_OK) return rc;
+    snprintf(seq, sizeof seq, "%lld", (long long)e->seq);
+    snprintf(iter, sizeof iter, "%d", e->iteration);
+    snprintf(at, sizeof at, "%.6f", e->at_s);
+    snprintf(pk, sizeof pk, "%d", e->prompt_kind);
+    snprintf(tot, sizeof tot, "%d", e->nodes_total);
+    snprintf(done, sizeof done, "%d", e->nodes_done);
+    const char *ev[8] = {e->org_id,     e->run_id, seq, kind,
+                         s(e->node_id), iter,      at,  (const char *)e->body};
+    int lens[8] = {0, 0, 0, 0, 0, 0, 0, (int)e->len};
+    int fmts[8] = {0, 0, 0, 0, 0, 0, 0, 1};
+    rc = db_exec_bin(db_tx_conn(tx), SQL_PUT_EVENT, 8, ev, lens, fmts, 0, NULL, err, errlen);
+    if (rc != DB_OK) goto done;
+    const char *rv[19] = {e->org_id,
+                          e->run_id,
+                          s(e->workflow_id),
+                          s(e->workflow_name),
+                          s(e->team_id),
+                          s(e->visibility),
+                          s(e->owner_id),
+                          s(e->display_name),
+                          s(e->status),
+                          b(e->needs_input),
+                          b(e->needs_approval),
+                          pk,
+                          s(e->prompt_id),
+                          s(e->asked_by_role),
+                          b(e->is_waiting),
+                          seq,
+                          tot,
+                          done,
+                          b(e->has_counters)};
+    rc = db_exec(db_tx_conn(tx), SQL_PUT_RUN, 19, rv, NULL, err, errlen);
+done:
+    if (rc != DB_OK) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return db_tx_commit(tx, err, errlen);
+}
+
+static const char SQL_PUT_TRANSCRIPT[] =
+    "INSERT INTO session_events (org_id, run_id, step_name, action_id, iteration, session_id, "
+    " seq, body) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) "
+    "ON CONFLICT (run_id, session_id, seq) DO NOTHING";
+
+int hs_put_transcript(db_pool *p, const hs_transcript_event *e, char *err, size_t errlen) {
+    db_tx *tx = NULL;
+    char iter[16], seq[16];
+    int rc = db_tx_begin(p, e->org_id, &tx, err, errlen);
+    if (rc != DB_OK) return rc;
+    snprintf(iter, sizeof iter, "%d", e->iteration);
+    snprintf(seq, sizeof seq, "%d", e->seq);
+    const char *v[8] = {e->org_id, e->run_id,        e->step_name, s(e->action_id),
+                        iter,      s(e->session_id), seq,          (const char *)e->body};
+    int lens[8] = {0, 0, 0, 0, 0, 0, 0, (int)e->len};
+    int fmts[8] = {0, 0, 0, 0, 0, 0, 0, 1};
+    rc = db_exec_bin(db_tx_conn(tx), SQL_PUT_TRANSCRIPT, 8, v, lens, fmts, 0, NULL, err, errlen);
+    if (rc != DB_OK) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return db_tx_commit(tx, err, errlen);
+}
+
+/* ---- reads ---- */
+
+static const char SQL_GET_RUN[] =
+    "SELECT run_id, workflow_id, workflow_name, team_id, visibility, owner_id, display_name, "
+    " status, prompt_id, asked_by_role, needs_input, needs_approval, prompt_kind, is_waiting, "
+    " nodes_total, nodes_done, last_seq FROM runs";
+
+static void copy_field(char *dst, size_t cap, const char *v) {
+    snprintf(dst, cap, "%s", v);
+}
+
+static void run_row(PGresult *res, int i, hs_run *r) {
+    memset(r, 0, sizeof *r);
+    copy_field(r->run_id, sizeof r->run_id, PQgetvalue(res, i, 0));
+    copy_field(r->workflow_id, sizeof r->workflow_id, PQgetvalue(res, i, 1));
+    copy_field(r->workflow_name, sizeof r->workflow_name, PQgetvalue(res, i, 2));
+    copy_field(r->team_id, sizeof r->team_id, PQgetvalue(res, i, 3));
+    copy_field(r->visibility, sizeof r->visibility, PQgetvalue(res, i, 4));
+    copy_field(r->owner_id, sizeof r->owner_id, PQgetvalue(res, i, 5));
+    copy_field(r->display_name, sizeof r->display_name, PQgetvalue(res, i, 6));
+    copy_field(r->status, sizeof r->status, PQgetvalue(res, i, 7));
+    copy_field(r->prompt_id, sizeof r->prompt_id, PQgetvalue(res, i, 8));
+    copy_field(r->asked_by_role, sizeof r->asked_by_role, PQgetvalue(res, i, 9));
+    r->needs_input = PQgetvalue(res, i, 10)[0] == 't';
+    r->needs_approval = PQgetvalue(res, i, 11)[0] == 't';
+    r->prompt_kind = atoi(PQgetvalue(res, i, 12));
+    r->is_waiting = PQgetvalue(res, i, 13)[0] == 't';
+    r->nodes_total = atoi(PQgetvalue(res, i, 14));
+    r->nodes_done = atoi(PQgetvalue(res, i, 15));
+    r->last_seq = strtoll(PQgetvalue(res, i, 16), NULL, 10);
+}
+
+/* Copies rows (seq, kind, body) of res into out. */
+static int copy_blobs(PGresult *res, hs_blobs *out, char *err, size_t errlen) {
+    int rows = PQntuples(res);
+    out->v = calloc(rows ? (size_t)rows : 1, sizeof *out->v);
+    if (!out->v) return fail(err, errlen, "out of memory");
+    for (int i = 0; i < rows; i++) {
+        hs_blob *bl = &out->v[out->n];
+        size_t len = 0;
+        unsigned char *raw = PQunescapeBytea((const unsigned char *)PQgetvalue(res, i, 2), &len);
+        if (!raw) return fail(err, errlen, "out of memory");
+        bl->body = malloc(len ? len : 1);
+        if (!bl->body) {
+            PQfreemem(raw);
+            return fail(err, errlen, "out of memory");
+        }
+        memcpy(bl->body, raw, len);
+        PQfreemem(raw);
+        bl->len = len;
+        bl->seq = strtoll(PQgetvalue(res, i, 0), NULL, 10);
+        bl->kind = PQgetvalue(res, i, 1)[0];
+        out->n++;
+    }
+    return DB_OK;
+}
+
+/* Runs one read-only statement in a transaction of `org`; the result rows are
+ * (seq, kind, body) and are copied into out. With run non-NULL, the run row is read first in
+ * the same REPEATABLE READ snapshot, so the rows and run->last_seq agree. */
+static int read_blobs(db_pool *p, const char *org, const char *sql, int n, const char *const *v,
+                      hs_blobs *out, hs_run *run, int *found, char *err, size_t errlen) {
+    db_tx *tx = NULL;
+    PGresult *res = NULL;
+    char rsql[512];
+    out->v = NULL;
+    out->n = 0;
+    if (found) *found = 0;
+    int rc = db_tx_begin_ex(p, org, DB_TX_READ_ONLY | (run ? DB_TX_REPEATABLE_READ : 0), &tx, err,
+                            errlen);
+    if (rc != DB_OK) return rc;
+    if (run) {
+        snprintf(rsql, sizeof rsql, "%s WHERE run_id = $1", SQL_GET_RUN);
+        rc = db_exec(db_tx_conn(tx), rsql, 1, v, &res, err, errlen);
+        if (rc != DB_OK) goto done;
+        if (PQntuples(res) == 1) {
+            run_row(res, 0, run);
+            *found = 1;
+        }
+        PQclear(res);
+        res = NULL;
+    }
+    rc = db_exec(db_tx_conn(tx), sql, n, v, &res, err, errlen);
+    if (rc == DB_OK) rc = copy_blobs(res, out, err, errlen);
+done:
+    PQclear(res);
+    if (rc != DB_OK) {
+        hs_blobs_free(out);
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return db_tx_commit(tx, err, errlen);
+}
+
+int hs_get_run(db_pool *p, const char *org, const char *run_id, hs_run *out, int *found, char *err,
+               size_t errlen) {
+    db_tx *tx = NULL;
+    PGresult *res = NULL;
+    char sql[sizeof SQL_GET_RUN + 64];
+    *found = 0;
+    /* an id that is not a UUID names no run: NOT_FOUND, not a database error */
+    if (!ids_uuid_valid(run_id)) return DB_OK;
+    snprintf(sql, sizeof sql, "%s WHERE run_id = $1", SQL_GET_RUN);
+    int rc = db_tx_begin_ex(p, org, DB_TX_READ_ONLY, &tx, err, errlen);
+    if (rc != DB_OK) return rc;
+    const char *v[1] = {run_id};
+    rc = db_exec(db_tx_conn(tx), sql, 1, v, &res, err, errlen);
+    if (rc == DB_OK && PQntuples(res) == 1) {
+        run_row(res, 0, out);
+        *found = 1;
+    }
+    PQclear(res);
+    if (rc != DB_OK) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return db_tx_commit(tx, err, errlen);
+}
+
+/* The end of the first contiguous block of the run's seqs: events are projected by several
+ * replicas in parallel, so a later seq may be committed before an earlier one; a snapshot
+ * covers only what has no hole below it (the rest comes from the store or live, in order). */
+#define SQL_CONTIGUOUS                                                                             \
+    "(SELECT coalesce(min(e.seq), 0) FROM run_events e WHERE e.run_id = $1 AND NOT EXISTS "        \
+    " (SELECT 1 FROM run_events f WHERE f.run_id = $1 AND f.seq = e.seq + 1))"
+
+int hs_node_fold(db_pool *p, const char *org, const char *run_id, hs_blobs *out, hs_run *run,
+                 int *found, char *err, size_t errlen) {
+    static const char sql[] =
+        "WITH c AS (SELECT " SQL_CONTIGUOUS " AS upto) "
+        "SELECT seq, k, body FROM (SELECT seq, 'n' AS k, body FROM "
+        " (SELECT DISTINCT ON (node_id, iteration) seq, body FROM run_events, c "
+        "  WHERE run_id = $1 AND kind = 'n' AND seq <= c.upto "
+        "  ORDER BY node_id, iteration, seq DESC) f "
+        " UNION ALL SELECT upto, 'u', ''::bytea FROM c) x ORDER BY k = 'u', seq";
+    const char *v[1] = {run_id};
+    return read_blobs(p, org, sql, 1, v, out, run, found, err, errlen);
+}
+
+int hs_events_after(db_pool *p, const char *org, const char *run_id, int64_t after, int limit,
+                    hs_blobs *out, char *err, size_t errlen) {
+    static const char sql[] = "SELECT seq, kind, body FROM run_events "
+                              "WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
+    char a[24], l[16];
+    snprintf(a, sizeof a, "%lld", (long long)after);
+    snprintf(l, sizeof l, "%d", limit);
+    const char *v[3] = {run_id, a, l};
+    return read_blobs(p, org, sql, 3, v, out, NULL, NULL, err, errlen);
+}
+
+int hs_log_tail(db_pool *p, const char *org, const char *run_id, int tail, hs_blobs *out,
+                hs_run *run, int *found, char *err, size_t errlen) {
+    static const char sql[] =
+        "WITH c AS (SELECT " SQL_CONTIGUOUS " AS upto) "
+        "SELECT seq, k, body FROM (SELECT seq, 'l' AS k, body FROM "
+        " (SELECT seq, body FROM run_events, c WHERE run_id = $1 AND kind = 'l' "
+        "  AND seq <= c.upto ORDER BY seq DESC LIMIT $2) t "
+        " UNION ALL SELECT upto, 'u', ''::bytea FROM c) x ORDER BY k = 'u', seq";
+    char l[16];
+    snprintf(l, sizeof l, "%d", tail);
+    const char *v[2] = {run_id, l};
+    return read_blobs(p, org, sql, 2, v, out, run, found, err, errlen);
+}
+
+int hs_transcript(db_pool *p, const char *org, const char *run_id, const char *node, int limit,
+                  hs_blobs *out, char *err, size_t errlen) {
+    static const char sql[] = "SELECT seq, 't', body FROM session_events WHERE run_id = $1 "
+                              " AND ($2 = '' OR step_name = $2 OR action_id = $2) "
+                              "ORDER BY session_id, seq, created_at LIMIT $3";
+    char l[16];
+    out->v = NULL;
+    out->n = 0;
+    if (!ids_uuid_valid(run_id)) return DB_OK;
+    snprintf(l, sizeof l, "%d", limit);
+    const char *v[3] = {run_id, node ? node : "", l};
+    return read_blobs(p, org, sql, 3, v, out, NULL, NULL, err, errlen);
+}
+
+/* A Postgres text[] literal of ids: {"a","b"} with " and \ escaped. *out: caller frees. */
+static char *array_literal(const char *const *v, size_t n) {
+    size_t cap = 3;
+    for (size_t i = 0; i < n; i++)
+        cap += 2 * strlen(v[i]) + 3;
+    char *o = malloc(cap), *w = o;
+    if (!o) return NULL;
+    *w++ = '{';
+    for (size_t i = 0; i < n; i++) {
+        if (i) *w++ = ',';
+        *w++ = '"';
+        for (const char *c = v[i]; *c; c++) {
+            if (*c == '"' || *c == '\\') *w++ = '\\';
+            *w++ = *c;
+        }
+        *w++ = '"';
+    }
+    *w++ = '}';
+    *w = 0;
+    return o;
+}
+
+int hs_runs_behind(db_pool *p, const char *org, const char *const *run_ids, const int64_t *seqs,
+                   size_t n, int *behind, char *err, size_t errlen) {
+    static const char sql[] =
+        "SELECT count(*) FROM unnest($1::uuid[], $2::bigint[]) AS t(run_id, seq) "
+        "LEFT JOIN runs r ON r.run_id = t.run_id WHERE coalesce(r.last_seq, 0) < t.seq";
+    db_tx *tx = NULL;
+    PGresult *res = NULL;
+    char **nums = calloc(n ? n : 1, sizeof *nums);
+    char *ids = array_literal(run_ids, n), *sq = NULL;
+    int rc = DB_OK;
+    *behind = 0;
+    for (size_t i = 0; nums && i < n; i++) {
+        nums[i] = malloc(24);
+        if (nums[i]) snprintf(nums[i], 24, "%lld", (long long)seqs[i]);
+    }
+    if (nums) sq = array_literal((const char *const *)nums, n);
+    if (!ids || !sq) {
+        rc = fail(err, errlen, "out of memory");
+        goto done;
+    }
+    rc = db_tx_begin_ex(p, org, DB_TX_READ_ONLY, &tx, err, errlen);
+    if (rc != DB_OK) goto done;
+    const char *v[2] = {ids, sq};
+    rc = db_exec(db_tx_conn(tx), sql, 2, v, &res, err, errlen);
+    if (rc == DB_OK) *behind = atoi(PQgetvalue(res, 0, 0));
+    PQclear(res);
+    if (rc != DB_OK)
+        db_tx_rollback(tx);
+    else
+        rc = db_tx_commit(tx, err, errlen);
+done:
+    for (size_t i = 0; nums && i < n; i++)
+        free(nums[i]);
+    free(nums);
+    free(ids);
+    free(sq);
+    return rc;
+}
+
+int hs_visible_runs(db_pool *p, const char *org, const char *member, const char *const *teams,
+                    size_t n_teams, const char *const *statuses, size_t n_statuses, int limit,
+                    hs_run **out, size_t *n, char *err, size_t errlen) {
+    db_tx *tx = NULL;
+    PGresult *res = NULL;
+    char sql[sizeof SQL_GET_RUN + 512], l[16];
+    char *ta = array_literal(teams, n_teams), *sa = array_literal(statuses, n_statuses);
+    *out = NULL;
+    *n = 0;
+    int rc = DB_OK;
+    if (!ta || !sa) {
+        rc = fail(err, errlen, "out of memory");
+        goto done;
+    }
+    /* the two visibility arms of the spec: the workflow's team is one of the caller's teams,
+     * or the caller owns the private workflow */
+    snprintf(sql, sizeof sql,
+             "%s WHERE ((visibility <> 'private' AND team_id = ANY($2::text[])) "
+             " OR (visibility = 'private' AND owner_id = $1)) "
+             " AND ($3::boolean OR status = ANY($4::text[])) "
+             "ORDER BY started_at DESC, run_id DESC LIMIT $5",
+             SQL_GET_RUN);
+    snprintf(l, sizeof l, "%d", limit);
+    rc = db_tx_begin_ex(p, org, DB_TX_READ_ONLY, &tx, err, errlen);
+    if (rc != DB_OK) goto done;
+    const char *v[5] = {member, ta, statuses ? "f" : "t", sa, l};
+    rc = db_exec(db_tx_conn(tx), sql, 5, v, &res, err, errlen);
+    if (rc == DB_OK) {
+        int rows = PQntuples(res);
+        *out = calloc(rows ? (size_t)rows : 1, sizeof **out);
+        if (!*out) {
+            rc = fail(err, errlen, "out of memory");
+        } else {
+            for (int i = 0; i < rows; i++)
+                run_row(res, i, &(*out)[i]);
+            *n = (size_t)rows;
+        }
+    }
+    PQclear(res);
+    if (rc != DB_OK) {
+        db_tx_rollback(tx);
+        free(*out);
+        *out = NULL;
+        *n = 0;
+        goto done;
+    }
+    rc = db_tx_commit(tx, err, errlen);
+done:
+    free(ta);
+    free(sa);
+    return rc;
+}

@@ -1,0 +1,705 @@
+"""stream-hub over real gRPC (grpcio), with real Postgres and NATS, two replicas.
+
+The inputs are published by build/bin/hub-publisher exactly as the workflow-engine (RunEvent on
+wf.status / wf.log, JetStream with Nats-Msg-Id) and the orchestrator (NodeIOEvent on wfio) put
+them on the bus. The test creates a throw-away database, uses its own durable consumer names
+(so other runs on the same NATS are not disturbed), starts replicas A and B of
+build/bin/stream-hub on free loopback ports and stops them by pid. Every test uses fresh org
+and run UUIDs.
+"""
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import unittest
+import urllib.parse
+import uuid
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
+import upsquad_testlib as T  # noqa: E402
+
+DSN = os.environ.get("UPSQUAD_PG_DSN_STREAM_HUB")
+ADMIN_DSN = os.environ.get("UPSQUAD_PG_ADMIN_DSN")
+NATS = os.environ.get("UPSQUAD_NATS_URL")
+if not DSN or not NATS or not ADMIN_DSN:
+    print("SKIP: UPSQUAD_PG_DSN_STREAM_HUB, UPSQUAD_PG_ADMIN_DSN and UPSQUAD_NATS_URL are required")
+    sys.exit(0)
+
+import grpc  # noqa: E402
+from upsquad.workflow.v1 import workflow_pb2 as W  # noqa: E402
+
+SVC = "/upsquad.workflow.v1.WorkflowService/"
+MIGRATIONS = os.path.join(T.ROOT, "services", "stream-hub", "migrations")
+PUBLISHER = os.path.join(T.BUILD, "bin", "hub-publisher")
+SECRET = secrets.token_hex(16)
+TAG = "%d%s" % (os.getpid(), secrets.token_hex(3))
+QUEUE = 64          # frames per subscriber queue (UPSQUAD_RPC_STREAM_QUEUE)
+STALL_MS = 1500     # UPSQUAD_HUB_STALL_LIMIT
+MANY = int(os.environ.get("HUB_TEST_SUBSCRIPTIONS", "1000"))
+
+METHODS = {
+    "StreamRunStatus": (W.StreamRunStatusRequest, W.StreamRunStatusResponse),
+    "StreamRunLogs": (W.StreamRunLogsRequest, W.StreamRunLogsResponse),
+    "StreamNodeIO": (W.StreamNodeIORequest, W.StreamNodeIOResponse),
+    "StreamVisibleRuns": (W.StreamVisibleRunsRequest, W.VisibleRunEvent),
+}
+
+
+def psql(dsn, sql):
+    out = subprocess.run(["psql", dsn, "-X", "-Atq", "-v", "ON_ERROR_STOP=1", "-c", sql],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError("psql: " + out.stderr)
+    return out.stdout.strip()
+
+
+def with_database(dsn, dbname):
+    u = urllib.parse.urlsplit(dsn)
+    return urllib.parse.urlunsplit((u.scheme, u.netloc, "/" + dbname, u.query, u.fragment))
+
+
+def uid():
+    return str(uuid.uuid4())
+
+
+def wait_until(pred, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.03)
+    raise AssertionError("timed out waiting for " + what)
+
+
+class Publisher:
+    """hub-publisher as a subprocess: one JSON command per line, one answer per line."""
+
+    def __init__(self):
+        self.p = subprocess.Popen([PUBLISHER, NATS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True)
+        self.mu = threading.Lock()
+
+    def __call__(self, op, **kw):
+        kw["op"] = op
+        with self.mu:
+            self.p.stdin.write(json.dumps(kw) + "\n")
+            self.p.stdin.flush()
+            line = self.p.stdout.readline().strip()
+        if not line.startswith("ok"):
+            raise RuntimeError("publisher: %r for %r" % (line, kw))
+        return line
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait(timeout=10)
+        self.p.stdout.close()
+
+
+class Reader(threading.Thread):
+    """Reads one server stream into a list; records the final status code."""
+
+    def __init__(self, stub, req, md, pause_after_first=0.0):
+        super().__init__(daemon=True)
+        self.call = stub(req, metadata=md, timeout=60)
+        self.msgs = []
+        self.code = None
+        self.details = ""
+        self.pause = pause_after_first
+        self.start()
+
+    def run(self):
+        try:
+            for m in self.call:
+                self.msgs.append(m)
+                if self.pause:  # a client that stops reading for a while
+                    time.sleep(self.pause)
+                    self.pause = 0
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            self.code = e.code()
+            self.details = e.details()
+
+    def cancel(self):
+        self.call.cancel()
+
+
+class StreamHub(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        name = "hub_it_%s" % TAG
+        psql(ADMIN_DSN, "CREATE DATABASE %s" % name)
+        cls.db = name
+        cls.admin = with_database(ADMIN_DSN, name)
+        psql(cls.admin, "CREATE SCHEMA stream_hub AUTHORIZATION stream_hub")
+        cls.dsn = with_database(DSN, name)
+        cls.servers = []
+        cls.a = cls.start()
+        cls.b = cls.start()
+        cls.pub = Publisher()
+        cls.channels = {}
+
+    @classmethod
+    def start(cls):
+        srv = T.Server("stream-hub", env={
+            "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": cls.dsn, "UPSQUAD_NATS_URL": NATS,
+            "UPSQUAD_MIGRATIONS_DIR": MIGRATIONS, "UPSQUAD_LOG_LEVEL": "warn",
+            "UPSQUAD_HUB_PROJECTION_DURABLE": "hub-it-%s-events" % TAG,
+            "UPSQUAD_HUB_TRANSCRIPT_DURABLE": "hub-it-%s-io" % TAG,
+            "UPSQUAD_HUB_PROJECTION_FROM": "new",
+            "UPSQUAD_RPC_STREAM_QUEUE": str(QUEUE), "UPSQUAD_HUB_STALL_LIMIT": "%dms" % STALL_MS,
+            "UPSQUAD_RPC_MAX_STREAMS": "4096", "UPSQUAD_RPC_STREAM_WORKERS": "16",
+            "UPSQUAD_SHUTDOWN_GRACE": "2s"})
+        cls.servers.append(srv)
+        return srv
+
+    @classmethod
+    def tearDownClass(cls):
+        for ch in cls.channels.values():
+            ch.close()
+        cls.pub.close()
+        for s in cls.servers:
+            s.stop()
+        psql(ADMIN_DSN, "DROP DATABASE %s WITH (FORCE)" % cls.db)
+
+    # ---- helpers ----
+    def channel(self, srv):
+        ch = self.channels.get(srv.addr)
+        if ch is None:
+            ch = self.channels[srv.addr] = grpc.insecure_channel(srv.addr)
+        return ch
+
+    def stub(self, srv, method):
+        req, resp = METHODS[method]
+        return self.channel(srv).unary_stream(SVC + method, request_serializer=req.SerializeToString,
+                                              response_deserializer=resp.FromString)
+
+    def token(self, org, clearance=5, teams=(), sub=None):
+        return T.mint(SECRET, sub=sub or uid(), org=org, clearance=clearance, teams=teams)
+
+    def md(self, org, extra=(), **kw):
+        return (("authorization", "Bearer " + self.token(org, **kw)),) + tuple(extra)
+
+    def read(self, srv, method, req, org, extra=(), **kw):
+        return Reader(self.stub(srv, method), req, self.md(org, extra, **kw))
+
+    def transcript(self, srv, org, run, node, clearance=5):
+        call = self.channel(srv).unary_unary(
+            SVC + "GetNodeTranscript", request_serializer=W.GetNodeTranscriptRequest.SerializeToString,
+            response_deserializer=W.GetNodeTranscriptResponse.FromString)
+        return call(W.GetNodeTranscriptRequest(run_id=run, node_id=node),
+                    metadata=self.md(org, clearance=clearance), timeout=10)
+
+    def projected(self, run, seq):
+        """Waits until the projection holds the run's event `seq`."""
+        wait_until(lambda: psql(self.admin, "SELECT count(*) FROM stream_hub.run_events "
+                                "WHERE run_id = '%s' AND seq = %d" % (run, seq)) == "1",
+                   15, "seq %d of run %s in the projection" % (seq, run))
+
+    def new_run(self, org, team="", status="running", visibility="team", owner="", name="wf"):
+        run = uid()
+        self.pub("run", org=org, run=run, seq=1, status=status, team=team, visibility=visibility,
+                 owner=owner, workflow_name=name, workflow_id=uid(), nodes_total=3)
+        return run
+
+    def assertFailsFirst(self, reader, code):
+        reader.join(15)
+        self.assertEqual(reader.code, code, reader.details)
+        self.assertEqual(reader.msgs, [], "frames sent before the error")
+
+    # ---- tenancy and arguments ----
+    def test_foreign_and_unknown_runs_are_not_found_before_anything_is_sent(self):
+        org, other = uid(), uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        for method, req in (("StreamRunStatus", W.StreamRunStatusRequest(run_id=run)),
+                            ("StreamRunLogs", W.StreamRunLogsRequest(run_id=run)),
+                            ("StreamNodeIO", W.StreamNodeIORequest(run_id=run))):
+            for srv in (self.a, self.b):
+                self.assertFailsFirst(self.read(srv, method, req, other), grpc.StatusCode.NOT_FOUND)
+            unknown = type(req)(run_id=uid())
+            self.assertFailsFirst(self.read(self.a, method, unknown, org), grpc.StatusCode.NOT_FOUND)
+            self.assertFailsFirst(self.read(self.a, method, type(req)(run_id="not-a-uuid"), org),
+                                  grpc.StatusCode.NOT_FOUND)
+            self.assertFailsFirst(self.read(self.a, method, type(req)(), org),
+                                  grpc.StatusCode.INVALID_ARGUMENT)
+            r = Reader(self.stub(self.a, method), req, ())
+            self.assertFailsFirst(r, grpc.StatusCode.UNAUTHENTICATED)
+        with self.assertRaises(grpc.RpcError) as e:
+            self.transcript(self.a, other, run, "plan")
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(grpc.RpcError) as e:
+            self.transcript(self.a, org, run, "")
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("node_id", e.exception.details())
+        bad = self.read(self.a, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org,
+                        extra=(("x-upsquad-resume-seq", "abc"),))
+        self.assertFailsFirst(bad, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("x-upsquad-resume-seq", bad.details)
+        vis = self.read(self.a, "StreamVisibleRuns", W.StreamVisibleRunsRequest(status_filter=9),
+                        org)
+        self.assertFailsFirst(vis, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("status_filter", vis.details)
+
+    def test_row_level_security_confines_the_service_role_to_one_org(self):
+        org, other = uid(), uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+
+        def as_service(sql):  # the hub's own login role, as the hub runs its transactions
+            return psql(self.dsn, "BEGIN; SELECT set_config('app.org_id', '%s', true); %s; COMMIT"
+                        % (other, sql)).splitlines()[-1]
+        self.assertEqual(as_service("SELECT count(*) FROM stream_hub.run_events WHERE run_id = "
+                                    "'%s'" % run), "0")
+        self.assertEqual(as_service("SELECT count(*) FROM stream_hub.runs"), "0")
+        self.assertEqual(psql(self.dsn, "SELECT count(*) FROM stream_hub.runs"), "0")  # no org
+        with self.assertRaises(RuntimeError) as e:
+            as_service("INSERT INTO stream_hub.runs (org_id, run_id) VALUES ('%s', '%s')"
+                       % (org, uid()))
+        self.assertIn("row-level security", str(e.exception))
+
+    def test_node_io_resume_from_a_session_seq_skips_the_snapshot(self):
+        org = uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        io = dict(org=org, run=run, node="coder", session="s9")
+        self.pub("io", seq=1, status="thinking",
+                 transcript={"event_type": "assistant_message", "content": {"text": "t"}}, **io)
+        wait_until(lambda: len(self.transcript(self.a, org, run, "coder").events) == 1, 10,
+                   "the transcript")
+        r = self.read(self.b, "StreamNodeIO", W.StreamNodeIORequest(run_id=run), org,
+                      extra=(("x-upsquad-resume-seq", "s9:3"),))
+        wait_until(lambda: r.msgs, 10, "snapshot_done")
+        for seq in (3, 6, 7):  # 3 was seen; 4 and 5 were published while it was away
+            self.pub("io", seq=seq, token="t%d" % seq, **io)
+        wait_until(lambda: len(r.msgs) >= 4, 10, "live frames")
+        time.sleep(0.2)
+        r.cancel()
+        self.assertEqual([m.WhichOneof("frame") for m in r.msgs],
+                         ["snapshot_done", "gap", "live", "live"])
+        self.assertEqual((r.msgs[1].gap.from_seq, r.msgs[1].gap.to_seq), (3, 6))
+        self.assertEqual([m.live.seq for m in r.msgs[2:]], [6, 7])
+
+    # ---- snapshot, then live ----
+    def test_status_snapshot_then_live_with_events_fired_during_the_snapshot(self):
+        org = uid()
+        run = self.new_run(org)
+        nodes = ["n%d" % i for i in range(5)]
+        seq = 1
+        for i in range(40):  # history: the fold keeps the newest per node
+            seq += 1
+            self.pub("node", org=org, run=run, seq=seq, node_id=nodes[i % 5], status="running",
+                     run_status="running", elapsed_ms=seq)
+        self.projected(run, seq)
+        burst_end = seq + 300
+
+        def burst():
+            for s in range(seq + 1, burst_end + 1):
+                if s % 7 == 0:  # log lines share the run's seq: the status stream skips them
+                    self.pub("log", org=org, run=run, seq=s, message="line %d" % s)
+                else:
+                    self.pub("node", org=org, run=run, seq=s, node_id=nodes[s % 5],
+                             status="running", run_status="running", elapsed_ms=s)
+        t = threading.Thread(target=burst)
+        t.start()
+        readers = []
+        for k in range(6):  # subscribing on both replicas while the burst is being published
+            srv = self.a if k % 2 == 0 else self.b
+            readers.append(self.read(srv, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run),
+                                     org))
+            time.sleep(0.05)
+        t.join()
+        end = burst_end + 1
+        self.pub("node", org=org, run=run, seq=end, node_id=nodes[0], status="done",
+                 run_status="completed", elapsed_ms=end)
+        self.pub("run", org=org, run=run, seq=end + 1, status="completed", nodes_total=5,
+                 nodes_done=5)
+        node_seqs = {s for s in range(2, end + 1) if not (s > seq and s % 7 == 0)}
+        for r in readers:
+            r.join(20)
+            self.assertEqual(r.code, grpc.StatusCode.OK, r.details)  # ended by the terminal status
+            got = [m.update.elapsed_ms for m in r.msgs]
+            self.assertEqual(got, sorted(set(got)), "out of order or duplicated")
+            self.assertEqual(got[-1], end)
+            # the snapshot is the fold (one update per node, in seq order); after its newest
+            # event every node event arrives exactly once, whatever fired during the snapshot
+            snap = got[:5]
+            self.assertEqual({m.update.node_id for m in r.msgs[:5]}, set(nodes))
+            self.assertEqual(got[5:], sorted(s for s in node_seqs if s > snap[-1]))
+            self.assertTrue(all(m.update.run_id == run for m in r.msgs))
+        # a new subscriber of the finished run gets the fold and the end
+        r = self.read(self.b, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
+        r.join(10)
+        self.assertEqual(r.code, grpc.StatusCode.OK)
+        self.assertEqual(len(r.msgs), 5)  # one per node
+        self.assertEqual({m.update.node_id for m in r.msgs}, set(nodes))
+
+    def test_logs_tail_live_and_resume_from_a_sequence_on_the_other_replica(self):
+        org = uid()
+        run = self.new_run(org)
+        for s in range(2, 12):
+            self.pub("log", org=org, run=run, seq=s, message="line %d" % s)
+        self.projected(run, 11)
+        r = self.read(self.a, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org)
+        wait_until(lambda: len(r.msgs) >= 10, 10, "the log snapshot")
+        for s in range(12, 20):
+            self.pub("log", org=org, run=run, seq=s, message="line %d" % s)
+        wait_until(lambda: len(r.msgs) >= 18, 10, "live lines")
+        r.cancel()
+        self.assertEqual([m.line.message for m in r.msgs], ["line %d" % s for s in range(2, 20)])
+        # the client saw up to seq 15, reconnects to B: seq 16.. and nothing before
+        r2 = self.read(self.b, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org,
+                       extra=(("x-upsquad-resume-seq", "15"),))
+        for s in range(20, 23):
+            self.pub("log", org=org, run=run, seq=s, message="line %d" % s)
+        wait_until(lambda: len(r2.msgs) >= 7, 10, "resumed lines")
+        time.sleep(0.2)
+        r2.cancel()
+        self.assertEqual([m.line.message for m in r2.msgs], ["line %d" % s for s in range(16, 23)])
+
+    # ---- node I/O: clearance floors, snapshot de-duplication ----
+    def test_node_io_clearance_floor_live_and_in_transcripts(self):
+        org = uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        io = dict(org=org, run=run, node="coder", session="s1")
+        self.pub("io", seq=1, status="thinking", **io)
+        self.pub("io", seq=2, token="private tokens", **io)
+        self.pub("io", seq=3, tool_call={"name": "gh", "id": "c1", "args": "repo=x"},
+                 transcript={"event_type": "tool_call", "content": {
+                     "tool_name": "gh", "tool_call_id": "c1", "arguments": "secret args"}}, **io)
+        self.pub("io", seq=4, tool_result={"name": "gh", "id": "c1", "summary": "secret summary",
+                                           "duration_ms": 5},
+                 transcript={"event_type": "tool_result", "content": {
+                     "tool_name": "gh", "tool_call_id": "c1", "result": "secret result",
+                     "is_error": False}}, **io)
+        self.pub("io", seq=5, no_frame=True, transcript={
+            "event_type": "assistant_message", "content": {"text": "secret answer"}}, **io)
+        wait_until(lambda: len(self.transcript(self.a, org, run, "coder").events) == 3, 10,
+                   "the transcript")
+        hi = self.read(self.a, "StreamNodeIO", W.StreamNodeIORequest(run_id=run), org, clearance=4)
+        lo = self.read(self.b, "StreamNodeIO", W.StreamNodeIORequest(run_id=run), org, clearance=3)
+        other_node = self.read(self.a, "StreamNodeIO",
+                               W.StreamNodeIORequest(run_id=run, node_id="reviewer"), org)
+        for r in (hi, lo, other_node):
+            wait_until(lambda: any(m.snapshot_done for m in r.msgs), 10, "snapshot_done")
+        self.pub("io", seq=3, token="duplicate of the snapshot", **io)  # (session, seq) seen
+        self.pub("io", seq=6, token="live secret", **io)
+        self.pub("io", seq=7, tool_result={"name": "gh", "id": "c2", "summary": "live summary",
+                                           "is_error": True}, **io)
+        self.pub("io", seq=8, status="done", **io)
+        for r in (hi, lo):
+            wait_until(lambda: sum(1 for m in r.msgs if m.HasField("live")) >= 3, 10, "live")
+        time.sleep(0.2)
+        for r in (hi, lo, other_node):
+            r.cancel()
+        kinds = [m.WhichOneof("frame") for m in hi.msgs]
+        self.assertEqual(kinds, ["snapshot_event"] * 3 + ["snapshot_done"] + ["live"] * 3)
+        self.assertEqual([m.live.seq for m in hi.msgs[4:]], [6, 7, 8])
+        self.assertEqual(hi.msgs[4].live.token_text, "live secret")
+        self.assertEqual(hi.msgs[5].live.tool_result.summary, "live summary")
+        self.assertEqual(hi.msgs[0].snapshot_event.content["arguments"], "secret args")
+        self.assertEqual(hi.msgs[2].snapshot_event.content["text"], "secret answer")
+        # below clearance 4: structural only, everywhere
+        self.assertEqual([m.WhichOneof("frame") for m in lo.msgs], kinds)
+        for m in lo.msgs[:3]:
+            for k in ("text", "arguments", "result"):
+                self.assertNotIn(k, m.snapshot_event.content)
+        self.assertEqual(lo.msgs[0].snapshot_event.content["tool_name"], "gh")
+        self.assertIsNone(lo.msgs[4].live.WhichOneof("event"))  # token_text unset
+        self.assertEqual(lo.msgs[4].live.seq, 6)
+        self.assertEqual(lo.msgs[5].live.tool_result.summary, "")
+        self.assertTrue(lo.msgs[5].live.tool_result.is_error)
+        self.assertEqual(lo.msgs[6].live.status, "done")
+        self.assertNotIn(b"secret", b"".join(m.SerializeToString() for m in lo.msgs))
+        # the node filter: the snapshot and live frames of other nodes are not sent
+        self.assertEqual([m.WhichOneof("frame") for m in other_node.msgs], ["snapshot_done"])
+        t_lo = self.transcript(self.b, org, run, "coder", clearance=2)
+        self.assertEqual(list(t_lo.redacted_fields), ["arguments", "result", "text"])
+        self.assertNotIn(b"secret", t_lo.SerializeToString())
+        t_hi = self.transcript(self.a, org, run, "coder", clearance=5)
+        self.assertEqual(list(t_hi.redacted_fields), [])
+        self.assertEqual([e.seq for e in t_hi.events], [3, 4, 5])
+        self.assertTrue(all(e.session_id == "s1" for e in t_hi.events))
+        self.assertFalse(t_hi.session_missing)
+        self.assertTrue(self.transcript(self.a, org, run, "nobody").session_missing)
+
+    # ---- backpressure ----
+    def test_stalled_subscriber_gets_a_gap_or_is_ended_while_a_fast_one_gets_everything(self):
+        org = uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        req = W.StreamNodeIORequest(run_id=run)
+        fast = self.read(self.a, "StreamNodeIO", req, org)
+        # the slow clients' own connection, without BDP probing: its HTTP/2 window stays at
+        # 64 KiB, so what they do not read backs up into the hub's queue quickly
+        small = grpc.insecure_channel(self.a.addr, options=[("grpc.http2.bdp_probe", 0),
+                                                            ("grpc.use_local_subchannel_pool", 1)])
+        self.channels["small"] = small
+        stub = small.unary_stream(SVC + "StreamNodeIO",
+                                  request_serializer=W.StreamNodeIORequest.SerializeToString,
+                                  response_deserializer=W.StreamNodeIOResponse.FromString)
+        slow = Reader(stub, req, self.md(org), pause_after_first=1.0)
+        dead = stub(req, metadata=self.md(org), timeout=60)
+        wait_until(lambda: any(m.snapshot_done for m in fast.msgs) and slow.msgs, 10,
+                   "snapshot_done")
+        n = 800
+        drops0 = self.a.metric("stream_hub_dropped_frames_total")
+        self.pub("tokens", org=org, run=run, node="coder", session="s1", count=n, size=1024,
+                 rate=500)
+        try:
+            wait_until(lambda: sum(1 for m in fast.msgs if m.HasField("live")) >= n, 30,
+                       "the fast subscriber's frames")
+        except AssertionError:
+            print([m.WhichOneof("frame") for m in fast.msgs][:10], len(fast.msgs), fast.code,
+                  [m.gap for m in fast.msgs if m.HasField("gap")][:5],
+                  self.a.metric("stream_hub_frames_total"),
+                  self.a.metric("stream_hub_dropped_frames_total"), file=sys.stderr)
+            raise
+        seqs = [m.live.seq for m in fast.msgs if m.HasField("live")]
+        self.assertEqual(seqs, list(range(1, n + 1)))
+        self.assertFalse(any(m.HasField("gap") for m in fast.msgs))
+        self.pub("tokens", org=org, run=run, node="coder", session="s1", **{"from": n + 1},
+                 count=1, size=16)  # the next frame after the drops carries the gap
+        wait_until(lambda: any(m.HasField("live") and m.live.seq == n + 1 for m in slow.msgs), 20,
+                   "the slow subscriber to drain")
+        gaps = [m.gap for m in slow.msgs if m.HasField("gap")]
+        self.assertGreaterEqual(len(gaps), 1)
+        lives = [m.live.seq for m in slow.msgs if m.HasField("live")]
+        self.assertEqual(lives, sorted(lives))
+        self.assertLess(len(lives), n + 1)
+        for g in gaps:
+            self.assertLess(g.from_seq, g.to_seq)
+            self.assertIn(g.to_seq, lives)  # to_seq is the next frame delivered
+        # accounted: every frame is either delivered or inside a gap
+        covered = set(lives)
+        for g in gaps:
+            covered.update(range(g.from_seq + 1, g.to_seq))
+        self.assertEqual(covered, set(range(1, n + 2)))
+        self.assertGreater(self.a.metric("stream_hub_dropped_frames_total"), drops0)
+        # the one that never reads is ended so its memory is returned
+        wait_until(lambda: self.a.metric("stream_hub_stalled_total") >= 1, STALL_MS / 1000 + 10,
+                   "the stalled subscriber to be ended")
+        fast.cancel()
+        slow.cancel()
+        with self.assertRaises(grpc.RpcError) as e:
+            for _ in dead:
+                pass
+        self.assertEqual(e.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.assertGreaterEqual(self.a.metric("stream_hub_gaps_total"), 1)
+
+    # ---- many subscriptions, mixed orgs ----
+    def test_many_mixed_org_subscriptions_see_no_foreign_frame(self):
+        orgs = [uid() for _ in range(10)]
+        runs = {}
+        for o in orgs:
+            runs[o] = self.new_run(o)
+        for o in orgs:
+            self.projected(runs[o], 1)
+        got = {}
+        codes = {}
+
+        async def main():
+            # libcommon serves at most 256 concurrent streams per HTTP/2 connection: one
+            # connection per 200 subscriptions (a local subchannel pool each)
+            nch = max(2, 2 * ((MANY + 399) // 400))
+            chans = [grpc.aio.insecure_channel((self.a, self.b)[k % 2].addr,
+                                               options=[("grpc.use_local_subchannel_pool", 1)])
+                     for k in range(nch)]
+            tokens = {o: self.token(o) for o in orgs}
+            ready = asyncio.Event()
+            opened = [0]
+
+            async def sub(i):
+                o = orgs[i % len(orgs)]
+                ch = chans[i % len(chans)]
+                call = ch.unary_stream(SVC + "StreamRunLogs",
+                                       request_serializer=W.StreamRunLogsRequest.SerializeToString,
+                                       response_deserializer=W.StreamRunLogsResponse.FromString)
+                stream = call(W.StreamRunLogsRequest(run_id=runs[o]),
+                              metadata=(("authorization", "Bearer " + tokens[o]),), timeout=60)
+                got[i] = []
+                try:
+                    first = True
+                    async for m in stream:
+                        got[i].append((o, m.line.message))
+                        if first:
+                            first = False
+                    codes[i] = "OK"
+                except grpc.aio.AioRpcError as e:
+                    codes[i] = e.code().name
+
+            async def foreign(i):
+                o, victim = orgs[i % len(orgs)], orgs[(i + 1) % len(orgs)]
+                call = chans[i % 2].unary_stream(
+                    SVC + "StreamRunLogs", request_serializer=W.StreamRunLogsRequest.SerializeToString,
+                    response_deserializer=W.StreamRunLogsResponse.FromString)
+                msgs = []
+                try:
+                    async for m in call(W.StreamRunLogsRequest(run_id=runs[victim]),
+                                        metadata=(("authorization", "Bearer " + tokens[o]),),
+                                        timeout=20):
+                        msgs.append(m)
+                    return ("OK", msgs)
+                except grpc.aio.AioRpcError as e:
+                    return (e.code().name, msgs)
+
+            tasks = [asyncio.ensure_future(sub(i)) for i in range(MANY)]
+            t0 = time.time()
+            wait = self.a.metric, self.b.metric
+            while time.time() - t0 < 60:
+                n = sum(m("stream_hub_subscribers", 'rpc="StreamRunLogs"') for m in wait)
+                if n >= MANY:
+                    break
+                await asyncio.sleep(0.1)
+            self.__class__.subscribe_secs = time.time() - t0
+            bad = await asyncio.gather(*[foreign(i) for i in range(20)])
+            for k, o in enumerate(orgs):
+                await asyncio.get_event_loop().run_in_executor(
+                    None, lambda o=o: self.pub("log", org=o, run=runs[o], seq=2,
+                                               message="for " + o))
+            t1 = time.time()
+            while time.time() - t1 < 30:
+                if all(len(got.get(i, [])) >= 1 for i in range(MANY)):
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.3)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for ch in chans:
+                await ch.close()
+            return bad
+
+        bad = asyncio.new_event_loop().run_until_complete(main())
+        for code, msgs in bad:
+            self.assertEqual(code, "NOT_FOUND")
+            self.assertEqual(msgs, [])
+        foreign_frames = sum(1 for i in got for (o, msg) in got[i] if msg != "for " + o)
+        self.assertEqual(foreign_frames, 0)
+        self.assertEqual([(i, got.get(i), codes.get(i)) for i in range(MANY)
+                          if len(got.get(i, [])) != 1][:5], [])
+        print("  %d subscriptions over 2 replicas opened in %.2f s" % (MANY, self.subscribe_secs),
+              file=sys.stderr)
+
+    # ---- visible runs ----
+    def test_visible_runs_snapshot_entry_and_exit(self):
+        org, team, other_team, me, someone = uid(), uid(), uid(), uid(), uid()
+        r1 = self.new_run(org, team=team, name="team-running")
+        r2 = self.new_run(org, team=other_team, name="not-my-team")
+        r3 = self.new_run(org, visibility="private", owner=me, status="completed", name="mine")
+        r4 = self.new_run(org, visibility="private", owner=someone, name="not-mine")
+        for r in (r1, r2, r3, r4):
+            self.projected(r, 1)
+        kw = dict(teams=(team,), sub=me, clearance=1)
+        active = self.read(self.a, "StreamVisibleRuns", W.StreamVisibleRunsRequest(status_filter=1),
+                           org, **kw)
+        every = self.read(self.b, "StreamVisibleRuns", W.StreamVisibleRunsRequest(status_filter=4),
+                          org, **kw)
+        for r in (active, every):
+            wait_until(lambda: any(m.snapshot_done for m in r.msgs), 10, "snapshot_done")
+        self.assertEqual([(m.run_id, m.is_snapshot) for m in active.msgs[:-1]], [(r1, True)])
+        self.assertEqual(active.msgs[0].workflow_name, "team-running")
+        self.assertEqual({m.run_id for m in every.msgs[:-1]}, {r1, r3})
+        r5 = self.new_run(org, team=team, name="new")            # enters
+        self.pub("node", org=org, run=r1, seq=2, node_id="x", status="blocked", team=team,
+                 run_status="running", needs_approval=True, prompt_id="p1")
+        self.pub("run", org=org, run=r1, seq=3, status="completed", team=team)  # leaves ACTIVE
+        self.pub("run", org=org, run=r2, seq=2, status="completed", team=other_team)
+        self.pub("run", org=org, run=r4, seq=2, status="failed", visibility="private",
+                 owner=someone)
+        wait_until(lambda: len(active.msgs) >= 5 and len(every.msgs) >= 6, 10, "live deltas")
+        time.sleep(0.3)
+        active.cancel()
+        every.cancel()
+        live = [(m.run_id, m.status, m.leaving, m.is_snapshot) for m in active.msgs[2:]]
+        self.assertEqual(live, [(r5, "running", False, False), (r1, "running", False, False),
+                                (r1, "completed", True, False)])
+        self.assertTrue(active.msgs[3].needs_approval)
+        self.assertEqual(active.msgs[3].last_action_status, "blocked")
+        self.assertEqual(active.msgs[3].prompt_id, "p1")
+        live_all = [(m.run_id, m.status, m.leaving) for m in every.msgs[3:]]
+        self.assertEqual(live_all, [(r5, "running", False), (r1, "running", False),
+                                    (r1, "completed", False)])
+
+    def test_visible_runs_overflow_is_repaired_by_a_resnapshot(self):
+        org, team, me = uid(), uid(), uid()
+        r1 = self.new_run(org, team=team, name="busy")
+        self.projected(r1, 1)
+        small = grpc.insecure_channel(self.b.addr, options=[("grpc.http2.bdp_probe", 0),
+                                                            ("grpc.use_local_subchannel_pool", 1)])
+        self.channels["small-b"] = small
+        stub = small.unary_stream(SVC + "StreamVisibleRuns",
+                                  request_serializer=W.StreamVisibleRunsRequest.SerializeToString,
+                                  response_deserializer=W.VisibleRunEvent.FromString)
+        gaps0 = self.b.metric("stream_hub_gaps_total")
+        r = Reader(stub, W.StreamVisibleRunsRequest(status_filter=1),
+                   self.md(org, teams=(team,), sub=me), pause_after_first=1.2)
+        wait_until(lambda: r.msgs, 10, "the first snapshot row")
+        # far more than its queue and HTTP/2 window hold, while it does not read
+        t0 = time.time()
+        self.pub("node", org=org, run=r1, seq=2, repeat=1200, node_id="x", status="running",
+                 run_status="running", team=team, workflow_name="w" * 2000)
+        self.assertLess(time.time() - t0, 1.2, "publishing was too slow to overflow anything")
+        self.pub("run", org=org, run=r1, seq=1202, status="completed", team=team)
+        r2 = self.new_run(org, team=team, name="new")
+        try:
+            wait_until(lambda: any(m.run_id == r2 for m in r.msgs), 20, "the new run")
+        except AssertionError:
+            print(r.code, r.details, len(r.msgs), [(m.run_id[:4], m.leaving, m.is_snapshot)
+                                                  for m in r.msgs[-5:]],
+                  self.b.metric("stream_hub_gaps_total"), self.b.metric("stream_hub_stalled_total"),
+                  self.b.metric("stream_hub_queue_depth_max"), file=sys.stderr)
+            fd = self.b.proc.stderr.fileno()
+            os.set_blocking(fd, False)
+            try:
+                print(os.read(fd, 200000).decode()[-3000:], file=sys.stderr)
+            except BlockingIOError:
+                pass
+            raise
+        time.sleep(0.3)
+        r.cancel()
+        self.assertGreater(self.b.metric("stream_hub_gaps_total"), gaps0)
+        # whatever was dropped, the set the client ends up with is right: r1 left, r2 entered
+        inset = set()
+        for m in r.msgs:
+            if m.snapshot_done:
+                continue
+            if m.leaving:
+                inset.discard(m.run_id)
+            else:
+                inset.add(m.run_id)
+        self.assertEqual(inset, {r2})
+        self.assertLess(len(r.msgs), 1204)  # frames were dropped, not queued without bound
+
+    # ---- restart and shutdown ----
+    def test_zz_replica_restart_loses_nothing_and_shutdown_ends_streams_unavailable(self):
+        org = uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        live = self.read(self.b, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org)
+        time.sleep(0.3)
+        for s in self.servers:
+            s.stop()  # every replica down: nobody projects
+        live.join(10)
+        self.assertEqual(live.code, grpc.StatusCode.UNAVAILABLE, live.details)
+        for s in range(2, 52):
+            self.pub("log", org=org, run=run, seq=s, message="line %d" % s)
+        self.__class__.servers = []
+        for ch in self.channels.values():
+            ch.close()
+        self.channels.clear()
+        self.__class__.b = self.start()  # the backlog is projected from the durable consumer
+        self.projected(run, 51)
+        r = self.read(self.b, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org)
+        wait_until(lambda: len(r.msgs) >= 50, 10, "the backlog")
+        r.cancel()
+        self.assertEqual([m.line.message for m in r.msgs], ["line %d" % s for s in range(2, 52)])
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
