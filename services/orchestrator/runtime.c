@@ -195,9 +195,9 @@ static int not_ours_stream(rpc_call *call, const ProtobufCMessage *req, void *ud
 int orch_runtime_register(rpc_server *srv, orch *o) {
     const rpc_method methods[] = {
         {SVC "Heartbeat", RPC_UNARY, RPC_AUTH_REQUIRED, DESC(heartbeat_request),
-         DESC(heartbeat_response), heartbeat, NULL, o},
+         DESC(heartbeat_response), heartbeat, NULL, o, .flags = RPC_BLOCKING},
         {SVC "Checkpoint", RPC_UNARY, RPC_AUTH_REQUIRED, DESC(checkpoint_request),
-         DESC(checkpoint_response), checkpoint, NULL, o},
+         DESC(checkpoint_response), checkpoint, NULL, o, .flags = RPC_BLOCKING},
         {SVC "InitWorkerSession", RPC_UNARY, RPC_AUTH_REQUIRED, DESC(init_worker_session_request),
          DESC(init_worker_session_response), not_ours, NULL, o},
         {SVC "TerminateSession", RPC_UNARY, RPC_AUTH_REQUIRED, DESC(terminate_session_request),

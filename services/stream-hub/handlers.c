@@ -221,7 +221,7 @@ int hub_handlers_register(rpc_server *srv, hub *h) {
         {SVC "GetNodeTranscript", RPC_UNARY, RPC_AUTH_REQUIRED,
          &upsquad__workflow__v1__get_node_transcript_request__descriptor,
          &upsquad__workflow__v1__get_node_transcript_response__descriptor, get_node_transcript,
-         NULL, h},
+         NULL, h, .flags = RPC_BLOCKING}, /* reads Postgres */
     };
     return rpc_server_add(srv, m, sizeof m / sizeof m[0]);
 }

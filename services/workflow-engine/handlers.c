@@ -1125,7 +1125,11 @@ static int transcript_elsewhere(rpc_call *call, const ProtobufCMessage *req, Pro
 
 #define SVC "/upsquad.workflow.v1.WorkflowService/"
 #define D(x) &upsquad__workflow__v1__##x##__descriptor
+/* Every handler but the catalogue's waits on Postgres: it runs on the blocking pool, bounded by
+ * the call's deadline (libcommon/rpc.h, RPC_BLOCKING). */
 #define U(name, req, resp, fn)                                                                     \
+    { SVC name, RPC_UNARY, RPC_AUTH_REQUIRED, D(req), D(resp), fn, NULL, e, .flags = RPC_BLOCKING }
+#define U_INLINE(name, req, resp, fn)                                                              \
     { SVC name, RPC_UNARY, RPC_AUTH_REQUIRED, D(req), D(resp), fn, NULL, e }
 #define STREAM(name, req, resp)                                                                    \
     { SVC name, RPC_SERVER_STREAM, RPC_AUTH_REQUIRED, D(req), D(resp), NULL, stream_elsewhere, e }
@@ -1142,7 +1146,8 @@ int wf_handlers_register(rpc_server *srv, wf_engine *e) {
         U("SetWorkflowEnabled", set_workflow_enabled_request, set_workflow_enabled_response,
           set_enabled),
         U("DeleteWorkflow", delete_workflow_request, delete_workflow_response, delete_workflow),
-        U("GetToolCatalog", get_tool_catalog_request, get_tool_catalog_response, get_tool_catalog),
+        U_INLINE("GetToolCatalog", get_tool_catalog_request, get_tool_catalog_response,
+                 get_tool_catalog),
         U("TriggerWorkflow", trigger_workflow_request, trigger_workflow_response, trigger_workflow),
         U("GetWorkflowStatus", get_workflow_status_request, get_workflow_status_response,
           get_status),
@@ -1155,8 +1160,8 @@ int wf_handlers_register(rpc_server *srv, wf_engine *e) {
         U("DeliverWorkflowEvent", deliver_workflow_event_request, deliver_workflow_event_response,
           deliver_event),
         U("GetNodeIO", get_node_iorequest, get_node_ioresponse, get_node_io),
-        U("GetNodeTranscript", get_node_transcript_request, get_node_transcript_response,
-          transcript_elsewhere),
+        U_INLINE("GetNodeTranscript", get_node_transcript_request, get_node_transcript_response,
+                 transcript_elsewhere),
         STREAM("StreamRunStatus", stream_run_status_request, stream_run_status_response),
         STREAM("StreamRunLogs", stream_run_logs_request, stream_run_logs_response),
         STREAM("StreamNodeIO", stream_node_iorequest, stream_node_ioresponse),
