@@ -72,7 +72,7 @@ struct rpc_server {
     rpc_call *detached;
 
     rpc__health *health;
-    int port;
+    atomic_int port; /* read by other threads (rpc_server_port) while start sets it */
     int started;
     int core_abandoned; /* a bound server whose start failed: core objects left to exit */
     atomic_int stopping;

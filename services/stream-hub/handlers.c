@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ids.h"
 #include "log.h"
@@ -36,12 +37,21 @@ static int find_run(rpc_call *call, hub *h, const char *run_id, hs_run *run) {
     if (!run_id || !run_id[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "run_id is required");
     if (!ids_uuid_valid(who->org_id) || !ids_uuid_valid(run_id))
         return rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
-    if (hs_get_run(h->pool, who->org_id, run_id, run, &found, err, sizeof err) != DB_OK) {
-        log_warn("hub.run", "%s", err);
-        return rpc_error(call, RPC_UNAVAILABLE, "run lookup failed; retry");
+    /* A run is known once its first event is projected, milliseconds after TriggerWorkflow
+     * returns: an unknown run is looked up again for the grace period before NOT_FOUND. */
+    long long waited = 0;
+    for (;;) {
+        if (hs_get_run(h->pool, who->org_id, run_id, run, &found, err, sizeof err) != DB_OK) {
+            log_warn("hub.run", "%s", err);
+            return rpc_error(call, RPC_UNAVAILABLE, "run lookup failed; retry");
+        }
+        if (found) return RPC_OK;
+        if (waited >= h->cfg->new_run_grace_ms || rpc_cancelled(call) || h->stopping) break;
+        struct timespec ts = {0, 50 * 1000000L};
+        nanosleep(&ts, NULL);
+        waited += 50;
     }
-    if (!found) return rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
-    return RPC_OK;
+    return rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
 }
 
 /* The resume point from the request metadata: RPC_OK with *resume 0 when absent. */

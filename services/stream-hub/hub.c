@@ -39,6 +39,10 @@ static const cfg_var vars[] = {
      "a subscriber whose queue stays more than half full this long is ended with "
      "RESOURCE_EXHAUSTED",
      &C.stall_ms, 100, 600000},
+    {"UPSQUAD_HUB_NEW_RUN_GRACE", CFG_MS, "3s",
+     "an unknown run is looked up again for this long before NOT_FOUND: a client may subscribe "
+     "the moment TriggerWorkflow returns, before the run's first event is projected",
+     &C.new_run_grace_ms, 0, 60000},
     {"UPSQUAD_HUB_PENDING_MAX", CFG_INT, "1024",
      "live frames held per subscriber while its snapshot is being sent (beyond: a gap, or a "
      "re-snapshot of visible runs)",

@@ -39,6 +39,7 @@ typedef struct hub_config {
     char *transcript_durable;
     char *projection_from;
     long long stall_ms;
+    long long new_run_grace_ms;
     long long pending_max;
     long long log_tail;
     long long transcript_max;

@@ -153,7 +153,7 @@ class StreamHub(unittest.TestCase):
             "UPSQUAD_HUB_PROJECTION_FROM": "new",
             "UPSQUAD_RPC_STREAM_QUEUE": str(QUEUE), "UPSQUAD_HUB_STALL_LIMIT": "%dms" % STALL_MS,
             "UPSQUAD_RPC_MAX_STREAMS": "4096", "UPSQUAD_RPC_STREAM_WORKERS": "16",
-            "UPSQUAD_SHUTDOWN_GRACE": "2s"})
+            "UPSQUAD_SHUTDOWN_GRACE": "2s", "UPSQUAD_HUB_NEW_RUN_GRACE": "1s"})
         cls.servers.append(srv)
         return srv
 
@@ -210,6 +210,19 @@ class StreamHub(unittest.TestCase):
         reader.join(15)
         self.assertEqual(reader.code, code, reader.details)
         self.assertEqual(reader.msgs, [], "frames sent before the error")
+
+    def test_a_run_subscribed_before_its_first_event_is_projected_is_served(self):
+        # A client may subscribe the moment TriggerWorkflow returns: the hub looks the run up
+        # again for UPSQUAD_HUB_NEW_RUN_GRACE (1 s here) before answering NOT_FOUND.
+        org, run = uid(), uid()
+        r = self.read(self.a, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
+        time.sleep(0.3)
+        self.pub("run", org=org, run=run, seq=1, status="running", team="", visibility="team",
+                 owner="", workflow_name="wf", workflow_id=uid(), nodes_total=1)
+        self.pub("node", org=org, run=run, seq=2, node_id="plan", status="running")
+        wait_until(lambda: r.msgs or r.code is not None, 15, "a frame of the new run")
+        r.cancel()
+        self.assertTrue(r.msgs, "ended %s: %s" % (r.code, r.details))
 
     # ---- tenancy and arguments ----
     def test_foreign_and_unknown_runs_are_not_found_before_anything_is_sent(self):

@@ -77,8 +77,12 @@ class Server:
                 self.metrics = int(m.strip()[13:]) if m.startswith("metrics_port=") else 0
                 break
         if self.port is None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            why = self.proc.stderr.read()[-2000:]  # before stop() closes the pipe
             self.stop()
-            raise RuntimeError("%s did not start: %s" % (binary, self.proc.stderr.read()[-2000:]))
+            raise RuntimeError("%s did not start: %s" % (binary, why))
         self.addr = "127.0.0.1:%d" % self.port
 
     def token(self, **kw):
