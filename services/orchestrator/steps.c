@@ -14,6 +14,7 @@
  *      the idempotency key), then ack the dispatch.
  * A long step keeps its dispatch with in-progress acks every 10 s. An undecodable dispatch is
  * terminated (never redelivered) with an error log. */
+#include <stdatomic.h>
 #include <cjson/cJSON.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -47,7 +48,7 @@ struct orch_steps {
     bus_pull *pull[STEPS_MAX_THREADS];
     pthread_t th[STEPS_MAX_THREADS];
     int n;
-    volatile int stop;
+    atomic_int stop; /* set by orch_steps_stop, read by the consumers */
 };
 
 static int64_t now_ms(void) {

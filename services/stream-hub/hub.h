@@ -16,6 +16,7 @@
 #ifndef UPSQUAD_HUB_H
 #define UPSQUAD_HUB_H
 
+#include <stdatomic.h>
 #include <pthread.h>
 #include <stdint.h>
 
@@ -61,7 +62,7 @@ typedef struct hub {
     bus_pull *pull_events, *pull_io;
     pthread_t proj_events, proj_io, maint;
     int threads_started;
-    volatile int stopping;
+    atomic_int stopping; /* set at shutdown, read by every hub thread */
 
     pthread_mutex_t mu; /* topics table, subscriber list, close list, repair wake-up */
     pthread_cond_t cv;

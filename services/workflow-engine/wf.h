@@ -3,6 +3,7 @@
 #ifndef WF_H
 #define WF_H
 
+#include <stdatomic.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -43,7 +44,7 @@ typedef struct wf_engine {
     defn_ctx *defn;
     char instance[96];
     unsigned char page_key[32];
-    volatile int stop;
+    atomic_int stop; /* set at shutdown, read by every engine thread */
     pthread_mutex_t mu;
     pthread_cond_t cv;   /* wakes the interpreter threads, the relay, the scheduler */
     unsigned kick;       /* work was queued locally */
