@@ -9,6 +9,7 @@ cross-tenant checks. Processes are stopped by pid.
 import hashlib
 import json
 import os
+import queue
 import secrets
 import struct
 import subprocess
@@ -33,7 +34,7 @@ import grpc  # noqa: E402
 from upsquad.runtime.v1 import lifecycle_pb2 as L  # noqa: E402
 from upsquad.runtime.v1 import runtime_pb2 as R  # noqa: E402
 import fake_worker  # noqa: E402
-import mini_nats  # noqa: E402
+import nats_mini  # noqa: E402
 from upsquad.internal.v1 import agent_step_pb2 as AS  # noqa: E402
 from upsquad.internal.v1 import node_io_pb2 as NIO  # noqa: E402
 
@@ -807,21 +808,30 @@ class WithDevworkers(unittest.TestCase):
     def run_step(self, nc, d, msg_id=None):
         res_subj = "agent.step.result.%s.%s" % (d.org_id, d.run_id)
         io_subj = "wfio.%s.%s" % (d.org_id, d.run_id)
-        nc.subscribe(res_subj)
-        nc.subscribe(io_subj)
+        q = queue.Queue()
+        sids = [nc.subscribe(res_subj, q=q)[0], nc.subscribe(io_subj, q=q)[0]]
+        nc.flush()
         nc.js_publish("agent.step.dispatch", d.SerializeToString(), msg_id=msg_id or d.idempotency_key)
         frames, result = [], None
-        for subj, hdrs, data in nc.next(timeout=15):
-            if subj == io_subj:
-                frames.append(NIO.NodeIOEvent.FromString(data))
-            elif subj == res_subj:
-                result = AS.AgentStepResult.FromString(data)
-                self.assertEqual(hdrs.get("Nats-Msg-Id"), d.idempotency_key)
-                break
+        try:
+            while True:
+                try:
+                    subj, _, hdr, data = q.get(timeout=15)
+                except queue.Empty:
+                    break
+                if subj == io_subj:
+                    frames.append(NIO.NodeIOEvent.FromString(data))
+                elif subj == res_subj:
+                    result = AS.AgentStepResult.FromString(data)
+                    self.assertEqual(nc.headers(hdr).get("Nats-Msg-Id"), d.idempotency_key)
+                    break
+        finally:
+            for sid in sids:
+                nc.unsubscribe(sid)
         return result, frames
 
     def test_agent_step(self):
-        nc = mini_nats.MiniNats(NATS)
+        nc = nats_mini.Nats(NATS)
         try:
             script = [{"status": "THINKING"}, {"tokens": " ".join("w%d" % i for i in range(40))},
                       {"tool_call": {"tool_name": "search", "tool_call_id": "t1", "arguments": {"q": "x"}}},

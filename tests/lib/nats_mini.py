@@ -59,9 +59,10 @@ class Nats:
         except OSError:
             return
 
-    def subscribe(self, subject, queue_group=None):
+    def subscribe(self, subject, queue_group=None, q=None):
+        """(sid, queue of (subject, reply, header bytes, data)); q: share one queue."""
         sid = next(self.ids)
-        q = queue.Queue()
+        q = q if q is not None else queue.Queue()
         self.subs[sid] = q
         qg = (" " + queue_group) if queue_group else ""
         self._send(("SUB %s%s %d\r\n" % (subject, qg, sid)).encode())
@@ -76,21 +77,43 @@ class Nats:
         self._send(b"PING\r\n")
         self.pong.wait(timeout)
 
-    def publish(self, subject, data=b"", reply=None):
+    def publish(self, subject, data=b"", reply=None, headers=None):
         r = (" " + reply) if reply else ""
-        self._send(("PUB %s%s %d\r\n" % (subject, r, len(data))).encode() + data + b"\r\n")
+        if headers:
+            h = ("NATS/1.0\r\n" + "".join("%s: %s\r\n" % kv for kv in headers.items()) +
+                 "\r\n").encode()
+            self._send(("HPUB %s%s %d %d\r\n" % (subject, r, len(h), len(h) + len(data))).encode()
+                       + h + data + b"\r\n")
+        else:
+            self._send(("PUB %s%s %d\r\n" % (subject, r, len(data))).encode() + data + b"\r\n")
 
-    def request(self, subject, data=b"", timeout=5):
+    @staticmethod
+    def headers(hdr):
+        """Header bytes of a message -> dict."""
+        out = {}
+        for line in hdr.split(b"\r\n")[1:]:
+            if b":" in line:
+                k, v = line.split(b":", 1)
+                out[k.decode().strip()] = v.decode().strip()
+        return out
+
+    def request(self, subject, data=b"", timeout=5, headers=None):
         inbox = "_INBOX.t%d" % next(self.ids)
         sid, q = self.subscribe(inbox)
         try:
-            self.publish(subject, data, inbox)
+            self.publish(subject, data, inbox, headers)
             subj, reply, hdr, body = q.get(timeout=timeout)
             return body
         finally:
             self.unsubscribe(sid)
 
-    # ---- JetStream pull consumer ----
+    # ---- JetStream ----
+    def js_publish(self, subject, data, msg_id=None, timeout=5):
+        """Publishes into a stream and waits for its ack (the ack JSON)."""
+        return json.loads(self.request(subject, data, timeout,
+                                       {"Nats-Msg-Id": msg_id} if msg_id else None))
+
+
     def js_consumer(self, stream, durable, filter_subject, ack_wait_s=30):
         cfg = {"stream_name": stream,
                "config": {"durable_name": durable, "ack_policy": "explicit",
