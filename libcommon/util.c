@@ -123,3 +123,22 @@ fail:
     free(buf);
     return -1;
 }
+
+const char *util_json_object_end(const char *s) {
+    int depth = 0, in_str = 0;
+    for (const char *p = s; *p; p++) {
+        if (in_str) {
+            if (*p == '\\' && p[1])
+                p++;
+            else if (*p == '"')
+                in_str = 0;
+        } else if (*p == '"') {
+            in_str = 1;
+        } else if (*p == '{') {
+            depth++;
+        } else if (*p == '}' && --depth == 0) {
+            return p + 1;
+        }
+    }
+    return NULL;
+}

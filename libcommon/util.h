@@ -30,4 +30,8 @@ size_t util_utf8_cut(const char *s, size_t maxbytes);
  * naming the path and the reason. */
 int util_read_file(const char *path, size_t max, char **out, size_t *len, char *err, size_t errlen);
 
+/* The end (one past its '}') of the balanced JSON object starting at s ('{'), strings and
+ * escapes respected; NULL when it does not close. For JSON embedded in free text. */
+const char *util_json_object_end(const char *s);
+
 #endif

@@ -13,6 +13,16 @@
 #include "ids.h"
 #include "util.h"
 
+static void test_json_object_end(void **state) {
+    (void)state;
+    const char *t = "{\"a\": {\"b\": \"}\\\"{\"}} tail";
+    const char *e = util_json_object_end(t);
+    assert_non_null(e);
+    assert_string_equal(e, " tail"); /* braces inside strings and escaped quotes ignored */
+    assert_null(util_json_object_end("{\"open\": {}"));
+    assert_null(util_json_object_end("{\"s\": \"}"));
+}
+
 static void test_utf8_check(void **state) {
     (void)state;
     struct {
@@ -115,6 +125,7 @@ static void test_sha256(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_json_object_end),
         cmocka_unit_test(test_utf8_check),
         cmocka_unit_test(test_utf8_cut),
         cmocka_unit_test(test_errf_cuts_on_a_boundary),

@@ -95,26 +95,6 @@ static int apply_member(dt_cues *c, int cue, cJSON *v) {
     return apply_num(c, cue, (long long)v->valuedouble);
 }
 
-/* End of a balanced JSON object starting at s ('{'), strings and escapes respected. */
-static const char *json_object_end(const char *s) {
-    int depth = 0, in_str = 0;
-    for (const char *p = s; *p; p++) {
-        if (in_str) {
-            if (*p == '\\' && p[1])
-                p++;
-            else if (*p == '"')
-                in_str = 0;
-        } else if (*p == '"') {
-            in_str = 1;
-        } else if (*p == '{') {
-            depth++;
-        } else if (*p == '}' && --depth == 0) {
-            return p + 1;
-        }
-    }
-    return NULL;
-}
-
 /* `__name[=value]` tokens in free text. Text that merely contains `__something` which is not
  * a cue (Python's __init__) is left alone; a cue with a bad value is an error. */
 static int scan_text(dt_cues *c, const char *s, char *err, size_t errlen) {
@@ -132,7 +112,7 @@ static int scan_text(dt_cues *c, const char *s, char *err, size_t errlen) {
         const char *val = *q == '=' ? q + 1 : NULL, *end = val;
         int rc = 0;
         if (cue == CUE_RESULT) {
-            end = val && *val == '{' ? json_object_end(val) : NULL;
+            end = val && *val == '{' ? util_json_object_end(val) : NULL;
             rc = end ? set_result(c, cJSON_ParseWithLength(val, (size_t)(end - val))) : -1;
         } else if (cue == CUE_FAIL) {
             while (end && (isalnum((unsigned char)*end) || *end == '_' || *end == '-'))

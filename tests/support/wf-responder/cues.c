@@ -6,26 +6,7 @@
 #include <string.h>
 
 #include "responder.h"
-
-/* End of a balanced JSON object starting at s ('{'), strings and escapes respected. */
-static const char *object_end(const char *s) {
-    int depth = 0, in_str = 0;
-    for (const char *p = s; *p; p++) {
-        if (in_str) {
-            if (*p == '\\' && p[1])
-                p++;
-            else if (*p == '"')
-                in_str = 0;
-        } else if (*p == '"') {
-            in_str = 1;
-        } else if (*p == '{') {
-            depth++;
-        } else if (*p == '}' && --depth == 0) {
-            return p + 1;
-        }
-    }
-    return NULL;
-}
+#include "util.h"
 
 static int is(const char *name, size_t len, const char *want) {
     return strlen(want) == len && strncmp(name, want, len) == 0;
@@ -33,7 +14,7 @@ static int is(const char *name, size_t len, const char *want) {
 
 /* #output[@N]={...}: kept when it applies to this attempt; @N wins over the plain form. */
 static const char *take_output(wr_cues *c, const char *val, int at, int attempt, int *specific) {
-    const char *end = *val == '{' ? object_end(val) : NULL;
+    const char *end = *val == '{' ? util_json_object_end(val) : NULL;
     if (!end) return val;
     if ((at && at != attempt) || (!at && *specific)) return end;
     cJSON *o = cJSON_ParseWithLength(val, (size_t)(end - val));
