@@ -125,12 +125,9 @@ static void test_sha256(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_json_object_end),
-        cmocka_unit_test(test_utf8_check),
-        cmocka_unit_test(test_utf8_cut),
-        cmocka_unit_test(test_errf_cuts_on_a_boundary),
-        cmocka_unit_test(test_read_file),
-        cmocka_unit_test(test_sha256),
+        cmocka_unit_test(test_json_object_end), cmocka_unit_test(test_utf8_check),
+        cmocka_unit_test(test_utf8_cut),        cmocka_unit_test(test_errf_cuts_on_a_boundary),
+        cmocka_unit_test(test_read_file),       cmocka_unit_test(test_sha256),
     };
     return cmocka_run_group_tests_name("util", tests, NULL, NULL);
 }
