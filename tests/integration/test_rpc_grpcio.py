@@ -244,6 +244,13 @@ class UnaryTest(EchoBase):
         before = self.srv.metric("rpc_server_handled_total", labels)
         for _ in range(5):
             self.s["PublicEcho"](echo_pb2.EchoRequest(text="m"), timeout=5)
+        # a call is counted when the server's reply batch completes, which may be a moment
+        # after the client has its answer
+        deadline = time.time() + 5
+        while (self.srv.metric("rpc_server_handled_total", labels) < before + 5 and
+               time.time() < deadline):
+            time.sleep(0.02)
+        time.sleep(0.1)  # and no more than 5
         self.assertEqual(self.srv.metric("rpc_server_handled_total", labels), before + 5)
 
 
