@@ -4,7 +4,9 @@
 #   tests/**/test_*.py  with /usr/bin/python3 (Debian's, which has grpcio and protobuf)
 #   tests/**/test_*.sh  with bash                 (skipped with --binaries-only)
 # Each runs with a time limit; a failure prints the tail of its output.
-# Usage: tests/run.sh [--binaries-only | --unit-only] [NAME-FILTER]
+# Usage: tests/run.sh [--binaries-only | --programs-only | --unit-only] [NAME-FILTER]
+#   --binaries-only   the test programs and the Python tests (no shell tests)
+#   --programs-only   the test programs only (C, unit and integration)
 #   TEST_WRAPPER   a command put before each test binary (e.g. valgrind ...)
 set -u
 cd "$(dirname "$0")/.."
@@ -12,8 +14,10 @@ BUILD=${BUILD:-build}
 export BUILD
 only_bins=0
 unit_only=0
+progs_only=0
 case "${1:-}" in
 --binaries-only) only_bins=1; shift ;;
+--programs-only) only_bins=1; progs_only=1; shift ;;
 --unit-only) unit_only=1; shift ;;
 esac
 wrap=(${TEST_WRAPPER:-})
@@ -49,7 +53,7 @@ dirs=("$BUILD"/tests/unit)
 for t in $(for d in "${dirs[@]}"; do ls "$d"/* 2>/dev/null; done | grep -v '\.d$' | sort); do
     [ -x "$t" ] && [ -f "$t" ] && run_one "$t" "${wrap[@]}" "$t"
 done
-if [ $unit_only = 0 ]; then
+if [ $unit_only = 0 ] && [ $progs_only = 0 ]; then
     for t in $(find tests -name 'test_*.py' | sort); do
         run_one "$t" /usr/bin/python3 "$t"
     done
