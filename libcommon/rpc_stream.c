@@ -90,6 +90,10 @@ static void pump_locked(rpc_call *c) {
         c->inflight = grpc_raw_byte_buffer_create(&f->slice, 1);
         rpc_frame_unref(f);
         ops[n].op = GRPC_OP_SEND_MESSAGE;
+        /* more frames wait behind this one: let the transport hold its bytes for the next
+         * write (one write syscall for several messages, each still its own message); the
+         * last frame of a run goes without the hint and flushes them all */
+        if (c->q_len > 0) ops[n].flags = GRPC_WRITE_BUFFER_HINT;
         ops[n++].data.send_message.send_message = c->inflight;
     }
     if (c->q_len == 0 && c->finishing) {

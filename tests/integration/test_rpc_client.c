@@ -166,6 +166,35 @@ static void test_long_stream(void **state) {
     assert_int_equal(rpc_reader_close(r, NULL), RPC_OK);
 }
 
+/* A message is sent as it is produced, not held for the next one (the stream sender lets the
+ * transport buffer a frame only when another is queued behind it): with 600 ms between
+ * messages, each arrives about 600 ms after the previous one, long before the stream ends. */
+static void test_paced_stream_not_held(void **state) {
+    (void)state;
+    EchoRequest req = UPSQUAD__TEST__V1__ECHO_REQUEST__INIT;
+    rpc_reader *r = NULL;
+    ProtobufCMessage *m;
+    struct timespec t0, t;
+    req.count = 3;
+    req.delay_ms = 600;
+    req.text = "p";
+    rpc_call_opts o = {.timeout_ms = 30000, .bearer = token};
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    assert_int_equal(rpc_stream_open(ch, PATH("Stream"), &req.base, RESP_DESC, &o, &r), 0);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(rpc_reader_next(r, &m), 1);
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        long ms = (t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000;
+        assert_int_equal(((EchoResponse *)m)->seq, i);
+        /* arrives after its delay, and before the next message is produced */
+        if (ms < 600 * (i + 1) - 50 || ms >= 600 * (i + 2))
+            fail_msg("message %d arrived at %ld ms", i, ms);
+        protobuf_c_message_free_unpacked(m, NULL);
+    }
+    assert_int_equal(rpc_reader_next(r, &m), 0);
+    assert_int_equal(rpc_reader_close(r, NULL), RPC_OK);
+}
+
 static void test_cancel_mid_stream(void **state) {
     (void)state;
     EchoRequest req = UPSQUAD__TEST__V1__ECHO_REQUEST__INIT;
@@ -312,6 +341,7 @@ int main(void) {
         cmocka_unit_test(test_deadline),
         cmocka_unit_test(test_status_details),
         cmocka_unit_test(test_long_stream),
+        cmocka_unit_test(test_paced_stream_not_held),
         cmocka_unit_test(test_cancel_mid_stream),
         cmocka_unit_test(test_stream_refused_without_token),
         cmocka_unit_test(test_round_robin),
