@@ -1582,3 +1582,54 @@ void *wf_scheduler_thread(void *arg) {
     }
     return NULL;
 }
+
+/* ---- a person's decision on a parked gate (gates.c) ---- */
+
+int wf_interp_decide(wf_engine *e, wf_run *r, const char *action_id, const char *status,
+                     const char *output_json, char **new_ids, char *err, size_t errlen) {
+    tick t;
+    tick_init(&t, e, r);
+    t.paused = !strcmp(r->status, "paused");
+    *new_ids = NULL;
+    int rc = load_acts(&t);
+    act *a = NULL;
+    for (size_t i = 0; !rc && i < t.n; i++)
+        if (!strcmp(t.acts[i]->id, action_id)) a = t.acts[i];
+    if (!rc && !a) {
+        snprintf(t.err, sizeof t.err, "action %s is not in run %s", action_id, r->id);
+        rc = DB_EINVAL;
+    }
+    if (!rc) {
+        if (output_json) set_output(a, cJSON_Parse(output_json));
+        set_status(a, status);
+        a->deadline_ms = strcmp(status, "escalated") ? 0 : a->deadline_ms;
+        rc = save(&t, a);
+    }
+    size_t n0 = t.n;
+    /* walk now, like a tick would: the steps the decision starts are created in this same
+     * transaction (the caller's next_actions); side effects are left to the run's next tick,
+     * which the caller wakes (a tool call is re-requested with its key) */
+    if (!rc && strcmp(status, "escalated")) {
+        walk_scope(&t, str(r->def, "start"), "", 0);
+        rc = t.rc;
+    }
+    if (!rc) {
+        size_t len = 3, k = 0;
+        for (size_t i = n0; i < t.n; i++)
+            len += 38;
+        char *ids = malloc(len);
+        if (!ids) {
+            rc = DB_ENOMEM;
+        } else {
+            ids[k++] = '{';
+            for (size_t i = n0; i < t.n; i++)
+                k += (size_t)sprintf(ids + k, "%s%s", i > n0 ? "," : "", t.acts[i]->id);
+            ids[k++] = '}';
+            ids[k] = 0;
+            *new_ids = ids;
+        }
+    }
+    if (rc) snprintf(err, errlen, "%s", t.err[0] ? t.err : "cannot apply the decision");
+    tick_free(&t);
+    return rc;
+}
