@@ -320,6 +320,63 @@ static int g_actions(rpc_call *call, gate *g, const char *ids, P(WorkflowAction)
     return RPC_OK;
 }
 
+/* ---- approving: no self-approval, N of M ---- */
+
+static int g_min_approvals(const gate *g) {
+    const cJSON *n = cJSON_GetObjectItemCaseSensitive(g->spec, "min_approvals");
+    return cJSON_IsNumber(n) && n->valueint > 1 ? n->valueint : 1;
+}
+
+/* Before an approval gate is approved: allow_self_approval=false refuses the run's triggerer
+ * (PERMISSION_DENIED); with min_approvals N > 1 each distinct member's approval is a vote, and
+ * only the Nth resolves the gate. *resolved 0: this call's vote was counted (written in the
+ * gate's transaction) and the gate still waits. On resolve, o gets the approvers. */
+static int approve_rules(rpc_call *call, gate *g, const auth_identity *id, const char *comment,
+                         cJSON *o, int *resolved) {
+    char err[512];
+    *resolved = 1;
+    const cJSON *self = cJSON_GetObjectItemCaseSensitive(g->spec, "allow_self_approval");
+    if (cJSON_IsFalse(self) && !strcmp(st_s(g->r, 0, GT_TRIGGERED_BY), id->sub))
+        return rpc_error(call, RPC_PERMISSION_DENIED,
+                         "this gate sets allow_self_approval false: the member who started the "
+                         "run may not approve it");
+    int need = g_min_approvals(g);
+    cJSON *have = cJSON_Parse(st_s(g->r, 0, GT_APPROVERS)), *v;
+    int n = 0, dup = 0;
+    cJSON_ArrayForEach(v, have) {
+        n++;
+        if (cJSON_IsString(v) && !strcmp(v->valuestring, id->sub)) dup = 1;
+    }
+    int rc = RPC_OK;
+    if (dup) {
+        rc = rpc_error(call, RPC_FAILED_PRECONDITION,
+                       "member %s already approved this gate; it needs %d distinct approvers "
+                       "(%d so far)",
+                       id->sub, need, n);
+    } else if (n + 1 < need) {
+        int added = 0;
+        char line[300], gid[37];
+        snprintf(gid, sizeof gid, "%s", st_s(g->r, 0, GT_ID));
+        snprintf(line, sizeof line, "approval %d of %d by %s", n + 1, need, id->sub);
+        if ((rc = st_gate_vote(g->tx, gid, id->sub, &added, err, sizeof err)) ||
+            (rc = wf_emit_log(&g->run, st_s(g->r, 0, GT_ACTION), "INFO", line, err, sizeof err)) ||
+            (rc = st_audit(g->tx, id->org_id, id->sub, gid, "gate.vote", comment, err,
+                           sizeof err)) ||
+            (rc = wf_run_flush(&g->run, err, sizeof err)))
+            rc = db_fail(call, rc, err);
+        *resolved = 0;
+    } else {
+        int added = 0; /* the deciding approval is listed too */
+        if ((rc = st_gate_vote(g->tx, st_s(g->r, 0, GT_ID), id->sub, &added, err, sizeof err)))
+            rc = db_fail(call, rc, err);
+        cJSON *all = have ? cJSON_Duplicate(have, 1) : cJSON_CreateArray();
+        cJSON_AddItemToArray(all, cJSON_CreateString(id->sub));
+        cJSON_AddItemToObject(o, "approvers", all);
+    }
+    cJSON_Delete(have);
+    return rc;
+}
+
 /* ---- ApproveAction / RejectAction / EscalateAction ---- */
 
 enum { OP_APPROVE, OP_REJECT, OP_ESCALATE };
@@ -345,8 +402,8 @@ static int wrong_door(rpc_call *call, const char *field, const char *kind, const
 }
 
 static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_id,
-                       const char *comment, P(WorkflowAction) * *action,
-                       P(WorkflowAction) * **next, size_t *n_next) {
+                       const char *comment, P(WorkflowAction) * *action, P(WorkflowAction) * **next,
+                       size_t *n_next) {
     static const char *const verbs[] = {"approve", "reject", "escalate"};
     const auth_identity *id;
     gate g = {0};
@@ -385,8 +442,8 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
         char gid[37];
         snprintf(gid, sizeof gid, "%s", st_s(g.r, 0, GT_ID));
         if ((rc = st_gate_escalate(g.tx, gid, to, comment, err, sizeof err)) ||
-            (rc = wf_interp_decide(e, &g.run, st_s(g.r, 0, GT_ACTION), "escalated", NULL, &ids,
-                                   err, sizeof err)) ||
+            (rc = wf_interp_decide(e, &g.run, st_s(g.r, 0, GT_ACTION), "escalated", NULL, &ids, err,
+                                   sizeof err)) ||
             (rc = wf_emit_log(&g.run, st_s(g.r, 0, GT_ACTION), "WARN", line, err, sizeof err)) ||
             (rc = st_audit(g.tx, id->org_id, id->sub, gid, "gate.escalate", line, err,
                            sizeof err)) ||
@@ -397,16 +454,18 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
         free(ids);
         ids = NULL;
     } else {
-        int approve = op == OP_APPROVE;
+        int approve = op == OP_APPROVE, resolved = 1;
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "decision", approve ? "approved" : "rejected");
         cJSON_AddStringToObject(o, "decided_by", id->sub);
         cJSON_AddStringToObject(o, "comment", comment);
-        rc = g_record(call, e, &g, id, approve ? "approved" : "rejected",
-                      approve ? "approved" : "rejected", o, comment, &won, &ids);
+        if (approve) rc = approve_rules(call, &g, id, comment, o, &resolved);
+        if (!rc && resolved)
+            rc = g_record(call, e, &g, id, approve ? "approved" : "rejected",
+                          approve ? "approved" : "rejected", o, comment, &won, &ids);
         cJSON_Delete(o);
         if (rc) goto done;
-        if (!won) { /* cannot happen under the run lock; said plainly if it ever does */
+        if (resolved && !won) { /* cannot happen under the run lock; said plainly if it ever does */
             rc = rpc_error(call, RPC_FAILED_PRECONDITION, "action %s was decided concurrently",
                            action_id);
             goto done;
@@ -441,8 +500,7 @@ static int escalate_action(rpc_call *call, const ProtobufCMessage *req, Protobuf
                            void *ud) {
     const P(EscalateActionRequest) *rq = (const void *)req;
     P(EscalateActionResponse) *out = (void *)resp;
-    return gate_action(call, ud, OP_ESCALATE, rq->action_id, rq->comment, &out->action, NULL,
-                       NULL);
+    return gate_action(call, ud, OP_ESCALATE, rq->action_id, rq->comment, &out->action, NULL, NULL);
 }
 
 /* ---- ListPendingApprovals ---- */
@@ -460,7 +518,9 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     if (rc) return rc;
     if (rq->limit < 0) return rpc_error(call, RPC_INVALID_ARGUMENT, "limit must be >= 0");
     if (rq->offset < 0) return rpc_error(call, RPC_INVALID_ARGUMENT, "offset must be >= 0");
-    int limit = rq->limit == 0 ? PENDING_DEFAULT : rq->limit > PENDING_MAX ? PENDING_MAX : rq->limit;
+    int limit = rq->limit == 0            ? PENDING_DEFAULT
+                : rq->limit > PENDING_MAX ? PENDING_MAX
+                                          : rq->limit;
     if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, DB_TX_REPEATABLE_READ | DB_TX_READ_ONLY,
                           &tx, err, sizeof err)) ||
         (rc = st_gate_pending(tx, id->sub, id->clearance, rq->agent_id, limit, rq->offset, &page,
@@ -487,7 +547,8 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
         P(PendingApproval) *p = rpc_alloc(call, sizeof *p);
         upsquad__workflow__v1__pending_approval__init(p);
         for (int j = 0; j < PQntuples(rows); j++)
-            if (!strcmp(st_s(rows, j, AC_ID), st_s(page, i, 0))) p->action = action_msg(call, rows, j);
+            if (!strcmp(st_s(rows, j, AC_ID), st_s(page, i, 0)))
+                p->action = action_msg(call, rows, j);
         p->workflow_name = s(call, page, i, 1);
         p->agent_name = rpc_strdup(call, "");
         out->approvals[out->n_approvals++] = p;
@@ -530,7 +591,8 @@ static int cmp_name(const void *a, const void *b) {
                   (*(P(RunPromptAnswerField) *const *)b)->name);
 }
 
-static P(GetRunPromptResponse) * prompt_msg(rpc_call *call, const gate *g, const auth_identity *id) {
+static P(GetRunPromptResponse) *
+    prompt_msg(rpc_call *call, const gate *g, const auth_identity *id) {
     P(GetRunPromptResponse) *m = rpc_alloc(call, sizeof *m);
     upsquad__workflow__v1__get_run_prompt_response__init(m);
     int question = !strcmp(g_kind(g), "question_gate");
@@ -561,8 +623,8 @@ static P(GetRunPromptResponse) * prompt_msg(rpc_call *call, const gate *g, const
     m->required_clearance = g_floor(g);
     m->governance_expires_at = ts(call, g->r, 0, GT_EXPIRES);
     /* the run's own window when the step declared one, else the row's expiry */
-    m->expires_at = st_null(g->r, 0, GT_DEADLINE) ? m->governance_expires_at
-                                                  : ts(call, g->r, 0, GT_DEADLINE);
+    m->expires_at =
+        st_null(g->r, 0, GT_DEADLINE) ? m->governance_expires_at : ts(call, g->r, 0, GT_DEADLINE);
     const char *status = prompt_status(g, out);
     m->status = rpc_strdup(call, status);
     m->can_answer = !strcmp(status, "pending") && g_pending(g) && g_allowed(g, id);
@@ -727,6 +789,14 @@ static A(Approval) * approval_msg(rpc_call *call, const gate *g, const auth_iden
     a->expires_at = ts(call, g->r, 0, GT_EXPIRES);
     a->escalations = (int32_t)st_i(g->r, 0, GT_ESCALATIONS);
     a->can_decide = g_pending(g) && g_allowed(g, id);
+    a->min_approvals = g_min_approvals(g);
+    cJSON *ap = cJSON_Parse(st_s(g->r, 0, GT_APPROVERS)), *v;
+    int n = cJSON_GetArraySize(ap);
+    a->approvers = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *a->approvers);
+    cJSON_ArrayForEach(v, ap) {
+        if (cJSON_IsString(v)) a->approvers[a->n_approvers++] = rpc_strdup(call, v->valuestring);
+    }
+    cJSON_Delete(ap);
     return a;
 }
 
@@ -818,7 +888,8 @@ static int record_decision(rpc_call *call, const ProtobufCMessage *req, Protobuf
     payload = rq->response_payload ? pbjson_struct_to_json(rq->response_payload) : NULL;
     if ((rc = gate_open(call, e, id, "approval_id", rq->approval_id, 0, 1, &g))) goto done;
     int question = !strcmp(g_kind(&g), "question_gate");
-    if ((rc = wrong_door(call, "approval_id", g_kind(&g), question ? "question_gate" : "approval_gate")))
+    if ((rc = wrong_door(call, "approval_id", g_kind(&g),
+                         question ? "question_gate" : "approval_gate")))
         goto done;
     if (question && !approve) {
         rc = rpc_error(call, RPC_INVALID_ARGUMENT,
@@ -837,18 +908,23 @@ static int record_decision(rpc_call *call, const ProtobufCMessage *req, Protobuf
             const char *key = jstr(payload, "option_key");
             const cJSON *f = cJSON_GetObjectItemCaseSensitive(payload, "fields");
             cJSON_AddStringToObject(o, "option_key", key ? key : "");
-            cJSON_AddItemToObject(o, "fields",
-                                  f ? cJSON_Duplicate(f, 1) : cJSON_CreateObject());
+            cJSON_AddItemToObject(o, "fields", f ? cJSON_Duplicate(f, 1) : cJSON_CreateObject());
             cJSON_AddStringToObject(o, "answered_by", id->sub);
         } else {
             cJSON_AddStringToObject(o, "decision", approve ? "approved" : "rejected");
             cJSON_AddStringToObject(o, "decided_by", id->sub);
             cJSON_AddStringToObject(o, "comment", rq->comment);
         }
-        rc = g_record(call, e, &g, id, approve ? "approved" : "rejected",
-                      question ? "completed" : approve ? "approved" : "rejected", o, rq->comment,
-                      &won, &ids);
+        int resolved = 1;
+        if (!question && approve) rc = approve_rules(call, &g, id, rq->comment, o, &resolved);
+        if (!rc && resolved)
+            rc = g_record(call, e, &g, id, approve ? "approved" : "rejected",
+                          question  ? "completed"
+                          : approve ? "approved"
+                                    : "rejected",
+                          o, rq->comment, &won, &ids);
         if (rc) goto done;
+        won = won || !resolved; /* a counted vote is recorded; the gate still waits */
     }
     out->recorded = won;
     out->already_decided = !won;

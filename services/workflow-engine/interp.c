@@ -183,7 +183,9 @@ static int save(tick *t, act *a) {
                      a->iteration,
                      a->started_ms ? t->now - a->started_ms : 0,
                      a->cost,
-                     !strcmp(a->status, "awaiting_approval") ? gov_kind(a) : NULL};
+                     !strcmp(a->status, "awaiting_approval") || !strcmp(a->status, "escalated")
+                         ? gov_kind(a)
+                         : NULL};
     if (rc == DB_OK) rc = wf_emit_node(t->run, &ev, t->err, sizeof t->err);
     metric_inc(t->e->m_transitions);
     free(in);

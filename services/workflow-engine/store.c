@@ -749,7 +749,7 @@ int st_wf_row(db_tx *tx, const char *id, PGresult **out, char *err, size_t errle
     "       coalesce(r.definition->'steps'->(g.spec->>'asked_by')->>'agent_role', ''), "           \
     "       coalesce((SELECT x.agent_id FROM " S "actions x WHERE x.run_id = g.run_id "            \
     "                 AND x.step_name = g.spec->>'asked_by' ORDER BY x.created_at DESC "           \
-    "                 LIMIT 1), ''), w.name "                                                      \
+    "                 LIMIT 1), ''), w.name, array_to_json(g.approvers)::text "                     \
     "FROM " S "governance g JOIN " S "actions a ON a.id = g.action_id "                            \
     "JOIN " S "runs r ON r.id = g.run_id JOIN " S "workflows w ON w.id = r.workflow_id "
 // clang-format on
@@ -828,4 +828,18 @@ int st_gate_pending(db_tx *tx, const char *member, int clearance, const char *ag
               "AND ($3 = '' OR a.agent_id = $3) "
               "ORDER BY g.created_at, g.id LIMIT $4::int OFFSET $5::int",
               5, p, out, err, errlen);
+}
+
+int st_gate_vote(db_tx *tx, const char *id, const char *member, int *added, char *err,
+                 size_t errlen) {
+    const char *p[] = {id, member};
+    PGresult *r = NULL;
+    /* a member counts once; only a pending row takes votes */
+    int rc = ex(tx,
+                "UPDATE " S "governance SET approvers = approvers || $2::text WHERE id = $1::uuid "
+                "AND status = 'pending' AND NOT ($2::text = ANY (approvers)) RETURNING 1",
+                2, p, &r, err, errlen);
+    if (rc == DB_OK) *added = PQntuples(r) > 0;
+    PQclear(r);
+    return rc;
 }

@@ -311,6 +311,7 @@ enum {
     GT_ASKED_ROLE,
     GT_ASKED_AGENT,
     GT_WF_NAME,
+    GT_APPROVERS, /* JSON array of the member ids who approved (N of M) */
     GT_NCOLS
 };
 int st_gate_get(db_tx *tx, const char *id, int by_action, int lock, PGresult **out, char *err,
@@ -328,3 +329,6 @@ int st_actions_by_ids(db_tx *tx, const char *ids, PGresult **out, char *err, siz
 /* Pending gates this member may decide: (action id, workflow name, total) rows. */
 int st_gate_pending(db_tx *tx, const char *member, int clearance, const char *agent, int limit,
                     int offset, PGresult **out, char *err, size_t errlen);
+/* N of M: adds member to the pending row's approvers; *added 0 when already counted. */
+int st_gate_vote(db_tx *tx, const char *id, const char *member, int *added, char *err,
+                 size_t errlen);

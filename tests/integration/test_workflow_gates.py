@@ -342,6 +342,27 @@ class GatesTest(unittest.TestCase):
         self.assertIn('"score":7', p.answered_fields)
         self.assertTrue(hold.approval_id)
 
+    # ---- N of M, no self-approval ----
+    def test_05b_n_of_m_and_self_approval(self):
+        self.err(C.INVALID_ARGUMENT, self.start, defn("g", {"g": gate(1, min_approvals=0)}), contains="min_approvals")
+        run = self.start(defn("g", {"g": gate(1, min_approvals=2, allow_self_approval=False, on_approve="end"), "end": DONE}))
+        a = self.parked(run, "g")
+        self.err(C.PERMISSION_DENIED, self.A, "ApproveAction", W.ApproveActionRequest(action_id=a.id), contains="allow_self_approval")
+        r = self.low("ApproveAction", W.ApproveActionRequest(action_id=a.id, comment="one"))
+        self.assertEqual((r.action.status, len(r.next_actions)), ("awaiting_approval", 0))
+        ap = self.A("GetApproval", AP.GetApprovalRequest(approval_id=a.approval_id)).approval
+        self.assertEqual((ap.status, list(ap.approvers), ap.min_approvals), ("pending", [self.user2], 2))
+        self.err(C.FAILED_PRECONDITION, self.low, "ApproveAction", W.ApproveActionRequest(action_id=a.id), contains="already approved")
+        self.err(C.FAILED_PRECONDITION, self.high, "ApproveAction", W.ApproveActionRequest(action_id=a.id), contains="already approved")
+        third = str(uuid.uuid4())
+        c3 = Client(self.b.addr, T.mint(SECRET, sub=third, org=self.org, clearance=1, teams=[self.team]))
+        try:
+            r = c3("RecordDecision", AP.RecordDecisionRequest(approval_id=a.approval_id, decision=AP.DECISION_APPROVED))
+        finally:
+            c3.close()
+        self.assertEqual((r.recorded, r.approval.status, list(r.approval.approvers)), (True, "approved", [self.user2, third]))
+        self.assertEqual(self.wait_for(run, lambda s: s.run.status == "completed").run.status, "completed")
+
     # ---- replicas, tenancy ----
     def test_06_decided_while_other_replica_leases(self):
         run = self.start(defn("g", {"g": gate(1, on_approve="end"), "end": DONE}))
