@@ -210,6 +210,14 @@ static const char *g_scope(const gate *g) {
     return a ? a : "";
 }
 
+/* A prompt allows free text when its step says so, and always when an agent asked (an agent's
+ * ask_user park: the row's spec is the agent's result, outcome "input_required"). */
+static int g_allow_text(const gate *g) {
+    const char *outcome = jstr(g->spec, "outcome");
+    return cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(g->spec, "allow_text")) ||
+           (outcome && !strcmp(outcome, "input_required"));
+}
+
 /* The floor and the answer scope, for this caller (not the row's state). */
 static int g_allowed(const gate *g, const auth_identity *id) {
     if (id->clearance < g_floor(g)) return 0;
@@ -615,7 +623,7 @@ static P(GetRunPromptResponse) *
         op->description = rpc_strdup(call, d ? d : "");
         m->options[m->n_options++] = op;
     }
-    m->allow_text = !question && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(sp, "allow_text"));
+    m->allow_text = !question && g_allow_text(g);
     const char *ph = question ? NULL : jstr(sp, "text_placeholder");
     m->text_placeholder = rpc_strdup(call, ph ? ph : "");
     const char *dc = jstr(sp, question ? "default_option_key" : "default_choice");
@@ -694,7 +702,7 @@ done:
 static int check_prompt_answer(rpc_call *call, const gate *g, const char *choice,
                                const char *text) {
     const cJSON *opts = cJSON_GetObjectItemCaseSensitive(g->spec, "options"), *o;
-    int allow_text = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(g->spec, "allow_text"));
+    int allow_text = g_allow_text(g);
     int n = cJSON_GetArraySize(opts);
     if (text[0] && !allow_text)
         return rpc_error(call, RPC_INVALID_ARGUMENT,

@@ -1601,7 +1601,22 @@ int wf_interp_decide(wf_engine *e, wf_run *r, const char *action_id, const char 
         snprintf(t.err, sizeof t.err, "action %s is not in run %s", action_id, r->id);
         rc = DB_EINVAL;
     }
-    if (!rc) {
+    int resume_agent = !rc && !strcmp(a->type, "agent_action") &&
+                       (!strcmp(status, "completed") || !strcmp(status, "approved"));
+    if (resume_agent) {
+        /* an agent that asked a person (input_required / interrupt_required): its turn goes on,
+         * a new attempt whose feedback carries the answer; the step's output stays the
+         * agent's to give */
+        char fb[1200];
+        snprintf(fb, sizeof fb, "A person answered your request: %s",
+                 output_json ? output_json : "{}");
+        free(a->feedback);
+        a->feedback = strdup(fb);
+        a->blocked[0] = 0;
+        const char *keep = a->step;
+        start_agent(&t, a, step_def(&t, keep));
+        rc = t.rc;
+    } else if (!rc) {
         if (output_json) set_output(a, cJSON_Parse(output_json));
         set_status(a, status);
         a->deadline_ms = strcmp(status, "escalated") ? 0 : a->deadline_ms;

@@ -26,6 +26,7 @@ import grpc  # noqa: E402
 from google.protobuf import struct_pb2, json_format  # noqa: E402
 from upsquad.workflow.v1 import workflow_pb2 as W  # noqa: E402
 from upsquad.approval.v1 import approval_pb2 as AP  # noqa: E402
+from upsquad.internal.v1 import agent_step_pb2 as AS  # noqa: E402
 
 SECRET = secrets.token_hex(16)
 C = grpc.StatusCode
@@ -362,6 +363,48 @@ class GatesTest(unittest.TestCase):
             c3.close()
         self.assertEqual((r.recorded, r.approval.status, list(r.approval.approvers)), (True, "approved", [self.user2, third]))
         self.assertEqual(self.wait_for(run, lambda s: s.run.status == "completed").run.status, "completed")
+
+    # ---- an agent asks a person ----
+    def dispatch_of(self, run, timeout=15):
+        end = time.time() + timeout
+        while time.time() < end:
+            m = self.nc.js_fetch("AGENT_STEPS", "orchestrator-steps", 0.3)
+            if not m:
+                continue
+            _, ack, data = m
+            self.nc.publish(ack, b"")
+            d = AS.AgentStepDispatch.FromString(data)
+            if d.run_id == run:
+                return d
+        self.fail("no dispatch for run %s" % run)
+
+    def reply(self, d, **outcome):
+        r = AS.AgentStepResult(idempotency_key=d.idempotency_key, org_id=d.org_id, run_id=d.run_id,
+                               action_id=d.action_id, step_name=d.step_name, iteration=d.iteration,
+                               attempt=d.attempt, agent_id="agent-1")
+        if outcome.get("ask"):
+            r.input_required.SetInParent()
+        else:
+            r.completed.text = "done"
+            r.completed.output.update({"ok": True})
+        self.nc.publish("agent.step.result.%s.%s" % (d.org_id, d.run_id), r.SerializeToString())
+
+    def test_05c_agent_asks_and_resumes(self):
+        self.nc.js_consumer("AGENT_STEPS", "orchestrator-steps", "agent.step.dispatch")
+        run = self.start(defn("a", {"a": {"type": "agent_action", "agent_role": "eng", "prompt": "deploy"}}))
+        d = self.dispatch_of(run)
+        self.reply(d, ask=True)
+        a = self.parked(run, "a")
+        p = self.A("GetRunPrompt", W.GetRunPromptRequest(prompt_id=a.approval_id))
+        self.assertEqual((p.kind, p.allow_text, p.status, p.can_answer), ("user_prompt", True, "pending", True))
+        r = self.low("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=a.approval_id, text="staging please"))
+        self.assertTrue(r.recorded)
+        d2 = self.dispatch_of(run)  # the same step, a new attempt carrying the answer
+        self.assertEqual((d2.action_id, d2.attempt), (a.id, d.attempt + 1))
+        self.assertIn("staging please", d2.feedback)
+        self.reply(d2)
+        s = self.wait_for(run, lambda s: s.run.status == "completed")
+        self.assertEqual(js(s.actions[0].output), {"ok": True})
 
     # ---- replicas, tenancy ----
     def test_06_decided_while_other_replica_leases(self):
