@@ -161,6 +161,31 @@ static void gate_free(gate *g) {
     memset(g, 0, sizeof *g);
 }
 
+/* An action without a governance row: NOT_FOUND unless the caller can see it, else it is not
+ * awaiting approval (FAILED_PRECONDITION). */
+static int no_gate(rpc_call *call, gate *g, const auth_identity *id, const char *action_id) {
+    char err[512];
+    PGresult *r = NULL;
+    int found = 0, rc = st_action_brief(g->tx, action_id, &r, err, sizeof err);
+    if (!rc && PQntuples(r) > 0) {
+        rc = wf_run_load(g->tx, st_s(r, 0, 0), 0, &g->run, &found, err, sizeof err);
+        g->have_run = found;
+    }
+    if (rc) {
+        PQclear(r);
+        return db_fail(call, rc, err);
+    }
+    if (!found || (!strcmp(g->run.visibility, "private") && strcmp(g->run.owner, id->sub))) {
+        PQclear(r);
+        return rpc_error(call, RPC_NOT_FOUND, "action %s not found", action_id);
+    }
+    rc = rpc_error(call, RPC_FAILED_PRECONDITION,
+                   "action %s is %s and waits on no approval; nothing to decide", action_id,
+                   st_s(r, 0, 1));
+    PQclear(r);
+    return rc;
+}
+
 /* Loads the gate named by id (by_action: an action id) in a transaction of the caller's org;
  * lock: the run row FOR UPDATE, then the row re-read under it (what a decision needs). */
 static int gate_open(rpc_call *call, wf_engine *e, const auth_identity *id, const char *field,
@@ -171,6 +196,7 @@ static int gate_open(rpc_call *call, wf_engine *e, const auth_identity *id, cons
     int rc = st_begin(e->pool, id->org_id, id->sub, &g->tx, err, sizeof err);
     if (!rc) rc = st_gate_get(g->tx, gid, by_action, 0, &g->r, err, sizeof err);
     if (rc) return db_fail(call, rc, err);
+    if (PQntuples(g->r) == 0 && by_action) return no_gate(call, g, id, gid);
     if (PQntuples(g->r) == 0)
         return rpc_error(call, RPC_NOT_FOUND, "%s %s not found", by_action ? "action" : field, gid);
     char run_id[37];

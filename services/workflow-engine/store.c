@@ -843,3 +843,9 @@ int st_gate_vote(db_tx *tx, const char *id, const char *member, int *added, char
     PQclear(r);
     return rc;
 }
+
+int st_action_brief(db_tx *tx, const char *action_id, PGresult **out, char *err, size_t errlen) {
+    const char *p[] = {action_id};
+    return ex(tx, "SELECT run_id, status FROM " S "actions WHERE id = $1::uuid", 1, p, out, err,
+              errlen);
+}

@@ -332,3 +332,5 @@ int st_gate_pending(db_tx *tx, const char *member, int clearance, const char *ag
 /* N of M: adds member to the pending row's approvers; *added 0 when already counted. */
 int st_gate_vote(db_tx *tx, const char *id, const char *member, int *added, char *err,
                  size_t errlen);
+/* (run_id, status) of one action of the tx's org; no row: not in it. */
+int st_action_brief(db_tx *tx, const char *action_id, PGresult **out, char *err, size_t errlen);

@@ -180,6 +180,13 @@ class GatesTest(unittest.TestCase):
         self.assertFalse(ap.can_decide)
         self.err(C.FAILED_PRECONDITION, self.A, "ApproveAction", W.ApproveActionRequest(action_id=a.id))
         self.err(C.FAILED_PRECONDITION, self.A, "RejectAction", W.RejectActionRequest(action_id=a.id))
+        # an action that waits on no approval (the next gate's skipped sibling is not one)
+        done = [n for n in self.status(run).actions if n.status == "approved"][0]
+        self.assertEqual(done.id, a.id)
+        cond = self.start(defn("c", {"c": DONE}))
+        s = self.wait_for(cond, lambda s: s.run.status == "completed")
+        self.err(C.FAILED_PRECONDITION, self.A, "ApproveAction", W.ApproveActionRequest(action_id=s.actions[0].id), contains="no approval")
+        self.err(C.NOT_FOUND, self.foreign, "ApproveAction", W.ApproveActionRequest(action_id=s.actions[0].id))
         # the decision went out on approval.decided.<org>
         subj, _, _, data = self.dec_q.get(timeout=10)
         ev = AP.ApprovalDecided.FromString(data)
