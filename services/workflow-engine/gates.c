@@ -656,9 +656,16 @@ static P(GetRunPromptResponse) *
     m->default_choice = rpc_strdup(call, dc ? dc : "");
     m->required_clearance = g_floor(g);
     m->governance_expires_at = ts(call, g->r, 0, GT_EXPIRES);
-    /* the run's own window when the step declared one, else the row's expiry */
-    m->expires_at =
-        st_null(g->r, 0, GT_DEADLINE) ? m->governance_expires_at : ts(call, g->r, 0, GT_DEADLINE);
+    /* the run's own window when the step declared one (requested_at + timeout_minutes, what
+     * the interpreter's timer honours), else the row's expiry */
+    const cJSON *tm = cJSON_GetObjectItemCaseSensitive(sp, "timeout_minutes");
+    if (cJSON_IsNumber(tm) && tm->valueint > 0 && !st_null(g->r, 0, GT_CREATED)) {
+        m->expires_at = rpc_alloc(call, sizeof *m->expires_at);
+        pbjson_ts_from_ms(m->expires_at,
+                          st_i(g->r, 0, GT_CREATED) + (int64_t)tm->valueint * 60000);
+    } else {
+        m->expires_at = m->governance_expires_at;
+    }
     const char *status = prompt_status(g, out);
     m->status = rpc_strdup(call, status);
     m->can_answer = !strcmp(status, "pending") && g_pending(g) && g_allowed(g, id);

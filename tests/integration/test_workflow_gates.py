@@ -280,6 +280,7 @@ class GatesTest(unittest.TestCase):
         self.assertEqual(len(won), 1)
         self.assertTrue(all(r.already_answered and not r.recorded for r in out if r is not won[0]))
         w = won[0].prompt
+        self.assertEqual(w.expires_at, p.expires_at)  # the window does not move on answering
         self.assertEqual((w.status, w.answered_by, w.can_answer), ("answered", self.user, False))
         self.assertEqual({(r.prompt.answered_choice, r.prompt.answered_text) for r in out}, {(w.answered_choice, w.answered_text)})
         s = self.wait_for(run, lambda s: s.run.status == "completed")
