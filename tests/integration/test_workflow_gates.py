@@ -414,6 +414,42 @@ class GatesTest(unittest.TestCase):
         s = self.wait_for(run, lambda s: s.run.status == "completed")
         self.assertEqual(js(s.actions[0].output), {"ok": True})
 
+    # ---- timeouts meet the gate RPCs ----
+    def expire(self, run):
+        self.psql("UPDATE workflow_engine.actions SET deadline_at = now() - interval '1 second' "
+                  "WHERE run_id = '%s' AND status = 'awaiting_approval'; "
+                  "UPDATE workflow_engine.run_queue SET wake_at = now(), wake_gen = wake_gen + 1 "
+                  "WHERE run_id = '%s'" % (run, run))
+
+    def test_05d_timeouts(self):
+        run = self.start(defn("g", {"g": gate(1, timeout_minutes=1, on_timeout="reject", on_reject="end"), "end": DONE}))
+        a = self.parked(run, "g")
+        # a replica restarts while the gate waits: the timer is the run's, in the database
+        cls = type(self)
+        cls.a.stop()
+        cls.a = T.Server("workflow-engine", env=ENGINE_ENV)
+        cls.A.close()
+        cls.A = Client(cls.a.addr, T.mint(SECRET, sub=self.user, org=self.org, clearance=3, teams=[self.team]))
+        self.expire(run)
+        self.wait_for(run, lambda s: s.run.status == "completed")
+        time.sleep(0.3)
+        n = self.psql("SELECT count(*) FROM workflow_engine.run_logs WHERE run_id = '%s' AND message LIKE '%%timed out%%'" % run)
+        self.assertEqual(n.strip(), "1")  # applied once across both replicas
+        self.err(C.FAILED_PRECONDITION, self.A, "ApproveAction", W.ApproveActionRequest(action_id=a.id))
+        ap = self.A("GetApproval", AP.GetApprovalRequest(approval_id=a.approval_id)).approval
+        self.assertEqual((ap.status, ap.can_decide), ("expired", False))
+        self.assertNotIn(a.id, [p.action.id for p in self.A("ListPendingApprovals", W.ListPendingApprovalsRequest(limit=100)).approvals])
+        # a prompt whose timer recorded the default reads as answered by "timeout"
+        run = self.start(defn("ask", {"ask": {"type": "user_input", "question": "?", "options": [{"value": "a"}, {"value": "b"}],
+                                              "default_choice": "b", "timeout_minutes": 1, "on_timeout": "default"}}))
+        pid = self.parked(run, "ask").approval_id
+        self.expire(run)
+        self.wait_for(run, lambda s: s.run.status == "completed")
+        p = self.A("GetRunPrompt", W.GetRunPromptRequest(prompt_id=pid))
+        self.assertEqual((p.status, p.answered_by, p.answered_choice, p.can_answer), ("answered", "timeout", "b", False))
+        r = self.A("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=pid, choice="a"))
+        self.assertEqual((r.recorded, r.already_answered, r.prompt.answered_choice), (False, True, "b"))
+
     # ---- replicas, tenancy ----
     def test_06_decided_while_other_replica_leases(self):
         run = self.start(defn("g", {"g": gate(1, on_approve="end"), "end": DONE}))
