@@ -661,8 +661,7 @@ static P(GetRunPromptResponse) *
     const cJSON *tm = cJSON_GetObjectItemCaseSensitive(sp, "timeout_minutes");
     if (cJSON_IsNumber(tm) && tm->valueint > 0 && !st_null(g->r, 0, GT_CREATED)) {
         m->expires_at = rpc_alloc(call, sizeof *m->expires_at);
-        pbjson_ts_from_ms(m->expires_at,
-                          st_i(g->r, 0, GT_CREATED) + (int64_t)tm->valueint * 60000);
+        pbjson_ts_from_ms(m->expires_at, st_i(g->r, 0, GT_CREATED) + (int64_t)tm->valueint * 60000);
     } else {
         m->expires_at = m->governance_expires_at;
     }
