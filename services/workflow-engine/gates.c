@@ -927,14 +927,17 @@ static int record_decision(rpc_call *call, const ProtobufCMessage *req, Protobuf
                          COMMENT_MAX);
     payload = rq->response_payload ? pbjson_struct_to_json(rq->response_payload) : NULL;
     if ((rc = gate_open(call, e, id, "approval_id", rq->approval_id, 0, 1, &g))) goto done;
+    /* every kind is decided here: a question with {option_key, fields}, a prompt (an agent's
+     * ask_user among them) with {choice, text}, both as APPROVED */
     int question = !strcmp(g_kind(&g), "question_gate");
-    if ((rc = wrong_door(call, "approval_id", g_kind(&g),
-                         question ? "question_gate" : "approval_gate")))
-        goto done;
-    if (question && !approve) {
+    int prompt = !strcmp(g_kind(&g), "user_prompt");
+    const char *choice = jstr(payload, "choice") ? jstr(payload, "choice") : "";
+    const char *text = jstr(payload, "text") ? jstr(payload, "text") : "";
+    if ((question || prompt) && !approve) {
         rc = rpc_error(call, RPC_INVALID_ARGUMENT,
-                       "decision must be DECISION_APPROVED on a question gate (the answer is "
-                       "response_payload {option_key, fields})");
+                       "decision must be DECISION_APPROVED on a %s (the answer is "
+                       "response_payload %s)",
+                       g_kind(&g), question ? "{option_key, fields}" : "{choice, text}");
         goto done;
     }
     if (!g_allowed(&g, id)) {
@@ -942,9 +945,14 @@ static int record_decision(rpc_call *call, const ProtobufCMessage *req, Protobuf
         goto done;
     }
     if (question && (rc = check_question_answer(call, &g, payload))) goto done;
+    if (prompt && (rc = check_prompt_answer(call, &g, choice, text))) goto done;
     if (g_pending(&g)) {
         o = cJSON_CreateObject();
-        if (question) {
+        if (prompt) {
+            cJSON_AddStringToObject(o, "choice", choice);
+            cJSON_AddStringToObject(o, "text", text);
+            cJSON_AddStringToObject(o, "answered_by", id->sub);
+        } else if (question) {
             const char *key = jstr(payload, "option_key");
             const cJSON *f = cJSON_GetObjectItemCaseSensitive(payload, "fields");
             cJSON_AddStringToObject(o, "option_key", key ? key : "");
@@ -956,12 +964,16 @@ static int record_decision(rpc_call *call, const ProtobufCMessage *req, Protobuf
             cJSON_AddStringToObject(o, "comment", rq->comment);
         }
         int resolved = 1;
-        if (!question && approve) rc = approve_rules(call, &g, id, rq->comment, o, &resolved);
+        if (!question && !prompt && approve)
+            rc = approve_rules(call, &g, id, rq->comment, o, &resolved);
         if (!rc && resolved)
-            rc = g_record(call, e, &g, id, approve ? "approved" : "rejected",
-                          question  ? "completed"
+            rc = g_record(call, e, &g, id,
+                          prompt    ? "answered"
                           : approve ? "approved"
                                     : "rejected",
+                          question || prompt ? "completed"
+                          : approve          ? "approved"
+                                             : "rejected",
                           o, rq->comment, &won, &ids);
         if (rc) goto done;
         won = won || !resolved; /* a counted vote is recorded; the gate still waits */

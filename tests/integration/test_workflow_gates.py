@@ -298,9 +298,17 @@ class GatesTest(unittest.TestCase):
         notext = self.start(defn("ask", {"ask": {"type": "user_input", "question": "pick", "options": [{"value": "a"}]}}))
         pid = self.parked(notext, "ask").approval_id
         self.err(C.INVALID_ARGUMENT, self.A, "AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=pid, choice="a", text="x"), contains="text")
-        # the approval door refuses a prompt and names the right one
         self.err(C.INVALID_ARGUMENT, self.A, "ApproveAction",
                  W.ApproveActionRequest(action_id=self.parked(notext, "ask").id), contains="AnswerRunPrompt")
+        # the approval door refuses a prompt and names the right one
+        # ApprovalService decides prompts too: APPROVED with {choice, text}, checked the same way
+        rd = lambda **kw: self.A("RecordDecision", AP.RecordDecisionRequest(approval_id=pid, **kw))
+        self.err(C.INVALID_ARGUMENT, lambda: rd(decision=AP.DECISION_REJECTED), contains="DECISION_APPROVED")
+        self.err(C.INVALID_ARGUMENT, lambda: rd(decision=AP.DECISION_APPROVED, response_payload=st({"choice": "zz"})), contains="choice")
+        r = rd(decision=AP.DECISION_APPROVED, response_payload=st({"choice": "a"}))
+        self.assertEqual((r.recorded, r.approval.status, r.approval.kind), (True, "answered", "user_prompt"))
+        self.assertEqual(self.A("GetRunPrompt", W.GetRunPromptRequest(prompt_id=pid)).answered_choice, "a")
+        self.wait_for(notext, lambda s: s.run.status == "completed")
         # an approval gate is not a prompt
         g = self.start(defn("g", {"g": gate(1)}))
         ga = self.parked(g, "g")
