@@ -183,7 +183,9 @@ static int save(tick *t, act *a) {
                      a->iteration,
                      a->started_ms ? t->now - a->started_ms : 0,
                      a->cost,
-                     !strcmp(a->status, "awaiting_approval") ? gov_kind(a) : NULL};
+                     !strcmp(a->status, "awaiting_approval") || !strcmp(a->status, "escalated")
+                         ? gov_kind(a)
+                         : NULL};
     if (rc == DB_OK) rc = wf_emit_node(t->run, &ev, t->err, sizeof t->err);
     metric_inc(t->e->m_transitions);
     free(in);
@@ -1581,4 +1583,70 @@ void *wf_scheduler_thread(void *arg) {
         }
     }
     return NULL;
+}
+
+/* ---- a person's decision on a parked gate (gates.c) ---- */
+
+int wf_interp_decide(wf_engine *e, wf_run *r, const char *action_id, const char *status,
+                     const char *output_json, char **new_ids, char *err, size_t errlen) {
+    tick t;
+    tick_init(&t, e, r);
+    t.paused = !strcmp(r->status, "paused");
+    *new_ids = NULL;
+    int rc = load_acts(&t);
+    act *a = NULL;
+    for (size_t i = 0; !rc && i < t.n; i++)
+        if (!strcmp(t.acts[i]->id, action_id)) a = t.acts[i];
+    if (!rc && !a) {
+        snprintf(t.err, sizeof t.err, "action %s is not in run %s", action_id, r->id);
+        rc = DB_EINVAL;
+    }
+    int resume_agent = !rc && !strcmp(a->type, "agent_action") &&
+                       (!strcmp(status, "completed") || !strcmp(status, "approved"));
+    if (resume_agent) {
+        /* an agent that asked a person (input_required / interrupt_required): its turn goes on,
+         * a new attempt whose feedback carries the answer; the step's output stays the
+         * agent's to give */
+        char fb[1200];
+        snprintf(fb, sizeof fb, "A person answered your request: %s",
+                 output_json ? output_json : "{}");
+        free(a->feedback);
+        a->feedback = strdup(fb);
+        a->blocked[0] = 0;
+        const char *keep = a->step;
+        start_agent(&t, a, step_def(&t, keep));
+        rc = t.rc;
+    } else if (!rc) {
+        if (output_json) set_output(a, cJSON_Parse(output_json));
+        set_status(a, status);
+        a->deadline_ms = strcmp(status, "escalated") ? 0 : a->deadline_ms;
+        rc = save(&t, a);
+    }
+    size_t n0 = t.n;
+    /* walk now, like a tick would: the steps the decision starts are created in this same
+     * transaction (the caller's next_actions); side effects are left to the run's next tick,
+     * which the caller wakes (a tool call is re-requested with its key) */
+    if (!rc && strcmp(status, "escalated")) {
+        walk_scope(&t, str(r->def, "start"), "", 0);
+        rc = t.rc;
+    }
+    if (!rc) {
+        size_t len = 3, k = 0;
+        for (size_t i = n0; i < t.n; i++)
+            len += 38;
+        char *ids = malloc(len);
+        if (!ids) {
+            rc = DB_ENOMEM;
+        } else {
+            ids[k++] = '{';
+            for (size_t i = n0; i < t.n; i++)
+                k += (size_t)sprintf(ids + k, "%s%s", i > n0 ? "," : "", t.acts[i]->id);
+            ids[k++] = '}';
+            ids[k] = 0;
+            *new_ids = ids;
+        }
+    }
+    if (rc) snprintf(err, errlen, "%s", t.err[0] ? t.err : "cannot apply the decision");
+    tick_free(&t);
+    return rc;
 }

@@ -27,3 +27,11 @@ int wf_schedule_next(db_pool *p, const char *spec_json, int64_t after_ms, int64_
                      char *err, size_t errlen);
 
 #endif
+
+/* A person decided the parked gate action_id of r (locked by the caller's transaction): the
+ * action takes status ("approved", "rejected", "completed" or "escalated") and output (JSON
+ * object text; NULL keeps it), and the run walks on in the same transaction. *new_ids (caller
+ * frees) is a Postgres uuid[] literal of the actions the walk created. The caller wakes the
+ * run's queue row so the next tick dispatches their side effects. */
+int wf_interp_decide(wf_engine *e, wf_run *r, const char *action_id, const char *status,
+                     const char *output_json, char **new_ids, char *err, size_t errlen);

@@ -1,6 +1,7 @@
 /* workflow-engine: wiring only. */
 #include <stdio.h>
 
+#include "gates.h"
 #include "handlers.h"
 #include "service.h"
 #include "wf.h"
@@ -12,6 +13,10 @@ static int init(void *state, rpc_server *srv, char *err, size_t errlen) {
     if (wf_engine_start(e, wf_config_get(), err, errlen)) return -1;
     if (wf_handlers_register(srv, e) != RPC_OK) {
         snprintf(err, errlen, "cannot register WorkflowService");
+        return -1;
+    }
+    if (wf_gates_register(srv, e) != RPC_OK) {
+        snprintf(err, errlen, "cannot register the gate RPCs and ApprovalService");
         return -1;
     }
     return 0;

@@ -284,3 +284,53 @@ int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err
 int st_outbox_delete(db_tx *tx, const char *ids, char *err, size_t errlen);
 
 #endif
+
+/* ---- human gates (gates.c) ---- */
+/* One governance row with its run and action context (GT_* columns). by_action: id is the
+ * action's id (its newest row); lock: FOR UPDATE of the row. No row: not in the tx's org. */
+enum {
+    GT_ID,
+    GT_ORG,
+    GT_RUN,
+    GT_ACTION,
+    GT_KIND,
+    GT_STATUS,
+    GT_CLEARANCE,
+    GT_SPEC,
+    GT_CREATED,
+    GT_EXPIRES,
+    GT_DECIDED_BY,
+    GT_DECIDED_AT,
+    GT_ANSWER,
+    GT_COMMENT,
+    GT_ESCALATIONS,
+    GT_TRIGGERED_BY,
+    GT_DEADLINE,
+    GT_ACT_STATUS,
+    GT_ACT_OUTPUT,
+    GT_ASKED_ROLE,
+    GT_ASKED_AGENT,
+    GT_WF_NAME,
+    GT_APPROVERS, /* JSON array of the member ids who approved (N of M) */
+    GT_NCOLS
+};
+int st_gate_get(db_tx *tx, const char *id, int by_action, int lock, PGresult **out, char *err,
+                size_t errlen);
+/* First write wins: moves a pending row to status; *won 0 when it was no longer pending. */
+int st_gate_decide(db_tx *tx, const char *id, const char *status, const char *member,
+                   const char *answer_json, const char *comment, int *won, char *err,
+                   size_t errlen);
+int st_gate_escalate(db_tx *tx, const char *id, int floor, const char *comment, char *err,
+                     size_t errlen);
+int st_action_decided(db_tx *tx, const char *action_id, const char *member, char *err,
+                      size_t errlen);
+/* AC_* rows of the actions in ids (a Postgres uuid[] literal). */
+int st_actions_by_ids(db_tx *tx, const char *ids, PGresult **out, char *err, size_t errlen);
+/* Pending gates this member may decide: (action id, workflow name, total) rows. */
+int st_gate_pending(db_tx *tx, const char *member, int clearance, const char *agent, int limit,
+                    int offset, PGresult **out, char *err, size_t errlen);
+/* N of M: adds member to the pending row's approvers; *added 0 when already counted. */
+int st_gate_vote(db_tx *tx, const char *id, const char *member, int *added, char *err,
+                 size_t errlen);
+/* (run_id, status) of one action of the tx's org; no row: not in it. */
+int st_action_brief(db_tx *tx, const char *action_id, PGresult **out, char *err, size_t errlen);

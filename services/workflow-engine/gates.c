@@ -1,0 +1,1052 @@
+/* Human gates (gates.h; docs/workflow-engine.md "Governance"): WorkflowService's ApproveAction,
+ * RejectAction, EscalateAction, ListPendingApprovals, GetRunPrompt, AnswerRunPrompt and
+ * upsquad.approval.v1.ApprovalService (RecordDecision, GetApproval), over the governance rows
+ * the interpreter opens when a run parks on approval_gate / user_input / question.
+ *
+ * Rules decided here:
+ *   - A gate is read in the caller's org (RLS) and through its run's visibility: another org's
+ *     id, or a private workflow's run of someone else, is NOT_FOUND.
+ *   - Who may decide: clearance >= the row's floor (required_clearance) AND the answer scope
+ *     (answerable_by "" / "anyone": any member; "requester": only the run's triggerer).
+ *     Otherwise PERMISSION_DENIED. The same rule computes can_answer / can_decide and filters
+ *     ListPendingApprovals (it lists only what the caller may decide).
+ *   - A decision is one transaction: lock the run row (the lock every tick takes first, so a
+ *     replica holding the run's lease waits for us or we for it), then move the governance row
+ *     out of 'pending' with a conditional UPDATE (first write wins), set the action, walk the
+ *     run on (the created actions are next_actions), wake the run's queue row, audit, and put
+ *     approval.decided.<org> in the outbox. Any replica can take the decision.
+ *   - Escalation raises the floor by one clearance level, up to 5 (the highest clearance);
+ *     the action becomes 'escalated' (folds to blocked); audited as gate.escalate. */
+#include "gates.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ids.h"
+#include "interp.h"
+#include "log.h"
+#include "pbjson.h"
+#include "run.h"
+#include "store.h"
+#include "subjects.h"
+#include "upsquad/approval/v1/approval.pb-c.h"
+#include "upsquad/workflow/v1/workflow.pb-c.h"
+
+#define P(x) Upsquad__Workflow__V1__##x
+#define INIT(x, m) upsquad__workflow__v1__##x##__init(m)
+#define A(x) Upsquad__Approval__V1__##x
+
+#define COMMENT_MAX 1000
+#define TEXT_MAX 4000
+#define PENDING_DEFAULT 50
+#define PENDING_MAX 100
+#define CLEARANCE_CAP 5
+#define ESCALATE_STEP 1
+
+/* ---- helpers (arena, errors) ---- */
+
+static void *arena_alloc(void *ud, size_t n) {
+    return rpc_alloc(ud, n);
+}
+static void arena_free(void *ud, void *p) {
+    (void)ud;
+    (void)p;
+}
+
+static Google__Protobuf__Struct *arena_struct_json(rpc_call *call, const cJSON *obj) {
+    Google__Protobuf__Struct *heap = NULL;
+    char e[256];
+    if (!cJSON_IsObject(obj) || pbjson_struct_from_json(obj, &heap, e, sizeof e) != 0) return NULL;
+    size_t len = protobuf_c_message_get_packed_size(&heap->base);
+    uint8_t *buf = rpc_alloc(call, len ? len : 1);
+    protobuf_c_message_pack(&heap->base, buf);
+    pbjson_struct_free(heap);
+    ProtobufCAllocator a = {arena_alloc, arena_free, call};
+    return (Google__Protobuf__Struct *)protobuf_c_message_unpack(
+        &google__protobuf__struct__descriptor, &a, len, buf);
+}
+
+static Google__Protobuf__Struct *arena_struct(rpc_call *call, const char *json) {
+    if (!json || !json[0]) return NULL;
+    cJSON *o = cJSON_Parse(json);
+    Google__Protobuf__Struct *s = arena_struct_json(call, o);
+    cJSON_Delete(o);
+    return s;
+}
+
+static Google__Protobuf__Timestamp *ts(rpc_call *call, const PGresult *r, int row, int col) {
+    if (st_null(r, row, col)) return NULL;
+    Google__Protobuf__Timestamp *t = rpc_alloc(call, sizeof *t);
+    pbjson_ts_from_ms(t, st_i(r, row, col));
+    return t;
+}
+
+static char *s(rpc_call *call, const PGresult *r, int row, int col) {
+    return rpc_strdup(call, st_s(r, row, col));
+}
+
+static int db_fail(rpc_call *call, int rc, const char *err) {
+    log_error("db.error", "%s: %s (%s)", rpc_method_path(call), err, db_sqlstate());
+    if (rc == DB_ETIMEOUT || rc == DB_ECONN)
+        return rpc_error(call, RPC_UNAVAILABLE, "the database is unavailable; retry");
+    if (rc == DB_ESERIALIZE) return rpc_error(call, RPC_ABORTED, "concurrent update; retry");
+    return rpc_error(call, RPC_INTERNAL, "internal error");
+}
+
+static int need_id(rpc_call *call, const char *field, const char *v) {
+    if (!v || !v[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s is required", field);
+    if (!ids_uuid_valid(v))
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "%s must be a UUID", field);
+    return RPC_OK;
+}
+
+static int caller(rpc_call *call, const auth_identity **id) {
+    *id = rpc_identity(call);
+    if (!*id || !ids_uuid_valid((*id)->org_id) || !ids_uuid_valid((*id)->sub))
+        return rpc_error(call, RPC_UNAUTHENTICATED, "the token's org_id and sub must be UUIDs");
+    return RPC_OK;
+}
+
+static size_t utf8_chars(const char *p) {
+    size_t n = 0;
+    for (; p && *p; p++)
+        if (((unsigned char)*p & 0xC0) != 0x80) n++;
+    return n;
+}
+
+static const char *jstr(const cJSON *o, const char *k) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+static P(WorkflowAction) * action_msg(rpc_call *call, const PGresult *r, int row) {
+    P(WorkflowAction) *a = rpc_alloc(call, sizeof *a);
+    INIT(workflow_action, a);
+    a->id = s(call, r, row, AC_ID);
+    a->run_id = s(call, r, row, AC_RUN);
+    a->org_id = s(call, r, row, AC_ORG);
+    a->step_name = s(call, r, row, AC_STEP);
+    a->agent_id = s(call, r, row, AC_AGENT);
+    a->status = s(call, r, row, AC_STATUS);
+    a->input = arena_struct(call, st_s(r, row, AC_INPUT));
+    a->output = arena_struct(call, st_s(r, row, AC_OUTPUT));
+    a->decided_by = s(call, r, row, AC_DECIDED_BY);
+    a->decided_at = ts(call, r, row, AC_DECIDED_AT);
+    a->created_at = ts(call, r, row, AC_CREATED_AT);
+    a->approval_id = s(call, r, row, AC_APPROVAL);
+    a->cost_usd = st_d(r, row, AC_COST);
+    a->elapsed_ms = st_i(r, row, AC_ELAPSED);
+    a->blocked_by = rpc_strdup(
+        call, wf_project_blocked_by(st_s(r, row, AC_STATUS), st_s(r, row, AC_BLOCKED_BY)));
+    a->iteration = (int32_t)st_i(r, row, AC_ITERATION);
+    return a;
+}
+
+/* ---- one gate, loaded for a call ---- */
+
+typedef struct gate {
+    db_tx *tx;
+    wf_run run;
+    int have_run;
+    PGresult *r; /* GT_* row */
+    cJSON *spec;
+} gate;
+
+static void gate_free(gate *g) {
+    db_tx_rollback(g->tx);
+    if (g->have_run) wf_run_free(&g->run);
+    PQclear(g->r);
+    cJSON_Delete(g->spec);
+    memset(g, 0, sizeof *g);
+}
+
+/* An action without a governance row: NOT_FOUND unless the caller can see it, else it is not
+ * awaiting approval (FAILED_PRECONDITION). */
+static int no_gate(rpc_call *call, gate *g, const auth_identity *id, const char *action_id) {
+    char err[512];
+    PGresult *r = NULL;
+    int found = 0, rc = st_action_brief(g->tx, action_id, &r, err, sizeof err);
+    if (!rc && PQntuples(r) > 0) {
+        rc = wf_run_load(g->tx, st_s(r, 0, 0), 0, &g->run, &found, err, sizeof err);
+        g->have_run = found;
+    }
+    if (rc) {
+        PQclear(r);
+        return db_fail(call, rc, err);
+    }
+    if (!found || (!strcmp(g->run.visibility, "private") && strcmp(g->run.owner, id->sub))) {
+        PQclear(r);
+        return rpc_error(call, RPC_NOT_FOUND, "action %s not found", action_id);
+    }
+    rc = rpc_error(call, RPC_FAILED_PRECONDITION,
+                   "action %s is %s and waits on no approval; nothing to decide", action_id,
+                   st_s(r, 0, 1));
+    PQclear(r);
+    return rc;
+}
+
+/* Loads the gate named by id (by_action: an action id) in a transaction of the caller's org;
+ * lock: the run row FOR UPDATE, then the row re-read under it (what a decision needs). */
+static int gate_open(rpc_call *call, wf_engine *e, const auth_identity *id, const char *field,
+                     const char *gid, int by_action, int lock, gate *g) {
+    char err[512];
+    int found = 0;
+    memset(g, 0, sizeof *g);
+    int rc = st_begin(e->pool, id->org_id, id->sub, &g->tx, err, sizeof err);
+    if (!rc) rc = st_gate_get(g->tx, gid, by_action, 0, &g->r, err, sizeof err);
+    if (rc) return db_fail(call, rc, err);
+    if (PQntuples(g->r) == 0 && by_action) return no_gate(call, g, id, gid);
+    if (PQntuples(g->r) == 0)
+        return rpc_error(call, RPC_NOT_FOUND, "%s %s not found", by_action ? "action" : field, gid);
+    char run_id[37];
+    snprintf(run_id, sizeof run_id, "%s", st_s(g->r, 0, GT_RUN));
+    if ((rc = wf_run_load(g->tx, run_id, lock, &g->run, &found, err, sizeof err)))
+        return db_fail(call, rc, err);
+    g->have_run = found;
+    if (!found || (!strcmp(g->run.visibility, "private") && strcmp(g->run.owner, id->sub)))
+        return rpc_error(call, RPC_NOT_FOUND, "%s %s not found", by_action ? "action" : field, gid);
+    if (lock) { /* serialized behind the run lock: read what the last writer left */
+        PQclear(g->r);
+        g->r = NULL;
+        if ((rc = st_gate_get(g->tx, gid, by_action, 1, &g->r, err, sizeof err)))
+            return db_fail(call, rc, err);
+        if (PQntuples(g->r) == 0)
+            return rpc_error(call, RPC_NOT_FOUND, "%s %s not found", by_action ? "action" : field,
+                             gid);
+    }
+    g->spec = cJSON_Parse(st_s(g->r, 0, GT_SPEC));
+    if (!g->spec) g->spec = cJSON_CreateObject();
+    return RPC_OK;
+}
+
+static const char *g_kind(const gate *g) {
+    return st_s(g->r, 0, GT_KIND);
+}
+static int g_floor(const gate *g) {
+    return (int)st_i(g->r, 0, GT_CLEARANCE);
+}
+static int g_pending(const gate *g) {
+    const char *as = st_s(g->r, 0, GT_ACT_STATUS);
+    return !strcmp(st_s(g->r, 0, GT_STATUS), "pending") &&
+           (!strcmp(as, "awaiting_approval") || !strcmp(as, "escalated"));
+}
+static const char *g_scope(const gate *g) {
+    const char *a = jstr(g->spec, "answerable_by");
+    return a ? a : "";
+}
+
+/* A prompt allows free text when its step says so, and always when an agent asked (an agent's
+ * ask_user park: the row's spec is the agent's result, outcome "input_required"). */
+static int g_allow_text(const gate *g) {
+    const char *outcome = jstr(g->spec, "outcome");
+    return cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(g->spec, "allow_text")) ||
+           (outcome && !strcmp(outcome, "input_required"));
+}
+
+/* The floor and the answer scope, for this caller (not the row's state). */
+static int g_allowed(const gate *g, const auth_identity *id) {
+    if (id->clearance < g_floor(g)) return 0;
+    if (!strcmp(g_scope(g), "requester") && strcmp(st_s(g->r, 0, GT_TRIGGERED_BY), id->sub))
+        return 0;
+    return 1;
+}
+
+static int g_deny(rpc_call *call, const gate *g, const auth_identity *id) {
+    if (id->clearance < g_floor(g))
+        return rpc_error(call, RPC_PERMISSION_DENIED,
+                         "deciding this %s needs clearance %d; the caller has %d", g_kind(g),
+                         g_floor(g), id->clearance);
+    return rpc_error(call, RPC_PERMISSION_DENIED,
+                     "this %s is answerable_by \"requester\": only the member who started the run "
+                     "may answer",
+                     g_kind(g));
+}
+
+/* Records the decision: first write wins on the governance row, then the action and the run
+ * walk on. *won 0: another decision was first (nothing written). */
+static int g_record(rpc_call *call, wf_engine *e, gate *g, const auth_identity *id,
+                    const char *gov_status, const char *act_status, cJSON *output,
+                    const char *comment, int *won, char **new_ids) {
+    char err[512];
+    const char *gid = st_s(g->r, 0, GT_ID), *aid = st_s(g->r, 0, GT_ACTION);
+    char *answer = cJSON_PrintUnformatted(output);
+    int rc = st_gate_decide(g->tx, gid, gov_status, id->sub, answer, comment, won, err, sizeof err);
+    if (rc || !*won) goto done;
+    if ((rc = wf_interp_decide(e, &g->run, aid, act_status, answer, new_ids, err, sizeof err)) ||
+        (rc = st_action_decided(g->tx, aid, id->sub, err, sizeof err)) ||
+        (rc = st_queue_wake(g->tx, g->run.id, err, sizeof err)))
+        goto done;
+    char line[300];
+    snprintf(line, sizeof line, "%s %s: %s by %s", g_kind(g), gid, gov_status, id->sub);
+    char what[32];
+    snprintf(what, sizeof what, "gate.%s", gov_status);
+    if ((rc = wf_emit_log(&g->run, aid, "INFO", line, err, sizeof err)) ||
+        (rc = st_audit(g->tx, id->org_id, id->sub, gid, what, comment, err, sizeof err)))
+        goto done;
+    /* approval.decided.<org>, relayed from the outbox after the commit (message id: the row) */
+    A(ApprovalDecided) ev;
+    upsquad__approval__v1__approval_decided__init(&ev);
+    Google__Protobuf__Timestamp now;
+    pbjson_ts_now(&now);
+    Google__Protobuf__Struct *payload = NULL;
+    char perr[128];
+    pbjson_struct_from_json(output, &payload, perr, sizeof perr);
+    ev.approval_id = (char *)gid;
+    ev.org_id = g->run.org;
+    ev.run_id = g->run.id;
+    ev.action_id = (char *)aid;
+    ev.kind = (char *)g_kind(g);
+    ev.status = (char *)gov_status;
+    ev.decided_by = (char *)id->sub;
+    ev.decided_at = &now;
+    ev.comment = (char *)comment;
+    ev.response_payload = payload;
+    size_t len = protobuf_c_message_get_packed_size(&ev.base);
+    uint8_t *buf = malloc(len ? len : 1);
+    char subject[160];
+    snprintf(subject, sizeof subject, "%s.%s", SUBJ_APPROVAL_DECIDED, g->run.org);
+    if (!buf) {
+        rc = DB_ENOMEM;
+    } else {
+        protobuf_c_message_pack(&ev.base, buf);
+        rc = st_outbox_put(g->tx, g->run.org, subject, gid, buf, len, err, sizeof err);
+    }
+    free(buf);
+    if (payload) pbjson_struct_free(payload);
+    if (!rc) rc = wf_run_flush(&g->run, err, sizeof err);
+done:
+    free(answer);
+    return rc ? db_fail(call, rc, err) : RPC_OK;
+}
+
+/* Commits and wakes the interpreter and the relay here (any replica's tick may take it). */
+static int g_commit(rpc_call *call, wf_engine *e, gate *g) {
+    char err[512];
+    int rc = db_tx_commit(g->tx, err, sizeof err);
+    g->tx = NULL;
+    if (rc) return db_fail(call, rc, err);
+    wf_engine_kick(e);
+    wf_engine_kick_relay(e);
+    return RPC_OK;
+}
+
+/* The action row (and the actions in ids) re-read in the gate's transaction. */
+static int g_actions(rpc_call *call, gate *g, const char *ids, P(WorkflowAction) * *action,
+                     P(WorkflowAction) * **next, size_t *n_next) {
+    char err[512], one[48];
+    PGresult *r = NULL;
+    snprintf(one, sizeof one, "{%s}", st_s(g->r, 0, GT_ACTION));
+    int rc = st_actions_by_ids(g->tx, one, &r, err, sizeof err);
+    if (rc) return db_fail(call, rc, err);
+    if (PQntuples(r) > 0) *action = action_msg(call, r, 0);
+    PQclear(r);
+    if (!next) return RPC_OK;
+    *n_next = 0;
+    if (!ids || !strcmp(ids, "{}")) return RPC_OK;
+    if ((rc = st_actions_by_ids(g->tx, ids, &r, err, sizeof err))) return db_fail(call, rc, err);
+    int n = PQntuples(r);
+    *next = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof **next);
+    for (int i = 0; i < n; i++)
+        (*next)[i] = action_msg(call, r, i);
+    *n_next = (size_t)n;
+    PQclear(r);
+    return RPC_OK;
+}
+
+/* ---- approving: no self-approval, N of M ---- */
+
+static int g_min_approvals(const gate *g) {
+    const cJSON *n = cJSON_GetObjectItemCaseSensitive(g->spec, "min_approvals");
+    return cJSON_IsNumber(n) && n->valueint > 1 ? n->valueint : 1;
+}
+
+/* Before an approval gate is approved: allow_self_approval=false refuses the run's triggerer
+ * (PERMISSION_DENIED); with min_approvals N > 1 each distinct member's approval is a vote, and
+ * only the Nth resolves the gate. *resolved 0: this call's vote was counted (written in the
+ * gate's transaction) and the gate still waits. On resolve, o gets the approvers. */
+static int approve_rules(rpc_call *call, gate *g, const auth_identity *id, const char *comment,
+                         cJSON *o, int *resolved) {
+    char err[512];
+    *resolved = 1;
+    const cJSON *self = cJSON_GetObjectItemCaseSensitive(g->spec, "allow_self_approval");
+    if (cJSON_IsFalse(self) && !strcmp(st_s(g->r, 0, GT_TRIGGERED_BY), id->sub))
+        return rpc_error(call, RPC_PERMISSION_DENIED,
+                         "this gate sets allow_self_approval false: the member who started the "
+                         "run may not approve it");
+    int need = g_min_approvals(g);
+    cJSON *have = cJSON_Parse(st_s(g->r, 0, GT_APPROVERS)), *v;
+    int n = 0, dup = 0;
+    cJSON_ArrayForEach(v, have) {
+        n++;
+        if (cJSON_IsString(v) && !strcmp(v->valuestring, id->sub)) dup = 1;
+    }
+    int rc = RPC_OK;
+    if (dup) {
+        rc = rpc_error(call, RPC_FAILED_PRECONDITION,
+                       "member %s already approved this gate; it needs %d distinct approvers "
+                       "(%d so far)",
+                       id->sub, need, n);
+    } else if (n + 1 < need) {
+        int added = 0;
+        char line[300], gid[37];
+        snprintf(gid, sizeof gid, "%s", st_s(g->r, 0, GT_ID));
+        snprintf(line, sizeof line, "approval %d of %d by %s", n + 1, need, id->sub);
+        if ((rc = st_gate_vote(g->tx, gid, id->sub, &added, err, sizeof err)) ||
+            (rc = wf_emit_log(&g->run, st_s(g->r, 0, GT_ACTION), "INFO", line, err, sizeof err)) ||
+            (rc = st_audit(g->tx, id->org_id, id->sub, gid, "gate.vote", comment, err,
+                           sizeof err)) ||
+            (rc = wf_run_flush(&g->run, err, sizeof err)))
+            rc = db_fail(call, rc, err);
+        *resolved = 0;
+    } else {
+        int added = 0; /* the deciding approval is listed too */
+        if ((rc = st_gate_vote(g->tx, st_s(g->r, 0, GT_ID), id->sub, &added, err, sizeof err)))
+            rc = db_fail(call, rc, err);
+        cJSON *all = have ? cJSON_Duplicate(have, 1) : cJSON_CreateArray();
+        cJSON_AddItemToArray(all, cJSON_CreateString(id->sub));
+        cJSON_AddItemToObject(o, "approvers", all);
+    }
+    cJSON_Delete(have);
+    return rc;
+}
+
+/* ---- ApproveAction / RejectAction / EscalateAction ---- */
+
+enum { OP_APPROVE, OP_REJECT, OP_ESCALATE };
+
+/* The kinds a door does not answer, named with the door that does. */
+static int wrong_door(rpc_call *call, const char *field, const char *kind, const char *here) {
+    if (!strcmp(kind, "question_gate") && strcmp(here, "question_gate"))
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "%s names a question gate: answer it with ApprovalService.RecordDecision "
+                         "(decision APPROVED, response_payload {option_key, fields})",
+                         field);
+    if (!strcmp(kind, "user_prompt") && strcmp(here, "user_prompt"))
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "%s names a user_input prompt: answer it with "
+                         "WorkflowService.AnswerRunPrompt ({choice, text})",
+                         field);
+    if (!strcmp(kind, "approval_gate") && strcmp(here, "approval_gate"))
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "%s names an approval gate: decide it with WorkflowService.ApproveAction "
+                         "/ RejectAction or ApprovalService.RecordDecision",
+                         field);
+    return RPC_OK;
+}
+
+static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_id,
+                       const char *comment, P(WorkflowAction) * *action, P(WorkflowAction) * **next,
+                       size_t *n_next) {
+    static const char *const verbs[] = {"approve", "reject", "escalate"};
+    const auth_identity *id;
+    gate g = {0};
+    char *ids = NULL, err[512];
+    int won = 0;
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "action_id", action_id))) return rc;
+    if (utf8_chars(comment) > COMMENT_MAX)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "comment must be at most %d characters",
+                         COMMENT_MAX);
+    if ((rc = gate_open(call, e, id, "action_id", action_id, 1, 1, &g))) goto done;
+    if (op != OP_ESCALATE && (rc = wrong_door(call, "action_id", g_kind(&g), "approval_gate")))
+        goto done;
+    if (!g_pending(&g)) {
+        rc = rpc_error(call, RPC_FAILED_PRECONDITION,
+                       "action %s is %s, not awaiting approval; nothing to %s", action_id,
+                       st_s(g.r, 0, GT_ACT_STATUS), verbs[op]);
+        goto done;
+    }
+    if (!g_allowed(&g, id)) {
+        rc = g_deny(call, &g, id);
+        goto done;
+    }
+    if (op == OP_ESCALATE) {
+        int floor = g_floor(&g);
+        if (floor >= CLEARANCE_CAP) {
+            rc = rpc_error(call, RPC_FAILED_PRECONDITION,
+                           "action %s already needs the highest clearance (%d)", action_id,
+                           CLEARANCE_CAP);
+            goto done;
+        }
+        int to = floor + ESCALATE_STEP > CLEARANCE_CAP ? CLEARANCE_CAP : floor + ESCALATE_STEP;
+        char line[200];
+        snprintf(line, sizeof line, "escalated from clearance %d to %d%s%s", floor, to,
+                 comment[0] ? ": " : "", comment);
+        char gid[37];
+        snprintf(gid, sizeof gid, "%s", st_s(g.r, 0, GT_ID));
+        if ((rc = st_gate_escalate(g.tx, gid, to, comment, err, sizeof err)) ||
+            (rc = wf_interp_decide(e, &g.run, st_s(g.r, 0, GT_ACTION), "escalated", NULL, &ids, err,
+                                   sizeof err)) ||
+            (rc = wf_emit_log(&g.run, st_s(g.r, 0, GT_ACTION), "WARN", line, err, sizeof err)) ||
+            (rc = st_audit(g.tx, id->org_id, id->sub, gid, "gate.escalate", line, err,
+                           sizeof err)) ||
+            (rc = wf_run_flush(&g.run, err, sizeof err))) {
+            rc = db_fail(call, rc, err);
+            goto done;
+        }
+        free(ids);
+        ids = NULL;
+    } else {
+        int approve = op == OP_APPROVE, resolved = 1;
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "decision", approve ? "approved" : "rejected");
+        cJSON_AddStringToObject(o, "decided_by", id->sub);
+        cJSON_AddStringToObject(o, "comment", comment);
+        if (approve) rc = approve_rules(call, &g, id, comment, o, &resolved);
+        if (!rc && resolved)
+            rc = g_record(call, e, &g, id, approve ? "approved" : "rejected",
+                          approve ? "approved" : "rejected", o, comment, &won, &ids);
+        cJSON_Delete(o);
+        if (rc) goto done;
+        if (resolved && !won) { /* cannot happen under the run lock; said plainly if it ever does */
+            rc = rpc_error(call, RPC_FAILED_PRECONDITION, "action %s was decided concurrently",
+                           action_id);
+            goto done;
+        }
+    }
+    if ((rc = g_actions(call, &g, ids, action, next, n_next))) goto done;
+    if ((rc = g_commit(call, e, &g))) goto done;
+    log_info("gate.decided", "%s action=%s org=%s by=%s", verbs[op], action_id, id->org_id,
+             id->sub);
+done:
+    free(ids);
+    gate_free(&g);
+    return rc;
+}
+
+static int approve_action(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                          void *ud) {
+    const P(ApproveActionRequest) *rq = (const void *)req;
+    P(ApproveActionResponse) *out = (void *)resp;
+    return gate_action(call, ud, OP_APPROVE, rq->action_id, rq->comment, &out->action,
+                       &out->next_actions, &out->n_next_actions);
+}
+
+static int reject_action(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                         void *ud) {
+    const P(RejectActionRequest) *rq = (const void *)req;
+    P(RejectActionResponse) *out = (void *)resp;
+    return gate_action(call, ud, OP_REJECT, rq->action_id, rq->comment, &out->action, NULL, NULL);
+}
+
+static int escalate_action(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                           void *ud) {
+    const P(EscalateActionRequest) *rq = (const void *)req;
+    P(EscalateActionResponse) *out = (void *)resp;
+    return gate_action(call, ud, OP_ESCALATE, rq->action_id, rq->comment, &out->action, NULL, NULL);
+}
+
+/* ---- ListPendingApprovals ---- */
+
+static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                        void *ud) {
+    const P(ListPendingApprovalsRequest) *rq = (const void *)req;
+    P(ListPendingApprovalsResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    db_tx *tx = NULL;
+    PGresult *page = NULL, *rows = NULL;
+    char err[512];
+    int rc = caller(call, &id);
+    if (rc) return rc;
+    if (rq->limit < 0) return rpc_error(call, RPC_INVALID_ARGUMENT, "limit must be >= 0");
+    if (rq->offset < 0) return rpc_error(call, RPC_INVALID_ARGUMENT, "offset must be >= 0");
+    int limit = rq->limit == 0            ? PENDING_DEFAULT
+                : rq->limit > PENDING_MAX ? PENDING_MAX
+                                          : rq->limit;
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, DB_TX_REPEATABLE_READ | DB_TX_READ_ONLY,
+                          &tx, err, sizeof err)) ||
+        (rc = st_gate_pending(tx, id->sub, id->clearance, rq->agent_id, limit, rq->offset, &page,
+                              err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    int n = PQntuples(page);
+    size_t len = 3;
+    for (int i = 0; i < n; i++)
+        len += 38;
+    char *ids = rpc_alloc(call, len);
+    size_t k = 0;
+    ids[k++] = '{';
+    for (int i = 0; i < n; i++)
+        k += (size_t)sprintf(ids + k, "%s%s", i ? "," : "", st_s(page, i, 0));
+    ids[k++] = '}';
+    if ((rc = st_actions_by_ids(tx, ids, &rows, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    out->approvals = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *out->approvals);
+    for (int i = 0; i < n; i++) {
+        P(PendingApproval) *p = rpc_alloc(call, sizeof *p);
+        upsquad__workflow__v1__pending_approval__init(p);
+        for (int j = 0; j < PQntuples(rows); j++)
+            if (!strcmp(st_s(rows, j, AC_ID), st_s(page, i, 0)))
+                p->action = action_msg(call, rows, j);
+        p->workflow_name = s(call, page, i, 1);
+        p->agent_name = rpc_strdup(call, "");
+        out->approvals[out->n_approvals++] = p;
+    }
+    if (n > 0) {
+        out->total_count = (int32_t)st_i(page, 0, 2);
+    } else if (rq->offset > 0) { /* past the end: count without a page */
+        PQclear(page);
+        page = NULL;
+        if ((rc = st_gate_pending(tx, id->sub, id->clearance, rq->agent_id, 1, 0, &page, err,
+                                  sizeof err))) {
+            rc = db_fail(call, rc, err);
+            goto done;
+        }
+        out->total_count = PQntuples(page) ? (int32_t)st_i(page, 0, 2) : 0;
+    }
+    rc = RPC_OK;
+done:
+    PQclear(page);
+    PQclear(rows);
+    db_tx_rollback(tx);
+    return rc;
+}
+
+/* ---- GetRunPrompt / AnswerRunPrompt ---- */
+
+/* "pending", "answered" (a person's answer, or on_timeout "default" applied by the run's
+ * timer: answered_by "timeout"), or "closed" (expired without an answer, run ended). */
+static const char *prompt_status(const gate *g, const cJSON *out) {
+    const char *st = st_s(g->r, 0, GT_STATUS);
+    if (!strcmp(st, "pending")) return "pending";
+    if (!strcmp(st, "answered") || !strcmp(st, "approved")) return "answered";
+    const char *c = jstr(out, "choice") ? jstr(out, "choice") : jstr(out, "option_key");
+    if (!strcmp(st, "expired") && c && c[0]) return "answered";
+    return "closed";
+}
+
+static int cmp_name(const void *a, const void *b) {
+    return strcmp((*(P(RunPromptAnswerField) *const *)a)->name,
+                  (*(P(RunPromptAnswerField) *const *)b)->name);
+}
+
+static P(GetRunPromptResponse) *
+    prompt_msg(rpc_call *call, const gate *g, const auth_identity *id) {
+    P(GetRunPromptResponse) *m = rpc_alloc(call, sizeof *m);
+    upsquad__workflow__v1__get_run_prompt_response__init(m);
+    int question = !strcmp(g_kind(g), "question_gate");
+    const cJSON *sp = g->spec, *o;
+    cJSON *out = cJSON_Parse(st_s(g->r, 0, GT_ACT_OUTPUT));
+    m->prompt_id = s(call, g->r, 0, GT_ID);
+    m->kind = s(call, g->r, 0, GT_KIND);
+    const char *q = jstr(sp, question ? "prompt" : "question");
+    m->question = rpc_strdup(call, q ? q : "");
+    const cJSON *opts = cJSON_GetObjectItemCaseSensitive(sp, "options");
+    int no = cJSON_GetArraySize(opts);
+    m->options = rpc_alloc(call, (size_t)(no ? no : 1) * sizeof *m->options);
+    cJSON_ArrayForEach(o, opts) {
+        P(RunPromptOption) *op = rpc_alloc(call, sizeof *op);
+        upsquad__workflow__v1__run_prompt_option__init(op);
+        const char *v = jstr(o, question ? "key" : "value"), *l = jstr(o, "label"),
+                   *d = question ? NULL : jstr(o, "description");
+        op->value = rpc_strdup(call, v ? v : "");
+        op->label = rpc_strdup(call, l ? l : "");
+        op->description = rpc_strdup(call, d ? d : "");
+        m->options[m->n_options++] = op;
+    }
+    m->allow_text = !question && g_allow_text(g);
+    const char *ph = question ? NULL : jstr(sp, "text_placeholder");
+    m->text_placeholder = rpc_strdup(call, ph ? ph : "");
+    const char *dc = jstr(sp, question ? "default_option_key" : "default_choice");
+    m->default_choice = rpc_strdup(call, dc ? dc : "");
+    m->required_clearance = g_floor(g);
+    m->governance_expires_at = ts(call, g->r, 0, GT_EXPIRES);
+    /* the run's own window when the step declared one (requested_at + timeout_minutes, what
+     * the interpreter's timer honours), else the row's expiry */
+    const cJSON *tm = cJSON_GetObjectItemCaseSensitive(sp, "timeout_minutes");
+    if (cJSON_IsNumber(tm) && tm->valueint > 0 && !st_null(g->r, 0, GT_CREATED)) {
+        m->expires_at = rpc_alloc(call, sizeof *m->expires_at);
+        pbjson_ts_from_ms(m->expires_at, st_i(g->r, 0, GT_CREATED) + (int64_t)tm->valueint * 60000);
+    } else {
+        m->expires_at = m->governance_expires_at;
+    }
+    const char *status = prompt_status(g, out);
+    m->status = rpc_strdup(call, status);
+    m->can_answer = !strcmp(status, "pending") && g_pending(g) && g_allowed(g, id);
+    if (!strcmp(status, "answered")) {
+        cJSON *ans = cJSON_Parse(st_s(g->r, 0, GT_ANSWER));
+        const cJSON *src = ans ? ans : out;
+        const char *by = st_s(g->r, 0, GT_DECIDED_BY)[0] ? st_s(g->r, 0, GT_DECIDED_BY)
+                                                         : jstr(src, "answered_by");
+        const char *c = jstr(src, question ? "option_key" : "choice");
+        const char *t = jstr(src, "text");
+        m->answered_by = rpc_strdup(call, by ? by : "timeout");
+        m->answered_choice = rpc_strdup(call, c ? c : "");
+        m->answered_text = rpc_strdup(call, t ? t : "");
+        const cJSON *f = cJSON_GetObjectItemCaseSensitive(src, "fields");
+        char *fj = question && cJSON_IsObject(f) && f->child ? cJSON_PrintUnformatted(f) : NULL;
+        m->answered_fields = rpc_strdup(call, fj ? fj : "");
+        free(fj);
+        cJSON_Delete(ans);
+    }
+    const char *ab = jstr(sp, "asked_by");
+    m->asked_by_step = rpc_strdup(call, ab ? ab : "");
+    m->asked_by_role = s(call, g->r, 0, GT_ASKED_ROLE);
+    m->asked_by_agent_id = s(call, g->r, 0, GT_ASKED_AGENT);
+    m->answerable_by = rpc_strdup(call, g_scope(g));
+    const cJSON *fields = question ? cJSON_GetObjectItemCaseSensitive(sp, "answer") : NULL;
+    int nf = cJSON_GetArraySize(fields);
+    m->answer_fields = rpc_alloc(call, (size_t)(nf ? nf : 1) * sizeof *m->answer_fields);
+    cJSON_ArrayForEach(o, fields) {
+        P(RunPromptAnswerField) *f = rpc_alloc(call, sizeof *f);
+        upsquad__workflow__v1__run_prompt_answer_field__init(f);
+        const char *ty = jstr(o, "type"), *d = jstr(o, "description");
+        f->name = rpc_strdup(call, o->string);
+        f->type = rpc_strdup(call, ty ? ty : "");
+        f->required = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "required"));
+        f->description = rpc_strdup(call, d ? d : "");
+        m->answer_fields[m->n_answer_fields++] = f;
+    }
+    /* a server-defined stable order: by field name */
+    qsort(m->answer_fields, m->n_answer_fields, sizeof *m->answer_fields, cmp_name);
+    cJSON_Delete(out);
+    return m;
+}
+
+static int get_run_prompt(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                          void *ud) {
+    const P(GetRunPromptRequest) *rq = (const void *)req;
+    const auth_identity *id;
+    gate g = {0};
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "prompt_id", rq->prompt_id))) return rc;
+    if ((rc = gate_open(call, ud, id, "prompt_id", rq->prompt_id, 0, 0, &g))) goto done;
+    if (!strcmp(g_kind(&g), "approval_gate")) {
+        rc = rpc_error(call, RPC_INVALID_ARGUMENT,
+                       "prompt_id names an approval gate, not a prompt: read it with "
+                       "ApprovalService.GetApproval");
+        goto done;
+    }
+    P(GetRunPromptResponse) *m = prompt_msg(call, &g, id);
+    /* the response is the projection itself: copy it into resp (same message type) */
+    *(P(GetRunPromptResponse) *)resp = *m;
+done:
+    gate_free(&g);
+    return rc;
+}
+
+/* choice / text against the prompt (INVALID_ARGUMENT naming the field). */
+static int check_prompt_answer(rpc_call *call, const gate *g, const char *choice,
+                               const char *text) {
+    const cJSON *opts = cJSON_GetObjectItemCaseSensitive(g->spec, "options"), *o;
+    int allow_text = g_allow_text(g);
+    int n = cJSON_GetArraySize(opts);
+    if (text[0] && !allow_text)
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "text is not permitted: this prompt does not allow free text");
+    if (utf8_chars(text) > TEXT_MAX)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "text must be at most %d characters",
+                         TEXT_MAX);
+    if (!choice[0]) {
+        if (n > 0 || !allow_text)
+            return rpc_error(call, RPC_INVALID_ARGUMENT,
+                             "choice is required: it must be one of the prompt's option values");
+        if (!text[0])
+            return rpc_error(call, RPC_INVALID_ARGUMENT,
+                             "text is required: this prompt is answered in free text");
+        return RPC_OK;
+    }
+    cJSON_ArrayForEach(o, opts) {
+        const char *v = jstr(o, "value");
+        if (v && !strcmp(v, choice)) return RPC_OK;
+    }
+    return rpc_error(call, RPC_INVALID_ARGUMENT, "choice \"%.64s\" is not one of the prompt's %s",
+                     choice, n ? "option values" : "options (it has none)");
+}
+
+static int answer_run_prompt(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                             void *ud) {
+    const P(AnswerRunPromptRequest) *rq = (const void *)req;
+    P(AnswerRunPromptResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    gate g = {0};
+    char *ids = NULL;
+    int won = 0;
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "prompt_id", rq->prompt_id))) return rc;
+    if ((rc = gate_open(call, e, id, "prompt_id", rq->prompt_id, 0, 1, &g)) ||
+        (rc = wrong_door(call, "prompt_id", g_kind(&g), "user_prompt")))
+        goto done;
+    if (!g_allowed(&g, id)) {
+        rc = g_deny(call, &g, id);
+        goto done;
+    }
+    if ((rc = check_prompt_answer(call, &g, rq->choice, rq->text))) goto done;
+    if (g_pending(&g)) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "choice", rq->choice);
+        cJSON_AddStringToObject(o, "text", rq->text);
+        cJSON_AddStringToObject(o, "answered_by", id->sub);
+        rc = g_record(call, e, &g, id, "answered", "completed", o, "", &won, &ids);
+        cJSON_Delete(o);
+        if (rc) goto done;
+    }
+    out->recorded = won;
+    out->already_answered = !won;
+    /* the post-answer projection, read in this transaction */
+    char err[512], gid[37];
+    snprintf(gid, sizeof gid, "%s", st_s(g.r, 0, GT_ID));
+    PQclear(g.r);
+    g.r = NULL;
+    if ((rc = st_gate_get(g.tx, gid, 0, 0, &g.r, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    out->prompt = prompt_msg(call, &g, id);
+    if ((rc = g_commit(call, e, &g))) goto done;
+    if (won)
+        log_info("gate.answered", "prompt=%s org=%s by=%s", rq->prompt_id, id->org_id, id->sub);
+done:
+    free(ids);
+    gate_free(&g);
+    return rc;
+}
+
+/* ---- ApprovalService ---- */
+
+static A(Approval) * approval_msg(rpc_call *call, const gate *g, const auth_identity *id) {
+    A(Approval) *a = rpc_alloc(call, sizeof *a);
+    upsquad__approval__v1__approval__init(a);
+    a->id = s(call, g->r, 0, GT_ID);
+    a->org_id = s(call, g->r, 0, GT_ORG);
+    a->run_id = s(call, g->r, 0, GT_RUN);
+    a->action_id = s(call, g->r, 0, GT_ACTION);
+    a->kind = s(call, g->r, 0, GT_KIND);
+    a->status = s(call, g->r, 0, GT_STATUS);
+    a->required_clearance = g_floor(g);
+    a->decided_by = s(call, g->r, 0, GT_DECIDED_BY);
+    a->decided_at = ts(call, g->r, 0, GT_DECIDED_AT);
+    a->comment = s(call, g->r, 0, GT_COMMENT);
+    a->response_payload = arena_struct(call, st_s(g->r, 0, GT_ANSWER));
+    a->spec = arena_struct_json(call, g->spec);
+    a->created_at = ts(call, g->r, 0, GT_CREATED);
+    a->expires_at = ts(call, g->r, 0, GT_EXPIRES);
+    a->escalations = (int32_t)st_i(g->r, 0, GT_ESCALATIONS);
+    a->can_decide = g_pending(g) && g_allowed(g, id);
+    a->min_approvals = g_min_approvals(g);
+    cJSON *ap = cJSON_Parse(st_s(g->r, 0, GT_APPROVERS)), *v;
+    int n = cJSON_GetArraySize(ap);
+    a->approvers = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *a->approvers);
+    cJSON_ArrayForEach(v, ap) {
+        if (cJSON_IsString(v)) a->approvers[a->n_approvers++] = rpc_strdup(call, v->valuestring);
+    }
+    cJSON_Delete(ap);
+    return a;
+}
+
+static int type_ok(const char *type, const cJSON *v) {
+    if (!strcmp(type, "string")) return cJSON_IsString(v);
+    if (!strcmp(type, "boolean")) return cJSON_IsBool(v);
+    if (!strcmp(type, "number")) return cJSON_IsNumber(v);
+    if (!strcmp(type, "integer"))
+        return cJSON_IsNumber(v) && v->valuedouble == (double)(long long)v->valuedouble;
+    if (!strcmp(type, "array")) return cJSON_IsArray(v);
+    if (!strcmp(type, "object")) return cJSON_IsObject(v);
+    return 0;
+}
+
+/* A question's answer {option_key, fields} against its options and answer fields; every
+ * violation is named in the message (INVALID_ARGUMENT) before anything is written. */
+static int check_question_answer(rpc_call *call, const gate *g, const cJSON *p) {
+    char msg[1024];
+    size_t k = 0;
+    const char *key = jstr(p, "option_key");
+    const cJSON *opts = cJSON_GetObjectItemCaseSensitive(g->spec, "options"), *o;
+    const cJSON *decl = cJSON_GetObjectItemCaseSensitive(g->spec, "answer");
+    const cJSON *fields = cJSON_GetObjectItemCaseSensitive(p, "fields");
+    msg[0] = 0;
+#define VIOL(...)                                                                                  \
+    do {                                                                                           \
+        if (k < sizeof msg - 1)                                                                    \
+            k += (size_t)snprintf(msg + k, sizeof msg - k, "%s", k ? "; " : "");                   \
+        if (k < sizeof msg - 1) k += (size_t)snprintf(msg + k, sizeof msg - k, __VA_ARGS__);       \
+    } while (0)
+    if (cJSON_GetArraySize(opts) > 0) {
+        int ok = 0;
+        cJSON_ArrayForEach(o, opts) {
+            const char *v = jstr(o, "key");
+            if (key && v && !strcmp(v, key)) ok = 1;
+        }
+        if (!key || !key[0])
+            VIOL("response_payload.option_key is required");
+        else if (!ok)
+            VIOL("response_payload.option_key \"%.64s\" is not one of the question's options", key);
+    } else if (key && key[0]) {
+        VIOL("response_payload.option_key must be empty: the question has no options");
+    }
+    if (fields && !cJSON_IsObject(fields)) {
+        VIOL("response_payload.fields must be an object");
+        fields = NULL;
+    }
+    cJSON_ArrayForEach(o, decl) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(fields, o->string);
+        const char *ty = jstr(o, "type");
+        if (!v || cJSON_IsNull(v)) {
+            if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "required")))
+                VIOL("response_payload.fields.%s is required", o->string);
+        } else if (ty && !type_ok(ty, v)) {
+            VIOL("response_payload.fields.%s must be of type %s", o->string, ty);
+        }
+    }
+    cJSON_ArrayForEach(o, fields) {
+        if (!cJSON_GetObjectItemCaseSensitive(decl, o->string))
+            VIOL("response_payload.fields.%s is not an answer field of the question", o->string);
+    }
+    for (const cJSON *c = p ? p->child : NULL; c; c = c->next)
+        if (strcmp(c->string, "option_key") && strcmp(c->string, "fields"))
+            VIOL("response_payload.%s is not part of a question's answer", c->string);
+#undef VIOL
+    if (k) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s", msg);
+    return RPC_OK;
+}
+
+static int record_decision(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                           void *ud) {
+    const A(RecordDecisionRequest) *rq = (const void *)req;
+    A(RecordDecisionResponse) *out = (void *)resp;
+    wf_engine *e = ud;
+    const auth_identity *id;
+    gate g = {0};
+    char *ids = NULL, err[512];
+    cJSON *payload = NULL, *o = NULL;
+    int won = 0;
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "approval_id", rq->approval_id))) return rc;
+    int approve = rq->decision == UPSQUAD__APPROVAL__V1__DECISION__DECISION_APPROVED;
+    if (!approve && rq->decision != UPSQUAD__APPROVAL__V1__DECISION__DECISION_REJECTED)
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "decision must be DECISION_APPROVED or DECISION_REJECTED");
+    if (utf8_chars(rq->comment) > COMMENT_MAX)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "comment must be at most %d characters",
+                         COMMENT_MAX);
+    payload = rq->response_payload ? pbjson_struct_to_json(rq->response_payload) : NULL;
+    if ((rc = gate_open(call, e, id, "approval_id", rq->approval_id, 0, 1, &g))) goto done;
+    /* every kind is decided here: a question with {option_key, fields}, a prompt (an agent's
+     * ask_user among them) with {choice, text}, both as APPROVED */
+    int question = !strcmp(g_kind(&g), "question_gate");
+    int prompt = !strcmp(g_kind(&g), "user_prompt");
+    const char *choice = jstr(payload, "choice") ? jstr(payload, "choice") : "";
+    const char *text = jstr(payload, "text") ? jstr(payload, "text") : "";
+    if ((question || prompt) && !approve) {
+        rc = rpc_error(call, RPC_INVALID_ARGUMENT,
+                       "decision must be DECISION_APPROVED on a %s (the answer is "
+                       "response_payload %s)",
+                       g_kind(&g), question ? "{option_key, fields}" : "{choice, text}");
+        goto done;
+    }
+    if (!g_allowed(&g, id)) {
+        rc = g_deny(call, &g, id);
+        goto done;
+    }
+    if (question && (rc = check_question_answer(call, &g, payload))) goto done;
+    if (prompt && (rc = check_prompt_answer(call, &g, choice, text))) goto done;
+    if (g_pending(&g)) {
+        o = cJSON_CreateObject();
+        if (prompt) {
+            cJSON_AddStringToObject(o, "choice", choice);
+            cJSON_AddStringToObject(o, "text", text);
+            cJSON_AddStringToObject(o, "answered_by", id->sub);
+        } else if (question) {
+            const char *key = jstr(payload, "option_key");
+            const cJSON *f = cJSON_GetObjectItemCaseSensitive(payload, "fields");
+            cJSON_AddStringToObject(o, "option_key", key ? key : "");
+            cJSON_AddItemToObject(o, "fields", f ? cJSON_Duplicate(f, 1) : cJSON_CreateObject());
+            cJSON_AddStringToObject(o, "answered_by", id->sub);
+        } else {
+            cJSON_AddStringToObject(o, "decision", approve ? "approved" : "rejected");
+            cJSON_AddStringToObject(o, "decided_by", id->sub);
+            cJSON_AddStringToObject(o, "comment", rq->comment);
+        }
+        int resolved = 1;
+        if (!question && !prompt && approve)
+            rc = approve_rules(call, &g, id, rq->comment, o, &resolved);
+        if (!rc && resolved)
+            rc = g_record(call, e, &g, id,
+                          prompt    ? "answered"
+                          : approve ? "approved"
+                                    : "rejected",
+                          question || prompt ? "completed"
+                          : approve          ? "approved"
+                                             : "rejected",
+                          o, rq->comment, &won, &ids);
+        if (rc) goto done;
+        won = won || !resolved; /* a counted vote is recorded; the gate still waits */
+    }
+    out->recorded = won;
+    out->already_decided = !won;
+    char gid[37];
+    snprintf(gid, sizeof gid, "%s", st_s(g.r, 0, GT_ID));
+    PQclear(g.r);
+    g.r = NULL;
+    if ((rc = st_gate_get(g.tx, gid, 0, 0, &g.r, err, sizeof err))) {
+        rc = db_fail(call, rc, err);
+        goto done;
+    }
+    out->approval = approval_msg(call, &g, id);
+    if ((rc = g_commit(call, e, &g))) goto done;
+    if (won)
+        log_info("gate.decided", "record approval=%s org=%s by=%s", rq->approval_id, id->org_id,
+                 id->sub);
+done:
+    cJSON_Delete(payload);
+    cJSON_Delete(o);
+    free(ids);
+    gate_free(&g);
+    return rc;
+}
+
+static int get_approval(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                        void *ud) {
+    const A(GetApprovalRequest) *rq = (const void *)req;
+    A(GetApprovalResponse) *out = (void *)resp;
+    const auth_identity *id;
+    gate g = {0};
+    int rc = caller(call, &id);
+    if (rc || (rc = need_id(call, "approval_id", rq->approval_id))) return rc;
+    if (!(rc = gate_open(call, ud, id, "approval_id", rq->approval_id, 0, 0, &g)))
+        out->approval = approval_msg(call, &g, id);
+    gate_free(&g);
+    return rc;
+}
+
+/* ---- registration ---- */
+
+#define WSVC "/upsquad.workflow.v1.WorkflowService/"
+#define ASVC "/upsquad.approval.v1.ApprovalService/"
+#define WD(x) &upsquad__workflow__v1__##x##__descriptor
+#define AD(x) &upsquad__approval__v1__##x##__descriptor
+#define WU(name, req, resp, fn)                                                                    \
+    { WSVC name, RPC_UNARY, RPC_AUTH_REQUIRED, WD(req), WD(resp), fn, NULL, e }
+#define AU(name, req, resp, fn)                                                                    \
+    { ASVC name, RPC_UNARY, RPC_AUTH_REQUIRED, AD(req), AD(resp), fn, NULL, e }
+
+int wf_gates_register(rpc_server *srv, wf_engine *e) {
+    if (e->bus) { /* the decisions' stream; the relay publishes approval.decided.<org> into it */
+        char err[256];
+        const char *subjects[] = {STREAM_APPROVALS_SUBJECTS};
+        if (bus_js_stream_ensure(e->bus, STREAM_APPROVALS, subjects, 1, BUS_RETENTION_LIMITS,
+                                 STREAM_APPROVALS_MAX_AGE_S, NULL, err, sizeof err) != BUS_OK) {
+            log_error("gates.stream", "cannot ensure stream %s: %s", STREAM_APPROVALS, err);
+            return RPC_INTERNAL;
+        }
+    }
+    const rpc_method methods[] = {
+        WU("ApproveAction", approve_action_request, approve_action_response, approve_action),
+        WU("RejectAction", reject_action_request, reject_action_response, reject_action),
+        WU("EscalateAction", escalate_action_request, escalate_action_response, escalate_action),
+        WU("ListPendingApprovals", list_pending_approvals_request, list_pending_approvals_response,
+           list_pending),
+        WU("GetRunPrompt", get_run_prompt_request, get_run_prompt_response, get_run_prompt),
+        WU("AnswerRunPrompt", answer_run_prompt_request, answer_run_prompt_response,
+           answer_run_prompt),
+        AU("RecordDecision", record_decision_request, record_decision_response, record_decision),
+        AU("GetApproval", get_approval_request, get_approval_response, get_approval),
+    };
+    return rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
+}
