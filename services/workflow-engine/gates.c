@@ -1022,9 +1022,15 @@ static int get_approval(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
 #define WD(x) &upsquad__workflow__v1__##x##__descriptor
 #define AD(x) &upsquad__approval__v1__##x##__descriptor
 #define WU(name, req, resp, fn)                                                                    \
-    { WSVC name, RPC_UNARY, RPC_AUTH_REQUIRED, WD(req), WD(resp), fn, NULL, e }
+    {                                                                                              \
+        WSVC name, RPC_UNARY, RPC_AUTH_REQUIRED, WD(req), WD(resp), fn, NULL, e,                   \
+            .flags = RPC_BLOCKING                                                                  \
+    }
 #define AU(name, req, resp, fn)                                                                    \
-    { ASVC name, RPC_UNARY, RPC_AUTH_REQUIRED, AD(req), AD(resp), fn, NULL, e }
+    {                                                                                              \
+        ASVC name, RPC_UNARY, RPC_AUTH_REQUIRED, AD(req), AD(resp), fn, NULL, e,                   \
+            .flags = RPC_BLOCKING                                                                  \
+    }
 
 int wf_gates_register(rpc_server *srv, wf_engine *e) {
     if (e->bus) { /* the decisions' stream; the relay publishes approval.decided.<org> into it */
