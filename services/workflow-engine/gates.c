@@ -29,6 +29,7 @@
 #include "pbjson.h"
 #include "run.h"
 #include "store.h"
+#include "wf_rpc.h"
 #include "subjects.h"
 #include "upsquad/approval/v1/approval.pb-c.h"
 #include "upsquad/workflow/v1/workflow.pb-c.h"
@@ -44,77 +45,6 @@
 #define CLEARANCE_CAP 5
 #define ESCALATE_STEP 1
 
-/* ---- helpers (arena, errors) ---- */
-
-static void *arena_alloc(void *ud, size_t n) {
-    return rpc_alloc(ud, n);
-}
-static void arena_free(void *ud, void *p) {
-    (void)ud;
-    (void)p;
-}
-
-static Google__Protobuf__Struct *arena_struct_json(rpc_call *call, const cJSON *obj) {
-    Google__Protobuf__Struct *heap = NULL;
-    char e[256];
-    if (!cJSON_IsObject(obj) || pbjson_struct_from_json(obj, &heap, e, sizeof e) != 0) return NULL;
-    size_t len = protobuf_c_message_get_packed_size(&heap->base);
-    uint8_t *buf = rpc_alloc(call, len ? len : 1);
-    protobuf_c_message_pack(&heap->base, buf);
-    pbjson_struct_free(heap);
-    ProtobufCAllocator a = {arena_alloc, arena_free, call};
-    return (Google__Protobuf__Struct *)protobuf_c_message_unpack(
-        &google__protobuf__struct__descriptor, &a, len, buf);
-}
-
-static Google__Protobuf__Struct *arena_struct(rpc_call *call, const char *json) {
-    if (!json || !json[0]) return NULL;
-    cJSON *o = cJSON_Parse(json);
-    Google__Protobuf__Struct *s = arena_struct_json(call, o);
-    cJSON_Delete(o);
-    return s;
-}
-
-static Google__Protobuf__Timestamp *ts(rpc_call *call, const PGresult *r, int row, int col) {
-    if (st_null(r, row, col)) return NULL;
-    Google__Protobuf__Timestamp *t = rpc_alloc(call, sizeof *t);
-    pbjson_ts_from_ms(t, st_i(r, row, col));
-    return t;
-}
-
-static char *s(rpc_call *call, const PGresult *r, int row, int col) {
-    return rpc_strdup(call, st_s(r, row, col));
-}
-
-static int db_fail(rpc_call *call, int rc, const char *err) {
-    log_error("db.error", "%s: %s (%s)", rpc_method_path(call), err, db_sqlstate());
-    if (rc == DB_ETIMEOUT || rc == DB_ECONN)
-        return rpc_error(call, RPC_UNAVAILABLE, "the database is unavailable; retry");
-    if (rc == DB_ESERIALIZE) return rpc_error(call, RPC_ABORTED, "concurrent update; retry");
-    return rpc_error(call, RPC_INTERNAL, "internal error");
-}
-
-static int need_id(rpc_call *call, const char *field, const char *v) {
-    if (!v || !v[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s is required", field);
-    if (!ids_uuid_valid(v))
-        return rpc_error(call, RPC_INVALID_ARGUMENT, "%s must be a UUID", field);
-    return RPC_OK;
-}
-
-static int caller(rpc_call *call, const auth_identity **id) {
-    *id = rpc_identity(call);
-    if (!*id || !ids_uuid_valid((*id)->org_id) || !ids_uuid_valid((*id)->sub))
-        return rpc_error(call, RPC_UNAUTHENTICATED, "the token's org_id and sub must be UUIDs");
-    return RPC_OK;
-}
-
-static size_t utf8_chars(const char *p) {
-    size_t n = 0;
-    for (; p && *p; p++)
-        if (((unsigned char)*p & 0xC0) != 0x80) n++;
-    return n;
-}
-
 static const char *jstr(const cJSON *o, const char *k) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
     return cJSON_IsString(v) ? v->valuestring : NULL;
@@ -123,18 +53,18 @@ static const char *jstr(const cJSON *o, const char *k) {
 static P(WorkflowAction) * action_msg(rpc_call *call, const PGresult *r, int row) {
     P(WorkflowAction) *a = rpc_alloc(call, sizeof *a);
     INIT(workflow_action, a);
-    a->id = s(call, r, row, AC_ID);
-    a->run_id = s(call, r, row, AC_RUN);
-    a->org_id = s(call, r, row, AC_ORG);
-    a->step_name = s(call, r, row, AC_STEP);
-    a->agent_id = s(call, r, row, AC_AGENT);
-    a->status = s(call, r, row, AC_STATUS);
-    a->input = arena_struct(call, st_s(r, row, AC_INPUT));
-    a->output = arena_struct(call, st_s(r, row, AC_OUTPUT));
-    a->decided_by = s(call, r, row, AC_DECIDED_BY);
-    a->decided_at = ts(call, r, row, AC_DECIDED_AT);
-    a->created_at = ts(call, r, row, AC_CREATED_AT);
-    a->approval_id = s(call, r, row, AC_APPROVAL);
+    a->id = wfr_s(call, r, row, AC_ID);
+    a->run_id = wfr_s(call, r, row, AC_RUN);
+    a->org_id = wfr_s(call, r, row, AC_ORG);
+    a->step_name = wfr_s(call, r, row, AC_STEP);
+    a->agent_id = wfr_s(call, r, row, AC_AGENT);
+    a->status = wfr_s(call, r, row, AC_STATUS);
+    a->input = wfr_struct(call, st_s(r, row, AC_INPUT));
+    a->output = wfr_struct(call, st_s(r, row, AC_OUTPUT));
+    a->decided_by = wfr_s(call, r, row, AC_DECIDED_BY);
+    a->decided_at = wfr_ts(call, r, row, AC_DECIDED_AT);
+    a->created_at = wfr_ts(call, r, row, AC_CREATED_AT);
+    a->approval_id = wfr_s(call, r, row, AC_APPROVAL);
     a->cost_usd = st_d(r, row, AC_COST);
     a->elapsed_ms = st_i(r, row, AC_ELAPSED);
     a->blocked_by = rpc_strdup(
@@ -173,7 +103,7 @@ static int no_gate(rpc_call *call, gate *g, const auth_identity *id, const char 
     }
     if (rc) {
         PQclear(r);
-        return db_fail(call, rc, err);
+        return wfr_db_fail(call, rc, err);
     }
     if (!found || (!strcmp(g->run.visibility, "private") && strcmp(g->run.owner, id->sub))) {
         PQclear(r);
@@ -195,14 +125,14 @@ static int gate_open(rpc_call *call, wf_engine *e, const auth_identity *id, cons
     memset(g, 0, sizeof *g);
     int rc = st_begin(e->pool, id->org_id, id->sub, &g->tx, err, sizeof err);
     if (!rc) rc = st_gate_get(g->tx, gid, by_action, 0, &g->r, err, sizeof err);
-    if (rc) return db_fail(call, rc, err);
+    if (rc) return wfr_db_fail(call, rc, err);
     if (PQntuples(g->r) == 0 && by_action) return no_gate(call, g, id, gid);
     if (PQntuples(g->r) == 0)
         return rpc_error(call, RPC_NOT_FOUND, "%s %s not found", by_action ? "action" : field, gid);
     char run_id[37];
     snprintf(run_id, sizeof run_id, "%s", st_s(g->r, 0, GT_RUN));
     if ((rc = wf_run_load(g->tx, run_id, lock, &g->run, &found, err, sizeof err)))
-        return db_fail(call, rc, err);
+        return wfr_db_fail(call, rc, err);
     g->have_run = found;
     if (!found || (!strcmp(g->run.visibility, "private") && strcmp(g->run.owner, id->sub)))
         return rpc_error(call, RPC_NOT_FOUND, "%s %s not found", by_action ? "action" : field, gid);
@@ -210,7 +140,7 @@ static int gate_open(rpc_call *call, wf_engine *e, const auth_identity *id, cons
         PQclear(g->r);
         g->r = NULL;
         if ((rc = st_gate_get(g->tx, gid, by_action, 1, &g->r, err, sizeof err)))
-            return db_fail(call, rc, err);
+            return wfr_db_fail(call, rc, err);
         if (PQntuples(g->r) == 0)
             return rpc_error(call, RPC_NOT_FOUND, "%s %s not found", by_action ? "action" : field,
                              gid);
@@ -317,7 +247,7 @@ static int g_record(rpc_call *call, wf_engine *e, gate *g, const auth_identity *
     if (!rc) rc = wf_run_flush(&g->run, err, sizeof err);
 done:
     free(answer);
-    return rc ? db_fail(call, rc, err) : RPC_OK;
+    return rc ? wfr_db_fail(call, rc, err) : RPC_OK;
 }
 
 /* Commits and wakes the interpreter and the relay here (any replica's tick may take it). */
@@ -325,7 +255,7 @@ static int g_commit(rpc_call *call, wf_engine *e, gate *g) {
     char err[512];
     int rc = db_tx_commit(g->tx, err, sizeof err);
     g->tx = NULL;
-    if (rc) return db_fail(call, rc, err);
+    if (rc) return wfr_db_fail(call, rc, err);
     wf_engine_kick(e);
     wf_engine_kick_relay(e);
     return RPC_OK;
@@ -338,13 +268,14 @@ static int g_actions(rpc_call *call, gate *g, const char *ids, P(WorkflowAction)
     PGresult *r = NULL;
     snprintf(one, sizeof one, "{%s}", st_s(g->r, 0, GT_ACTION));
     int rc = st_actions_by_ids(g->tx, one, &r, err, sizeof err);
-    if (rc) return db_fail(call, rc, err);
+    if (rc) return wfr_db_fail(call, rc, err);
     if (PQntuples(r) > 0) *action = action_msg(call, r, 0);
     PQclear(r);
     if (!next) return RPC_OK;
     *n_next = 0;
     if (!ids || !strcmp(ids, "{}")) return RPC_OK;
-    if ((rc = st_actions_by_ids(g->tx, ids, &r, err, sizeof err))) return db_fail(call, rc, err);
+    if ((rc = st_actions_by_ids(g->tx, ids, &r, err, sizeof err)))
+        return wfr_db_fail(call, rc, err);
     int n = PQntuples(r);
     *next = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof **next);
     for (int i = 0; i < n; i++)
@@ -397,12 +328,12 @@ static int approve_rules(rpc_call *call, gate *g, const auth_identity *id, const
             (rc = st_audit(g->tx, id->org_id, id->sub, gid, "gate.vote", comment, err,
                            sizeof err)) ||
             (rc = wf_run_flush(&g->run, err, sizeof err)))
-            rc = db_fail(call, rc, err);
+            rc = wfr_db_fail(call, rc, err);
         *resolved = 0;
     } else {
         int added = 0; /* the deciding approval is listed too */
         if ((rc = st_gate_vote(g->tx, st_s(g->r, 0, GT_ID), id->sub, &added, err, sizeof err)))
-            rc = db_fail(call, rc, err);
+            rc = wfr_db_fail(call, rc, err);
         cJSON *all = have ? cJSON_Duplicate(have, 1) : cJSON_CreateArray();
         cJSON_AddItemToArray(all, cJSON_CreateString(id->sub));
         cJSON_AddItemToObject(o, "approvers", all);
@@ -443,9 +374,9 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
     gate g = {0};
     char *ids = NULL, err[512];
     int won = 0;
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "action_id", action_id))) return rc;
-    if (utf8_chars(comment) > COMMENT_MAX)
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "action_id", action_id))) return rc;
+    if (wfr_utf8_chars(comment) > COMMENT_MAX)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "comment must be at most %d characters",
                          COMMENT_MAX);
     if ((rc = gate_open(call, e, id, "action_id", action_id, 1, 1, &g))) goto done;
@@ -482,7 +413,7 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
             (rc = st_audit(g.tx, id->org_id, id->sub, gid, "gate.escalate", line, err,
                            sizeof err)) ||
             (rc = wf_run_flush(&g.run, err, sizeof err))) {
-            rc = db_fail(call, rc, err);
+            rc = wfr_db_fail(call, rc, err);
             goto done;
         }
         free(ids);
@@ -548,7 +479,7 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     db_tx *tx = NULL;
     PGresult *page = NULL, *rows = NULL;
     char err[512];
-    int rc = caller(call, &id);
+    int rc = wfr_caller(call, &id);
     if (rc) return rc;
     if (rq->limit < 0) return rpc_error(call, RPC_INVALID_ARGUMENT, "limit must be >= 0");
     if (rq->offset < 0) return rpc_error(call, RPC_INVALID_ARGUMENT, "offset must be >= 0");
@@ -559,7 +490,7 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
                           &tx, err, sizeof err)) ||
         (rc = st_gate_pending(tx, id->sub, id->clearance, rq->agent_id, limit, rq->offset, &page,
                               err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     int n = PQntuples(page);
@@ -573,7 +504,7 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
         k += (size_t)sprintf(ids + k, "%s%s", i ? "," : "", st_s(page, i, 0));
     ids[k++] = '}';
     if ((rc = st_actions_by_ids(tx, ids, &rows, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     out->approvals = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *out->approvals);
@@ -583,7 +514,7 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
         for (int j = 0; j < PQntuples(rows); j++)
             if (!strcmp(st_s(rows, j, AC_ID), st_s(page, i, 0)))
                 p->action = action_msg(call, rows, j);
-        p->workflow_name = s(call, page, i, 1);
+        p->workflow_name = wfr_s(call, page, i, 1);
         p->agent_name = rpc_strdup(call, "");
         out->approvals[out->n_approvals++] = p;
     }
@@ -594,7 +525,7 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
         page = NULL;
         if ((rc = st_gate_pending(tx, id->sub, id->clearance, rq->agent_id, 1, 0, &page, err,
                                   sizeof err))) {
-            rc = db_fail(call, rc, err);
+            rc = wfr_db_fail(call, rc, err);
             goto done;
         }
         out->total_count = PQntuples(page) ? (int32_t)st_i(page, 0, 2) : 0;
@@ -632,8 +563,8 @@ static P(GetRunPromptResponse) *
     int question = !strcmp(g_kind(g), "question_gate");
     const cJSON *sp = g->spec, *o;
     cJSON *out = cJSON_Parse(st_s(g->r, 0, GT_ACT_OUTPUT));
-    m->prompt_id = s(call, g->r, 0, GT_ID);
-    m->kind = s(call, g->r, 0, GT_KIND);
+    m->prompt_id = wfr_s(call, g->r, 0, GT_ID);
+    m->kind = wfr_s(call, g->r, 0, GT_KIND);
     const char *q = jstr(sp, question ? "prompt" : "question");
     m->question = rpc_strdup(call, q ? q : "");
     const cJSON *opts = cJSON_GetObjectItemCaseSensitive(sp, "options");
@@ -655,7 +586,7 @@ static P(GetRunPromptResponse) *
     const char *dc = jstr(sp, question ? "default_option_key" : "default_choice");
     m->default_choice = rpc_strdup(call, dc ? dc : "");
     m->required_clearance = g_floor(g);
-    m->governance_expires_at = ts(call, g->r, 0, GT_EXPIRES);
+    m->governance_expires_at = wfr_ts(call, g->r, 0, GT_EXPIRES);
     /* the run's own window when the step declared one (requested_at + timeout_minutes, what
      * the interpreter's timer honours), else the row's expiry */
     const cJSON *tm = cJSON_GetObjectItemCaseSensitive(sp, "timeout_minutes");
@@ -686,8 +617,8 @@ static P(GetRunPromptResponse) *
     }
     const char *ab = jstr(sp, "asked_by");
     m->asked_by_step = rpc_strdup(call, ab ? ab : "");
-    m->asked_by_role = s(call, g->r, 0, GT_ASKED_ROLE);
-    m->asked_by_agent_id = s(call, g->r, 0, GT_ASKED_AGENT);
+    m->asked_by_role = wfr_s(call, g->r, 0, GT_ASKED_ROLE);
+    m->asked_by_agent_id = wfr_s(call, g->r, 0, GT_ASKED_AGENT);
     m->answerable_by = rpc_strdup(call, g_scope(g));
     const cJSON *fields = question ? cJSON_GetObjectItemCaseSensitive(sp, "answer") : NULL;
     int nf = cJSON_GetArraySize(fields);
@@ -713,8 +644,8 @@ static int get_run_prompt(rpc_call *call, const ProtobufCMessage *req, ProtobufC
     const P(GetRunPromptRequest) *rq = (const void *)req;
     const auth_identity *id;
     gate g = {0};
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "prompt_id", rq->prompt_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "prompt_id", rq->prompt_id))) return rc;
     if ((rc = gate_open(call, ud, id, "prompt_id", rq->prompt_id, 0, 0, &g))) goto done;
     if (!strcmp(g_kind(&g), "approval_gate")) {
         rc = rpc_error(call, RPC_INVALID_ARGUMENT,
@@ -739,7 +670,7 @@ static int check_prompt_answer(rpc_call *call, const gate *g, const char *choice
     if (text[0] && !allow_text)
         return rpc_error(call, RPC_INVALID_ARGUMENT,
                          "text is not permitted: this prompt does not allow free text");
-    if (utf8_chars(text) > TEXT_MAX)
+    if (wfr_utf8_chars(text) > TEXT_MAX)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "text must be at most %d characters",
                          TEXT_MAX);
     if (!choice[0]) {
@@ -768,8 +699,8 @@ static int answer_run_prompt(rpc_call *call, const ProtobufCMessage *req, Protob
     gate g = {0};
     char *ids = NULL;
     int won = 0;
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "prompt_id", rq->prompt_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "prompt_id", rq->prompt_id))) return rc;
     if ((rc = gate_open(call, e, id, "prompt_id", rq->prompt_id, 0, 1, &g)) ||
         (rc = wrong_door(call, "prompt_id", g_kind(&g), "user_prompt")))
         goto done;
@@ -795,7 +726,7 @@ static int answer_run_prompt(rpc_call *call, const ProtobufCMessage *req, Protob
     PQclear(g.r);
     g.r = NULL;
     if ((rc = st_gate_get(g.tx, gid, 0, 0, &g.r, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     out->prompt = prompt_msg(call, &g, id);
@@ -813,20 +744,20 @@ done:
 static A(Approval) * approval_msg(rpc_call *call, const gate *g, const auth_identity *id) {
     A(Approval) *a = rpc_alloc(call, sizeof *a);
     upsquad__approval__v1__approval__init(a);
-    a->id = s(call, g->r, 0, GT_ID);
-    a->org_id = s(call, g->r, 0, GT_ORG);
-    a->run_id = s(call, g->r, 0, GT_RUN);
-    a->action_id = s(call, g->r, 0, GT_ACTION);
-    a->kind = s(call, g->r, 0, GT_KIND);
-    a->status = s(call, g->r, 0, GT_STATUS);
+    a->id = wfr_s(call, g->r, 0, GT_ID);
+    a->org_id = wfr_s(call, g->r, 0, GT_ORG);
+    a->run_id = wfr_s(call, g->r, 0, GT_RUN);
+    a->action_id = wfr_s(call, g->r, 0, GT_ACTION);
+    a->kind = wfr_s(call, g->r, 0, GT_KIND);
+    a->status = wfr_s(call, g->r, 0, GT_STATUS);
     a->required_clearance = g_floor(g);
-    a->decided_by = s(call, g->r, 0, GT_DECIDED_BY);
-    a->decided_at = ts(call, g->r, 0, GT_DECIDED_AT);
-    a->comment = s(call, g->r, 0, GT_COMMENT);
-    a->response_payload = arena_struct(call, st_s(g->r, 0, GT_ANSWER));
-    a->spec = arena_struct_json(call, g->spec);
-    a->created_at = ts(call, g->r, 0, GT_CREATED);
-    a->expires_at = ts(call, g->r, 0, GT_EXPIRES);
+    a->decided_by = wfr_s(call, g->r, 0, GT_DECIDED_BY);
+    a->decided_at = wfr_ts(call, g->r, 0, GT_DECIDED_AT);
+    a->comment = wfr_s(call, g->r, 0, GT_COMMENT);
+    a->response_payload = wfr_struct(call, st_s(g->r, 0, GT_ANSWER));
+    a->spec = wfr_struct_json(call, g->spec);
+    a->created_at = wfr_ts(call, g->r, 0, GT_CREATED);
+    a->expires_at = wfr_ts(call, g->r, 0, GT_EXPIRES);
     a->escalations = (int32_t)st_i(g->r, 0, GT_ESCALATIONS);
     a->can_decide = g_pending(g) && g_allowed(g, id);
     a->min_approvals = g_min_approvals(g);
@@ -916,13 +847,13 @@ static int record_decision(rpc_call *call, const ProtobufCMessage *req, Protobuf
     char *ids = NULL, err[512];
     cJSON *payload = NULL, *o = NULL;
     int won = 0;
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "approval_id", rq->approval_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "approval_id", rq->approval_id))) return rc;
     int approve = rq->decision == UPSQUAD__APPROVAL__V1__DECISION__DECISION_APPROVED;
     if (!approve && rq->decision != UPSQUAD__APPROVAL__V1__DECISION__DECISION_REJECTED)
         return rpc_error(call, RPC_INVALID_ARGUMENT,
                          "decision must be DECISION_APPROVED or DECISION_REJECTED");
-    if (utf8_chars(rq->comment) > COMMENT_MAX)
+    if (wfr_utf8_chars(rq->comment) > COMMENT_MAX)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "comment must be at most %d characters",
                          COMMENT_MAX);
     payload = rq->response_payload ? pbjson_struct_to_json(rq->response_payload) : NULL;
@@ -985,7 +916,7 @@ static int record_decision(rpc_call *call, const ProtobufCMessage *req, Protobuf
     PQclear(g.r);
     g.r = NULL;
     if ((rc = st_gate_get(g.tx, gid, 0, 0, &g.r, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     out->approval = approval_msg(call, &g, id);
@@ -1007,8 +938,8 @@ static int get_approval(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     A(GetApprovalResponse) *out = (void *)resp;
     const auth_identity *id;
     gate g = {0};
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "approval_id", rq->approval_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "approval_id", rq->approval_id))) return rc;
     if (!(rc = gate_open(call, ud, id, "approval_id", rq->approval_id, 0, 0, &g)))
         out->approval = approval_msg(call, &g, id);
     gate_free(&g);

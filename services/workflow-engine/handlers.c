@@ -21,6 +21,7 @@
 #include "pbjson.h"
 #include "run.h"
 #include "store.h"
+#include "wf_rpc.h"
 #include "upsquad/workflow/v1/workflow.pb-c.h"
 #include "wf_expr.h"
 
@@ -38,143 +39,68 @@
 #define DELIVERY_ID_MAX 256
 #define EVENT_PAYLOAD_MAX (256 * 1024)
 
-/* ---- arena helpers ---- */
-
-static void *arena_alloc(void *ud, size_t n) {
-    return rpc_alloc(ud, n);
-}
-static void arena_free(void *ud, void *p) {
-    (void)ud;
-    (void)p;
-}
-
-/* A Struct in the call arena from JSON text (an object); NULL for "" or a non-object. */
-static Google__Protobuf__Struct *arena_struct_json(rpc_call *call, const cJSON *obj) {
-    Google__Protobuf__Struct *heap = NULL;
-    char e[256];
-    if (!cJSON_IsObject(obj) || pbjson_struct_from_json(obj, &heap, e, sizeof e) != 0) return NULL;
-    size_t len = protobuf_c_message_get_packed_size(&heap->base);
-    uint8_t *buf = rpc_alloc(call, len ? len : 1);
-    protobuf_c_message_pack(&heap->base, buf);
-    pbjson_struct_free(heap);
-    ProtobufCAllocator a = {arena_alloc, arena_free, call};
-    return (Google__Protobuf__Struct *)protobuf_c_message_unpack(
-        &google__protobuf__struct__descriptor, &a, len, buf);
-}
-
-static Google__Protobuf__Struct *arena_struct(rpc_call *call, const char *json) {
-    if (!json || !json[0]) return NULL;
-    cJSON *o = cJSON_Parse(json);
-    Google__Protobuf__Struct *s = arena_struct_json(call, o);
-    cJSON_Delete(o);
-    return s;
-}
-
-static Google__Protobuf__Timestamp *ts(rpc_call *call, const PGresult *r, int row, int col) {
-    if (st_null(r, row, col)) return NULL;
-    Google__Protobuf__Timestamp *t = rpc_alloc(call, sizeof *t);
-    pbjson_ts_from_ms(t, st_i(r, row, col));
-    return t;
-}
-
-static char *s(rpc_call *call, const PGresult *r, int row, int col) {
-    return rpc_strdup(call, st_s(r, row, col));
-}
-
-/* ---- errors ---- */
-
-static int db_fail(rpc_call *call, int rc, const char *err) {
-    log_error("db.error", "%s: %s (%s)", rpc_method_path(call), err, db_sqlstate());
-    if (rc == DB_ETIMEOUT || rc == DB_ECONN)
-        return rpc_error(call, RPC_UNAVAILABLE, "the database is unavailable; retry");
-    if (rc == DB_ESERIALIZE) return rpc_error(call, RPC_ABORTED, "concurrent update; retry");
-    return rpc_error(call, RPC_INTERNAL, "internal error");
-}
-
-static int need_id(rpc_call *call, const char *field, const char *v) {
-    if (!v || !v[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s is required", field);
-    if (!ids_uuid_valid(v))
-        return rpc_error(call, RPC_INVALID_ARGUMENT, "%s must be a UUID", field);
-    return RPC_OK;
-}
-
-/* The caller: org and member from the verified token. */
-static int caller(rpc_call *call, const auth_identity **id) {
-    *id = rpc_identity(call);
-    if (!*id || !ids_uuid_valid((*id)->org_id) || !ids_uuid_valid((*id)->sub))
-        return rpc_error(call, RPC_UNAUTHENTICATED, "the token's org_id and sub must be UUIDs");
-    return RPC_OK;
-}
-
-static size_t utf8_chars(const char *s) {
-    size_t n = 0;
-    for (; *s; s++)
-        if (((unsigned char)*s & 0xC0) != 0x80) n++;
-    return n;
-}
-
 /* ---- messages ---- */
 
 static P(Workflow) * wf_msg(rpc_call *call, const PGresult *r, int row) {
     P(Workflow) *w = rpc_alloc(call, sizeof *w);
     INIT(workflow, w);
-    w->id = s(call, r, row, WF_ID);
-    w->org_id = s(call, r, row, WF_ORG);
-    w->team_id = s(call, r, row, WF_TEAM);
-    w->name = s(call, r, row, WF_NAME);
-    w->description = s(call, r, row, WF_DESC);
-    w->definition = arena_struct(call, st_s(r, row, WF_DEF));
-    w->created_by = s(call, r, row, WF_CREATED_BY);
-    w->status = s(call, r, row, WF_STATUS);
-    w->created_at = ts(call, r, row, WF_CREATED_AT);
-    w->deleted_at = ts(call, r, row, WF_DELETED_AT);
-    w->trigger_type = s(call, r, row, WF_TRIGGER_TYPE);
+    w->id = wfr_s(call, r, row, WF_ID);
+    w->org_id = wfr_s(call, r, row, WF_ORG);
+    w->team_id = wfr_s(call, r, row, WF_TEAM);
+    w->name = wfr_s(call, r, row, WF_NAME);
+    w->description = wfr_s(call, r, row, WF_DESC);
+    w->definition = wfr_struct(call, st_s(r, row, WF_DEF));
+    w->created_by = wfr_s(call, r, row, WF_CREATED_BY);
+    w->status = wfr_s(call, r, row, WF_STATUS);
+    w->created_at = wfr_ts(call, r, row, WF_CREATED_AT);
+    w->deleted_at = wfr_ts(call, r, row, WF_DELETED_AT);
+    w->trigger_type = wfr_s(call, r, row, WF_TRIGGER_TYPE);
     w->enabled = st_b(r, row, WF_ENABLED);
-    w->last_run_status = s(call, r, row, WF_LAST_RUN_STATUS);
-    w->last_run_at = ts(call, r, row, WF_LAST_RUN_AT);
+    w->last_run_status = wfr_s(call, r, row, WF_LAST_RUN_STATUS);
+    w->last_run_at = wfr_ts(call, r, row, WF_LAST_RUN_AT);
     w->run_count = (int32_t)st_i(r, row, WF_RUN_COUNT);
     w->avg_cost_usd = st_d(r, row, WF_AVG_COST);
-    w->updated_at = ts(call, r, row, WF_UPDATED_AT);
-    w->visibility = s(call, r, row, WF_VISIBILITY);
+    w->updated_at = wfr_ts(call, r, row, WF_UPDATED_AT);
+    w->visibility = wfr_s(call, r, row, WF_VISIBILITY);
     return w;
 }
 
 static P(WorkflowRun) * run_msg(rpc_call *call, const PGresult *r, int row) {
     P(WorkflowRun) *m = rpc_alloc(call, sizeof *m);
     INIT(workflow_run, m);
-    m->id = s(call, r, row, RUN_ID);
-    m->workflow_id = s(call, r, row, RUN_WF);
-    m->org_id = s(call, r, row, RUN_ORG);
-    m->triggered_by = s(call, r, row, RUN_TRIGGERED_BY);
-    m->status = s(call, r, row, RUN_STATUS);
-    m->context = arena_struct(call, st_s(r, row, RUN_CONTEXT));
-    m->started_at = ts(call, r, row, RUN_STARTED_AT);
-    m->completed_at = ts(call, r, row, RUN_COMPLETED_AT);
-    m->created_at = ts(call, r, row, RUN_CREATED_AT);
+    m->id = wfr_s(call, r, row, RUN_ID);
+    m->workflow_id = wfr_s(call, r, row, RUN_WF);
+    m->org_id = wfr_s(call, r, row, RUN_ORG);
+    m->triggered_by = wfr_s(call, r, row, RUN_TRIGGERED_BY);
+    m->status = wfr_s(call, r, row, RUN_STATUS);
+    m->context = wfr_struct(call, st_s(r, row, RUN_CONTEXT));
+    m->started_at = wfr_ts(call, r, row, RUN_STARTED_AT);
+    m->completed_at = wfr_ts(call, r, row, RUN_COMPLETED_AT);
+    m->created_at = wfr_ts(call, r, row, RUN_CREATED_AT);
     m->cost_usd = st_d(r, row, RUN_COST);
-    m->paused_at = ts(call, r, row, RUN_PAUSED_AT);
-    m->cancelled_at = ts(call, r, row, RUN_CANCELLED_AT);
+    m->paused_at = wfr_ts(call, r, row, RUN_PAUSED_AT);
+    m->cancelled_at = wfr_ts(call, r, row, RUN_CANCELLED_AT);
     m->nodes_total = (int32_t)st_i(r, row, RUN_TOTAL);
     m->nodes_done = (int32_t)st_i(r, row, RUN_DONE);
-    m->display_name = s(call, r, row, RUN_DISPLAY);
+    m->display_name = wfr_s(call, r, row, RUN_DISPLAY);
     return m;
 }
 
 static P(WorkflowAction) * action_msg(rpc_call *call, const PGresult *r, int row) {
     P(WorkflowAction) *a = rpc_alloc(call, sizeof *a);
     INIT(workflow_action, a);
-    a->id = s(call, r, row, AC_ID);
-    a->run_id = s(call, r, row, AC_RUN);
-    a->org_id = s(call, r, row, AC_ORG);
-    a->step_name = s(call, r, row, AC_STEP);
-    a->agent_id = s(call, r, row, AC_AGENT);
-    a->status = s(call, r, row, AC_STATUS);
-    a->input = arena_struct(call, st_s(r, row, AC_INPUT));
-    a->output = arena_struct(call, st_s(r, row, AC_OUTPUT));
-    a->decided_by = s(call, r, row, AC_DECIDED_BY);
-    a->decided_at = ts(call, r, row, AC_DECIDED_AT);
-    a->created_at = ts(call, r, row, AC_CREATED_AT);
-    a->approval_id = s(call, r, row, AC_APPROVAL);
+    a->id = wfr_s(call, r, row, AC_ID);
+    a->run_id = wfr_s(call, r, row, AC_RUN);
+    a->org_id = wfr_s(call, r, row, AC_ORG);
+    a->step_name = wfr_s(call, r, row, AC_STEP);
+    a->agent_id = wfr_s(call, r, row, AC_AGENT);
+    a->status = wfr_s(call, r, row, AC_STATUS);
+    a->input = wfr_struct(call, st_s(r, row, AC_INPUT));
+    a->output = wfr_struct(call, st_s(r, row, AC_OUTPUT));
+    a->decided_by = wfr_s(call, r, row, AC_DECIDED_BY);
+    a->decided_at = wfr_ts(call, r, row, AC_DECIDED_AT);
+    a->created_at = wfr_ts(call, r, row, AC_CREATED_AT);
+    a->approval_id = wfr_s(call, r, row, AC_APPROVAL);
     a->cost_usd = st_d(r, row, AC_COST);
     a->elapsed_ms = st_i(r, row, AC_ELAPSED);
     a->blocked_by = rpc_strdup(
@@ -227,13 +153,13 @@ static int create_workflow(rpc_call *call, const ProtobufCMessage *req, Protobuf
     char err[512], uuid[37], *def = NULL;
     db_tx *tx = NULL;
     PGresult *r = NULL;
-    int rc = caller(call, &id);
+    int rc = wfr_caller(call, &id);
     if (rc) return rc;
     if (!rq->name || !rq->name[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "name is required");
-    if (utf8_chars(rq->name) > NAME_MAX_CHARS)
+    if (wfr_utf8_chars(rq->name) > NAME_MAX_CHARS)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "name must be at most %d characters",
                          NAME_MAX_CHARS);
-    if (utf8_chars(rq->description) > DESC_MAX_CHARS)
+    if (wfr_utf8_chars(rq->description) > DESC_MAX_CHARS)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "description must be at most %d characters",
                          DESC_MAX_CHARS);
     if (rq->team_id[0] && !ids_uuid_valid(rq->team_id))
@@ -249,7 +175,7 @@ static int create_workflow(rpc_call *call, const ProtobufCMessage *req, Protobuf
         (rc = st_audit(tx, id->org_id, id->sub, uuid, "workflow.create", "", err, sizeof err)) ||
         (rc = db_tx_commit(tx, err, sizeof err))) {
         tx = NULL;
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     tx = NULL;
@@ -270,11 +196,11 @@ static int get_workflow(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     char err[512];
     db_tx *tx = NULL;
     PGresult *r = NULL;
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err)) ||
         (rc = st_wf_get(tx, rq->workflow_id, id->sub, 0, &r, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     if (PQntuples(r) == 0) {
@@ -301,7 +227,7 @@ static int list_workflows(rpc_call *call, const ProtobufCMessage *req, ProtobufC
     char err[512];
     db_tx *tx = NULL;
     PGresult *r = NULL;
-    int total = 0, rc = caller(call, &id);
+    int total = 0, rc = wfr_caller(call, &id);
     if (rc) return rc;
     if (rq->team_id[0] && !ids_uuid_valid(rq->team_id))
         return rpc_error(call, RPC_INVALID_ARGUMENT, "team_id must be a UUID");
@@ -315,7 +241,7 @@ static int list_workflows(rpc_call *call, const ProtobufCMessage *req, ProtobufC
     if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err)) ||
         (rc = st_wf_list(tx, id->sub, rq->team_id, rq->status, limit, rq->offset, &r, &total, err,
                          sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     int n = PQntuples(r);
@@ -337,7 +263,7 @@ static int wf_locked(rpc_call *call, wf_engine *e, const auth_identity *id, cons
     int rc;
     if ((rc = st_begin(e->pool, id->org_id, id->sub, tx, err, sizeof err)) ||
         (rc = st_wf_get(*tx, wf, id->sub, 1, r, err, sizeof err)))
-        return db_fail(call, rc, err);
+        return wfr_db_fail(call, rc, err);
     if (PQntuples(*r) == 0) return rpc_error(call, RPC_NOT_FOUND, "workflow %s not found", wf);
     return RPC_OK;
 }
@@ -351,8 +277,8 @@ static int update_definition(rpc_call *call, const ProtobufCMessage *req, Protob
     char err[512], *def = NULL;
     db_tx *tx = NULL;
     PGresult *r = NULL, *r2 = NULL;
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     if ((rc = validate_definition(call, e, rq->definition, "definition", &def))) return rc;
     if ((rc = wf_locked(call, e, id, rq->workflow_id, &tx, &r))) goto done;
     /* run immunity: runs carry their own copy of the definition; this touches only the row */
@@ -361,7 +287,7 @@ static int update_definition(rpc_call *call, const ProtobufCMessage *req, Protob
                        err, sizeof err)) ||
         (rc = db_tx_commit(tx, err, sizeof err))) {
         tx = NULL;
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     tx = NULL;
@@ -383,8 +309,8 @@ static int update_status(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     char err[512];
     db_tx *tx = NULL;
     PGresult *r = NULL, *r2 = NULL;
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     if (!rq->status[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "status is required");
     if (!valid_wf_status(rq->status))
         return rpc_error(call, RPC_INVALID_ARGUMENT,
@@ -395,7 +321,7 @@ static int update_status(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
                        rq->status, err, sizeof err)) ||
         (rc = db_tx_commit(tx, err, sizeof err))) {
         tx = NULL;
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     tx = NULL;
@@ -417,8 +343,8 @@ static int set_enabled(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
     db_tx *tx = NULL;
     PGresult *r = NULL, *r2 = NULL;
     int64_t next = 0;
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     const char *type = rq->trigger_type[0] ? rq->trigger_type : "manual";
     if (strcmp(type, "manual") && strcmp(type, "schedule"))
         return rpc_error(call, RPC_INVALID_ARGUMENT,
@@ -454,7 +380,7 @@ static int set_enabled(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
                        enabled ? "workflow.enable" : "workflow.disable", type, err, sizeof err)) ||
         (rc = db_tx_commit(tx, err, sizeof err))) {
         tx = NULL;
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     tx = NULL;
@@ -476,8 +402,8 @@ static int delete_workflow(rpc_call *call, const ProtobufCMessage *req, Protobuf
     char err[512];
     db_tx *tx = NULL;
     PGresult *r = NULL;
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     if ((rc = wf_locked(call, e, id, rq->workflow_id, &tx, &r))) goto done;
     /* soft delete: runs, actions and logs stay, readable by id */
     if ((rc = st_wf_delete(tx, rq->workflow_id, err, sizeof err)) ||
@@ -486,7 +412,7 @@ static int delete_workflow(rpc_call *call, const ProtobufCMessage *req, Protobuf
                        sizeof err)) ||
         (rc = db_tx_commit(tx, err, sizeof err))) {
         tx = NULL;
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     tx = NULL;
@@ -559,7 +485,7 @@ static int visible_run(rpc_call *call, const auth_identity *id, db_tx *tx, const
     char err[512];
     int found = 0;
     int rc = wf_run_load(tx, run_id, lock, r, &found, err, sizeof err);
-    if (rc) return db_fail(call, rc, err);
+    if (rc) return wfr_db_fail(call, rc, err);
     if (!found || (!strcmp(r->visibility, "private") && strcmp(r->owner, id->sub))) {
         wf_run_free(r);
         return rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
@@ -573,7 +499,7 @@ static P(WorkflowRun) * run_now(rpc_call *call, db_tx *tx, const char *run_id, i
     P(WorkflowRun) *m = NULL;
     *rc = st_run_row(tx, run_id, &r, err, sizeof err);
     if (*rc) {
-        *rc = db_fail(call, *rc, err);
+        *rc = wfr_db_fail(call, *rc, err);
     } else if (PQntuples(r) == 0) {
         *rc = rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
     } else {
@@ -595,13 +521,13 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
     cJSON *def = NULL, *cj = NULL;
     wf_run run = {0};
     int found = 0;
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     cj = rq->context ? pbjson_struct_to_json(rq->context) : cJSON_CreateObject();
     if (!cj) return rpc_error(call, RPC_INVALID_ARGUMENT, "context nests too deeply");
     if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err)) ||
         (rc = st_wf_get(tx, rq->workflow_id, id->sub, 0, &w, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     if (PQntuples(w) == 0) {
@@ -628,7 +554,7 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
         (rc = wf_run_transition(&run, "pending", "", err, sizeof err)) ||
         (rc = wf_run_flush(&run, err, sizeof err)) ||
         (rc = st_audit(tx, id->org_id, id->sub, run_id, "run.trigger", "", err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     out->run = run_now(call, tx, run_id, &rc);
@@ -636,7 +562,7 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
     rc = db_tx_commit(tx, err, sizeof err);
     tx = NULL;
     if (rc) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     metric_inc(e->m_runs_started);
@@ -661,16 +587,16 @@ static int get_status(rpc_call *call, const ProtobufCMessage *req, ProtobufCMess
     db_tx *tx = NULL;
     PGresult *a = NULL;
     wf_run run = {0};
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "run_id", rq->run_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "run_id", rq->run_id))) return rc;
     if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     if ((rc = visible_run(call, id, tx, rq->run_id, 0, &run))) goto done;
     if (!(out->run = run_now(call, tx, rq->run_id, &rc))) goto done;
     if ((rc = st_actions_of(tx, rq->run_id, &a, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     int n = PQntuples(a);
@@ -743,7 +669,7 @@ static int run_page(rpc_call *call, wf_engine *e, const auth_identity *id, db_tx
     teams[o] = 0;
     int rc = st_run_page(tx, q->workflow_id, id->sub, teams, statuses, after_us, after_id, size,
                          res, err, sizeof err);
-    if (rc) return db_fail(call, rc, err);
+    if (rc) return wfr_db_fail(call, rc, err);
     *n = PQntuples(*res);
     *next = "";
     if (*n > size) {
@@ -766,15 +692,15 @@ static int list_runs(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessa
     db_tx *tx = NULL;
     PGresult *w = NULL, *r = NULL;
     int n = 0;
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     /* the workflow must exist for the caller; soft-deleted ones keep their runs listable by id */
     if ((rc = st_wf_row(tx, rq->workflow_id, &w, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     if (PQntuples(w) == 0 || (!strcmp(st_s(w, 0, WF_VISIBILITY), "private") &&
@@ -815,10 +741,10 @@ static int list_visible_runs(rpc_call *call, const ProtobufCMessage *req, Protob
     db_tx *tx = NULL;
     PGresult *r = NULL;
     int n = 0;
-    int rc = caller(call, &id);
+    int rc = wfr_caller(call, &id);
     if (rc) return rc;
     if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     page_q q = {"ListVisibleRuns", "", rq->status_filter, rq->page_size, rq->page_token};
@@ -828,8 +754,8 @@ static int list_visible_runs(rpc_call *call, const ProtobufCMessage *req, Protob
         P(VisibleRunRow) *v = rpc_alloc(call, sizeof *v);
         INIT(visible_run_row, v);
         v->run = run_msg(call, r, i);
-        v->workflow_name = s(call, r, i, RUN_WF_NAME);
-        v->display_name = s(call, r, i, RUN_DISPLAY);
+        v->workflow_name = wfr_s(call, r, i, RUN_WF_NAME);
+        v->display_name = wfr_s(call, r, i, RUN_DISPLAY);
         v->prompt_kind = prompt_kind(st_s(r, i, RUN_PROMPT_KIND));
         v->_open_prompt_count_case =
             UPSQUAD__WORKFLOW__V1__VISIBLE_RUN_ROW___OPEN_PROMPT_COUNT_OPEN_PROMPT_COUNT;
@@ -857,13 +783,13 @@ static int run_control(rpc_call *call, wf_engine *e, int op, const char *run_id,
     char err[512];
     db_tx *tx = NULL;
     wf_run run = {0};
-    int rc = caller(call, &id), woke = 0;
-    if (rc || (rc = need_id(call, "run_id", run_id))) return rc;
-    if (utf8_chars(reason) > REASON_MAX)
+    int rc = wfr_caller(call, &id), woke = 0;
+    if (rc || (rc = wfr_need_id(call, "run_id", run_id))) return rc;
+    if (wfr_utf8_chars(reason) > REASON_MAX)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "reason must be at most %d characters",
                          REASON_MAX);
     if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     if ((rc = visible_run(call, id, tx, run_id, 1, &run))) goto done;
@@ -895,14 +821,14 @@ static int run_control(rpc_call *call, wf_engine *e, int op, const char *run_id,
     if (rc || (rc = wf_run_flush(&run, err, sizeof err)) ||
         (rc = st_audit(tx, id->org_id, id->sub, run_id, names[op], reason[0] ? reason : outcome,
                        err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     if (!(*out = run_now(call, tx, run_id, &rc))) goto done;
     rc = db_tx_commit(tx, err, sizeof err);
     tx = NULL;
     if (rc) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     log_info("run.control", "%s run=%s org=%s by=%s outcome=%s", names[op], run_id, id->org_id,
@@ -952,8 +878,8 @@ static int deliver_event(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     db_tx *tx = NULL;
     wf_run run = {0};
     int inserted = 0;
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "run_id", rq->run_id))) return rc;
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "run_id", rq->run_id))) return rc;
     if (!rq->event_key[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "event_key is required");
     if (strlen(rq->event_key) > EVENT_KEY_MAX || !key_char_ok(rq->event_key))
         return rpc_error(call, RPC_INVALID_ARGUMENT,
@@ -978,14 +904,14 @@ static int deliver_event(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     payload = cJSON_PrintUnformatted(pj);
     cJSON_Delete(pj);
     if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     if ((rc = visible_run(call, id, tx, rq->run_id, 1, &run))) goto done;
     /* burned durably before anything is signalled; org is the run's own */
     if ((rc = st_delivery_insert(tx, run.org, run.id, rq->event_key, rq->delivery_id, payload,
                                  &inserted, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     if (inserted && wf_run_terminal(run.status)) {
@@ -1001,7 +927,7 @@ static int deliver_event(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
             (rc = wf_run_flush(&run, err, sizeof err)) ||
             (rc = st_audit(tx, run.org, id->sub, run.id, "run.deliver_event", rq->event_key, err,
                            sizeof err))) {
-            rc = db_fail(call, rc, err);
+            rc = wfr_db_fail(call, rc, err);
             goto done;
         }
     }
@@ -1009,7 +935,7 @@ static int deliver_event(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     rc = db_tx_commit(tx, err, sizeof err);
     tx = NULL;
     if (rc) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     if (inserted) wf_engine_kick(e);
@@ -1071,17 +997,17 @@ static int get_node_io(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
     PGresult *a = NULL;
     wf_run run = {0};
     cJSON *in = NULL, *o = NULL;
-    int rc = caller(call, &id);
-    if (rc || (rc = need_id(call, "run_id", rq->run_id)) ||
-        (rc = need_id(call, "node_id", rq->node_id)))
+    int rc = wfr_caller(call, &id);
+    if (rc || (rc = wfr_need_id(call, "run_id", rq->run_id)) ||
+        (rc = wfr_need_id(call, "node_id", rq->node_id)))
         return rc;
     if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     if ((rc = visible_run(call, id, tx, rq->run_id, 0, &run))) goto done;
     if ((rc = st_action_get(tx, rq->run_id, rq->node_id, &a, err, sizeof err))) {
-        rc = db_fail(call, rc, err);
+        rc = wfr_db_fail(call, rc, err);
         goto done;
     }
     if (PQntuples(a) == 0) {
@@ -1095,8 +1021,8 @@ static int get_node_io(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
     int floor = classification_floor(run.classification);
     redact(in, id->clearance, floor, &red, &nred, cap, call);
     redact(o, id->clearance, floor, &red, &nred, cap, call);
-    out->input = cJSON_IsObject(in) ? arena_struct_json(call, in) : NULL;
-    out->output = cJSON_IsObject(o) ? arena_struct_json(call, o) : NULL;
+    out->input = cJSON_IsObject(in) ? wfr_struct_json(call, in) : NULL;
+    out->output = cJSON_IsObject(o) ? wfr_struct_json(call, o) : NULL;
     out->redacted_fields = (char **)red;
     out->n_redacted_fields = nred;
 done:

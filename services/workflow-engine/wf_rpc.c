@@ -1,0 +1,66 @@
+#include "wf_rpc.h"
+
+#include "db.h"
+#include "ids.h"
+#include "log.h"
+#include "pbjson.h"
+#include "store.h"
+
+Google__Protobuf__Struct *wfr_struct_json(rpc_call *call, const cJSON *obj) {
+    Google__Protobuf__Struct *out = NULL;
+    char e[256];
+    if (!cJSON_IsObject(obj) ||
+        pbjson_struct_from_json_a(obj, rpc_call_allocator(call), &out, e, sizeof e) != 0)
+        return NULL;
+    return out;
+}
+
+Google__Protobuf__Struct *wfr_struct(rpc_call *call, const char *json) {
+    if (!json || !json[0]) return NULL;
+    cJSON *o = cJSON_Parse(json);
+    Google__Protobuf__Struct *s = wfr_struct_json(call, o);
+    cJSON_Delete(o);
+    return s;
+}
+
+Google__Protobuf__Timestamp *wfr_ts(rpc_call *call, const PGresult *r, int row, int col) {
+    if (st_null(r, row, col)) return NULL;
+    Google__Protobuf__Timestamp *t = rpc_alloc(call, sizeof *t);
+    pbjson_ts_from_ms(t, st_i(r, row, col));
+    return t;
+}
+
+char *wfr_s(rpc_call *call, const PGresult *r, int row, int col) {
+    return rpc_strdup(call, st_s(r, row, col));
+}
+
+int wfr_db_fail(rpc_call *call, int rc, const char *err) {
+    log_error("db.error", "%s: %s (%s)", rpc_method_path(call), err, db_sqlstate());
+    if (rc == DB_EDEADLINE)
+        return rpc_error(call, RPC_DEADLINE_EXCEEDED, "deadline exceeded in the database");
+    if (rc == DB_ETIMEOUT || rc == DB_ECONN)
+        return rpc_error(call, RPC_UNAVAILABLE, "the database is unavailable; retry");
+    if (rc == DB_ESERIALIZE) return rpc_error(call, RPC_ABORTED, "concurrent update; retry");
+    return rpc_error(call, RPC_INTERNAL, "internal error");
+}
+
+int wfr_need_id(rpc_call *call, const char *field, const char *v) {
+    if (!v || !v[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s is required", field);
+    if (!ids_uuid_valid(v))
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "%s must be a UUID", field);
+    return RPC_OK;
+}
+
+int wfr_caller(rpc_call *call, const auth_identity **id) {
+    *id = rpc_identity(call);
+    if (!*id || !ids_uuid_valid((*id)->org_id) || !ids_uuid_valid((*id)->sub))
+        return rpc_error(call, RPC_UNAUTHENTICATED, "the token's org_id and sub must be UUIDs");
+    return RPC_OK;
+}
+
+size_t wfr_utf8_chars(const char *s) {
+    size_t n = 0;
+    for (; s && *s; s++)
+        if (((unsigned char)*s & 0xC0) != 0x80) n++;
+    return n;
+}

@@ -1,0 +1,33 @@
+/* Helpers the WorkflowService and ApprovalService handlers share (handlers.c, gates.c): the
+ * caller from the token, argument checks, database failures as statuses, and building
+ * responses in the call's arena. */
+#ifndef WF_RPC_H
+#define WF_RPC_H
+
+#include <cjson/cJSON.h>
+#include <libpq-fe.h>
+#include <stddef.h>
+
+#include "auth.h"
+#include "google/protobuf/struct.pb-c.h"
+#include "google/protobuf/timestamp.pb-c.h"
+#include "rpc.h"
+
+/* A Struct in the call's arena from a JSON object; NULL for anything else. */
+Google__Protobuf__Struct *wfr_struct_json(rpc_call *call, const cJSON *obj);
+/* The same from JSON text; NULL for "" or text that is not an object. */
+Google__Protobuf__Struct *wfr_struct(rpc_call *call, const char *json);
+/* Column col of row as a Timestamp (NULL for SQL NULL) / a string, in the call's arena. */
+Google__Protobuf__Timestamp *wfr_ts(rpc_call *call, const PGresult *r, int row, int col);
+char *wfr_s(rpc_call *call, const PGresult *r, int row, int col);
+
+/* A store failure as the call's status (logged with the SQLSTATE; no detail to the client). */
+int wfr_db_fail(rpc_call *call, int rc, const char *err);
+/* INVALID_ARGUMENT naming field unless v is a UUID. */
+int wfr_need_id(rpc_call *call, const char *field, const char *v);
+/* The caller (borrowed): org and member from the verified token, both UUIDs. */
+int wfr_caller(rpc_call *call, const auth_identity **id);
+/* Characters (code points) of valid UTF-8 text. */
+size_t wfr_utf8_chars(const char *s);
+
+#endif
