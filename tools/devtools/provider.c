@@ -100,7 +100,7 @@ static int64_t now_ms(void) {
 /* Sleeps up to ms; returns 1 early when the provider stops. */
 static int nap(dt_provider *p, long long ms) {
     struct timespec dl;
-    clock_gettime(CLOCK_REALTIME, &dl);
+    clock_gettime(CLOCK_MONOTONIC, &dl); /* the cvs run on the monotonic clock */
     dl.tv_sec += ms / 1000;
     dl.tv_nsec += (ms % 1000) * 1000000L;
     if (dl.tv_nsec >= 1000000000L) {
@@ -470,7 +470,7 @@ static int await_key(dt_provider *p, dt_job *j) {
     int64_t wait_ms = to > 0 ? (int64_t)to * 8 / 10 : DT_WAIT_DEFAULT_MS;
     int64_t left = j->t0_ms + wait_ms - now_ms();
     struct timespec dl;
-    clock_gettime(CLOCK_REALTIME, &dl);
+    clock_gettime(CLOCK_MONOTONIC, &dl); /* the cvs run on the monotonic clock */
     if (left > 0) {
         dl.tv_sec += left / 1000;
         dl.tv_nsec += (left % 1000) * 1000000L;
@@ -733,8 +733,14 @@ int dt_provider_start(bus *b, const dt_catalog *c, const dt_opts *o, dt_provider
     p->o = *o;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->qcv, NULL);
-    pthread_cond_init(&p->stop_cv, NULL);
-    pthread_cond_init(&p->key_cv, NULL);
+    /* timed waits (cue delays, a duplicate waiting for its key) on the monotonic clock: a wall
+     * clock step must not cut a delay short */
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&p->stop_cv, &ca);
+    pthread_cond_init(&p->key_cv, &ca);
+    pthread_condattr_destroy(&ca);
     lru_opts lo = {.max_entries = (size_t)o->dedup_keys,
                    .max_bytes = (size_t)o->dedup_bytes,
                    .free_val = rec_free,
