@@ -716,16 +716,18 @@ class WithDevworkers(unittest.TestCase):
     code = Orch.code
     send = Orch.send
     get = Orch.get
+    create = Orch.create
 
     def test_chat_turn_through_devworker(self):
         msg = "hello devworker " + uuid.uuid4().hex
-        evs = self.send(msg)
+        sid = self.create().session_id  # this test's session, whatever else the org holds
+        evs = self.send(msg, session_id=sid, agent_id="")
         self.assertEqual("".join(e.token.text for e in evs if e.HasField("token")), "echo: " + msg)
         c = [e.completion for e in evs if e.HasField("completion")]
         self.assertEqual(len(c), 1)
         self.assertEqual(c[0].token_usage.output_tokens, len(("echo: " + msg).split()))
         lst = self.unary("ListSessions", L.ListSessionsRequest(page_size=100), L.ListSessionsResponse)
-        sid = [s for s in lst.sessions][0].session_id
+        self.assertIn(sid, [s.session_id for s in lst.sessions])
         # the worker checkpointed its iteration to replica A (same database): loop_count follows.
         # Checkpoints travel on the worker's background queue (retried with back-off): allow
         # for a loaded machine.
