@@ -3,13 +3,12 @@
  * caller) whose `scope` claim holds "runtime.worker" (docs/orchestrator.md, "Worker tokens").
  * A user's token is PERMISSION_DENIED. The other RuntimeService methods are the worker's: this
  * service answers them UNIMPLEMENTED. */
-#include <cjson/cJSON.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
+#include "auth_claims.h"
 #include "ids.h"
 #include "log.h"
 #include "orch.h"
@@ -21,55 +20,10 @@ typedef Upsquad__Runtime__V1__HeartbeatResponse HeartbeatResponse;
 typedef Upsquad__Runtime__V1__CheckpointRequest CheckpointRequest;
 typedef Upsquad__Runtime__V1__CheckpointResponse CheckpointResponse;
 
-static int b64url_decode(const char *in, size_t n, char *out, size_t cap, size_t *len) {
-    static const char *A = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    unsigned acc = 0;
-    int bits = 0;
-    size_t o = 0;
-    for (size_t i = 0; i < n; i++) {
-        const char *q = in[i] ? strchr(A, in[i]) : NULL;
-        if (!q) return -1;
-        acc = (acc << 6) | (unsigned)(q - A);
-        bits += 6;
-        if (bits >= 8) {
-            bits -= 8;
-            if (o + 1 >= cap) return -1;
-            out[o++] = (char)(acc >> bits);
-        }
-    }
-    out[o] = 0;
-    *len = o;
-    return 0;
-}
-
-/* The token was verified by the server before the handler ran; here only its scope claim is
- * read (a string with space-separated scopes, or an array of them). */
+/* The token was verified by the server before the handler ran; only its scope claim is read
+ * (libcommon/auth_claims.h: space-separated string or array). */
 static int worker_scope(rpc_call *call) {
-    const char *h = rpc_metadata(call, "authorization");
-    char payload[8192];
-    size_t len;
-    int ok = 0;
-    if (!h) return 0;
-    while (*h == ' ')
-        h++;
-    if (!strncasecmp(h, "bearer ", 7)) h += 7;
-    const char *dot1 = strchr(h, '.');
-    const char *dot2 = dot1 ? strchr(dot1 + 1, '.') : NULL;
-    if (!dot2 || b64url_decode(dot1 + 1, (size_t)(dot2 - dot1 - 1), payload, sizeof payload, &len))
-        return 0;
-    cJSON *j = cJSON_ParseWithLength(payload, len);
-    const cJSON *sc = cJSON_GetObjectItemCaseSensitive(j, "scope");
-    if (cJSON_IsString(sc)) {
-        char *copy = strdup(sc->valuestring), *save = NULL;
-        for (char *t = copy ? strtok_r(copy, " ", &save) : NULL; t; t = strtok_r(NULL, " ", &save))
-            if (!strcmp(t, ORCH_WORKER_SCOPE)) ok = 1;
-        free(copy);
-    } else if (cJSON_IsArray(sc)) {
-        for (const cJSON *e = sc->child; e; e = e->next)
-            if (cJSON_IsString(e) && !strcmp(e->valuestring, ORCH_WORKER_SCOPE)) ok = 1;
-    }
-    cJSON_Delete(j);
-    return ok;
+    return auth_bearer_has_scope(rpc_metadata(call, "authorization"), ORCH_WORKER_SCOPE);
 }
 
 static int require_worker(rpc_call *call) {
