@@ -135,6 +135,23 @@ static const char *gov_kind(const act *a) {
     return "approval_gate";
 }
 
+/* The agent step a parked action is attributed to (spec: asked_by_step): an agent that parked
+ * itself (ask_user, interrupt) asks for itself; a gate names it with the DSL's asked_by, which
+ * start_gate fills in when the definition leaves it out. */
+static const char *asked_by_step(const act *a) {
+    if (!strcmp(a->type, "agent_action")) return a->step;
+    return str(a->input, "asked_by");
+}
+
+/* The spec's fallback for a gate without a declared asked_by: the last agent step the run
+ * completed (in the order the actions were created), or NULL before any agent turn. */
+static const char *last_agent_step(const tick *t) {
+    for (size_t i = t->n; i-- > 0;)
+        if (!strcmp(t->acts[i]->type, "agent_action") && !strcmp(t->acts[i]->status, "completed"))
+            return t->acts[i]->step;
+    return NULL;
+}
+
 /* Writes the action (insert or update) and its transition event. */
 static int save(tick *t, act *a) {
     if (t->rc) return t->rc;
@@ -172,6 +189,10 @@ static int save(tick *t, act *a) {
     if (rc == DB_OK && a->add_cost > 0)
         rc = st_run_add_cost(t->tx, t->run->id, a->add_cost, t->err, sizeof t->err);
     a->cost += a->add_cost;
+    const char *kind = !strcmp(a->status, "awaiting_approval") || !strcmp(a->status, "escalated")
+                           ? gov_kind(a)
+                           : NULL;
+    const char *asked = kind ? asked_by_step(a) : NULL;
     if (rc == DB_OK && a->started_ms == 0 && strcmp(a->status, "pending") &&
         strcmp(a->status, "skipped"))
         a->started_ms = t->now;
@@ -183,9 +204,8 @@ static int save(tick *t, act *a) {
                      a->iteration,
                      a->started_ms ? t->now - a->started_ms : 0,
                      a->cost,
-                     !strcmp(a->status, "awaiting_approval") || !strcmp(a->status, "escalated")
-                         ? gov_kind(a)
-                         : NULL};
+                     kind,
+                     asked ? str(step_def(t, asked), "agent_role") : NULL};
     if (rc == DB_OK) rc = wf_emit_node(t->run, &ev, t->err, sizeof t->err);
     metric_inc(t->e->m_transitions);
     free(in);
@@ -435,6 +455,8 @@ static int start_gate(tick *t, act *a, const cJSON *sd) {
         }
         cJSON_ReplaceItemInObjectCaseSensitive(spec, field, r);
     }
+    if (!str(spec, "asked_by") && last_agent_step(t))
+        cJSON_AddStringToObject(spec, "asked_by", last_agent_step(t));
     cJSON_Delete(a->input);
     a->input = spec;
     ids_uuid_v4(a->approval);

@@ -191,7 +191,7 @@ int wf_emit_node(wf_run *r, const wf_node_ev *n, char *err, size_t errlen) {
     nt.needs_approval = parked && strcmp(n->prompt_kind, "user_prompt") != 0;
     nt.prompt_kind = parked ? prompt_kind_enum(n->prompt_kind) : 0;
     nt.prompt_id = parked && strcmp(blocked, "awaiting-question") ? (char *)blocked : "";
-    nt.asked_by_role = "";
+    nt.asked_by_role = parked && n->asked_by_role ? (char *)n->asked_by_role : "";
     nt.is_waiting = !strcmp(n->raw_status, "waiting");
     nt.run_status = r->status;
     ev.event_case = UPSQUAD__INTERNAL__V1__RUN_EVENT__EVENT_NODE;

@@ -37,7 +37,8 @@ typedef struct wf_node_ev {
     int iteration;
     int64_t elapsed_ms;
     double cost;
-    const char *prompt_kind; /* governance kind when parked on one, else NULL */
+    const char *prompt_kind;   /* governance kind when parked on one, else NULL */
+    const char *asked_by_role; /* the asking agent step's agent_role when parked, else NULL */
 } wf_node_ev;
 
 int wf_emit_node(wf_run *r, const wf_node_ev *n, char *err, size_t errlen);

@@ -1,6 +1,7 @@
 #include "wf_rpc.h"
 
 #include "db.h"
+#include "err.h"
 #include "ids.h"
 #include "log.h"
 #include "pbjson.h"
@@ -36,12 +37,26 @@ char *wfr_s(rpc_call *call, const PGresult *r, int row, int col) {
 
 int wfr_db_fail(rpc_call *call, int rc, const char *err) {
     log_error("db.error", "%s: %s (%s)", rpc_method_path(call), err, db_sqlstate());
-    if (rc == DB_EDEADLINE)
-        return rpc_error(call, RPC_DEADLINE_EXCEEDED, "deadline exceeded in the database");
-    if (rc == DB_ETIMEOUT || rc == DB_ECONN)
-        return rpc_error(call, RPC_UNAVAILABLE, "the database is unavailable; retry");
-    if (rc == DB_ESERIALIZE) return rpc_error(call, RPC_ABORTED, "concurrent update; retry");
-    return rpc_error(call, RPC_INTERNAL, "internal error");
+    /* libcommon's one mapping (err.h); the message never carries the database's own text */
+    int st = err_to_status(rc);
+    switch (st) {
+    case RPC_DEADLINE_EXCEEDED:
+        return rpc_error(call, st, "deadline exceeded in the database");
+    case RPC_UNAVAILABLE:
+        return rpc_error(call, st, "the database is unavailable; retry");
+    case RPC_ABORTED:
+        return rpc_error(call, st, "concurrent update; retry");
+    case RPC_ALREADY_EXISTS:
+        return rpc_error(call, st, "the row already exists");
+    case RPC_FAILED_PRECONDITION:
+        return rpc_error(call, st, "a referenced row does not exist");
+    case RPC_INVALID_ARGUMENT:
+        return rpc_error(call, st, "a value is outside what the store accepts");
+    case RPC_RESOURCE_EXHAUSTED:
+        return rpc_error(call, st, "out of memory; retry");
+    default:
+        return rpc_error(call, RPC_INTERNAL, "internal error");
+    }
 }
 
 int wfr_need_id(rpc_call *call, const char *field, const char *v) {

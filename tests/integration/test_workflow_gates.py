@@ -422,6 +422,39 @@ class GatesTest(unittest.TestCase):
         s = self.wait_for(run, lambda s: s.run.status == "completed")
         self.assertEqual(js(s.actions[0].output), {"ok": True})
 
+    def test_05e_asked_by_attribution(self):
+        """A gate without a declared asked_by is attributed to the last agent step the run
+        completed: GetRunPrompt and the live NodeTransition carry its step and agent_role."""
+        from upsquad.internal.v1 import run_events_pb2 as RE
+        self.nc.js_consumer("AGENT_STEPS", "orchestrator-steps", "agent.step.dispatch")
+        sid, q = self.nc.subscribe("wf.status.%s.>" % self.org)
+        self.nc.flush()
+        d = defn("a", {"a": {"type": "agent_action", "agent_role": "reviewer", "prompt": "review", "next": "ask"},
+                       "ask": {"type": "user_input", "question": "merge?", "allow_text": True}})
+        run = self.start(d)
+        self.reply(self.dispatch_of(run))
+        a = self.parked(run, "ask")
+        p = self.A("GetRunPrompt", W.GetRunPromptRequest(prompt_id=a.approval_id))
+        self.assertEqual((p.asked_by_step, p.asked_by_role), ("a", "reviewer"))
+        end, seen = time.time() + 10, None
+        while time.time() < end and seen is None:
+            try:
+                subj, _, _, data = q.get(timeout=0.5)
+            except Exception:
+                continue
+            ev = RE.RunEvent.FromString(data)
+            if subj.endswith(run) and ev.WhichOneof("event") == "node" and ev.node.step_name == "ask" \
+                    and ev.node.raw_status == "awaiting_approval":
+                seen = ev.node
+        self.nc.unsubscribe(sid)
+        self.assertIsNotNone(seen, "no parked transition for the prompt on wf.status")
+        self.assertEqual((seen.asked_by_role, seen.prompt_id, seen.needs_input), ("reviewer", a.approval_id, True))
+        # a gate reached before any agent turn is unattributed
+        run2 = self.start(defn("ask", {"ask": {"type": "user_input", "question": "go?", "allow_text": True}}))
+        a2 = self.parked(run2, "ask")
+        p2 = self.A("GetRunPrompt", W.GetRunPromptRequest(prompt_id=a2.approval_id))
+        self.assertEqual((p2.asked_by_step, p2.asked_by_role), ("", ""))
+
     # ---- timeouts meet the gate RPCs ----
     def expire(self, run):
         self.psql("UPDATE workflow_engine.actions SET deadline_at = now() - interval '1 second' "
