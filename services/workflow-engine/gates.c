@@ -50,29 +50,6 @@ static const char *jstr(const cJSON *o, const char *k) {
     return cJSON_IsString(v) ? v->valuestring : NULL;
 }
 
-static P(WorkflowAction) * action_msg(rpc_call *call, const PGresult *r, int row) {
-    P(WorkflowAction) *a = rpc_alloc(call, sizeof *a);
-    INIT(workflow_action, a);
-    a->id = wfr_s(call, r, row, AC_ID);
-    a->run_id = wfr_s(call, r, row, AC_RUN);
-    a->org_id = wfr_s(call, r, row, AC_ORG);
-    a->step_name = wfr_s(call, r, row, AC_STEP);
-    a->agent_id = wfr_s(call, r, row, AC_AGENT);
-    a->status = wfr_s(call, r, row, AC_STATUS);
-    a->input = wfr_struct(call, st_s(r, row, AC_INPUT));
-    a->output = wfr_struct(call, st_s(r, row, AC_OUTPUT));
-    a->decided_by = wfr_s(call, r, row, AC_DECIDED_BY);
-    a->decided_at = wfr_ts(call, r, row, AC_DECIDED_AT);
-    a->created_at = wfr_ts(call, r, row, AC_CREATED_AT);
-    a->approval_id = wfr_s(call, r, row, AC_APPROVAL);
-    a->cost_usd = st_d(r, row, AC_COST);
-    a->elapsed_ms = st_i(r, row, AC_ELAPSED);
-    a->blocked_by = rpc_strdup(
-        call, wf_project_blocked_by(st_s(r, row, AC_STATUS), st_s(r, row, AC_BLOCKED_BY)));
-    a->iteration = (int32_t)st_i(r, row, AC_ITERATION);
-    return a;
-}
-
 /* ---- one gate, loaded for a call ---- */
 
 typedef struct gate {
@@ -269,7 +246,7 @@ static int g_actions(rpc_call *call, gate *g, const char *ids, P(WorkflowAction)
     snprintf(one, sizeof one, "{%s}", st_s(g->r, 0, GT_ACTION));
     int rc = st_actions_by_ids(g->tx, one, &r, err, sizeof err);
     if (rc) return wfr_db_fail(call, rc, err);
-    if (PQntuples(r) > 0) *action = action_msg(call, r, 0);
+    if (PQntuples(r) > 0) *action = wfr_action_msg(call, r, 0);
     PQclear(r);
     if (!next) return RPC_OK;
     *n_next = 0;
@@ -279,7 +256,7 @@ static int g_actions(rpc_call *call, gate *g, const char *ids, P(WorkflowAction)
     int n = PQntuples(r);
     *next = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof **next);
     for (int i = 0; i < n; i++)
-        (*next)[i] = action_msg(call, r, i);
+        (*next)[i] = wfr_action_msg(call, r, i);
     *n_next = (size_t)n;
     PQclear(r);
     return RPC_OK;
@@ -513,7 +490,7 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
         upsquad__workflow__v1__pending_approval__init(p);
         for (int j = 0; j < PQntuples(rows); j++)
             if (!strcmp(st_s(rows, j, AC_ID), st_s(page, i, 0)))
-                p->action = action_msg(call, rows, j);
+                p->action = wfr_action_msg(call, rows, j);
         p->workflow_name = wfr_s(call, page, i, 1);
         p->agent_name = rpc_strdup(call, "");
         out->approvals[out->n_approvals++] = p;

@@ -86,29 +86,6 @@ static P(WorkflowRun) * run_msg(rpc_call *call, const PGresult *r, int row) {
     return m;
 }
 
-static P(WorkflowAction) * action_msg(rpc_call *call, const PGresult *r, int row) {
-    P(WorkflowAction) *a = rpc_alloc(call, sizeof *a);
-    INIT(workflow_action, a);
-    a->id = wfr_s(call, r, row, AC_ID);
-    a->run_id = wfr_s(call, r, row, AC_RUN);
-    a->org_id = wfr_s(call, r, row, AC_ORG);
-    a->step_name = wfr_s(call, r, row, AC_STEP);
-    a->agent_id = wfr_s(call, r, row, AC_AGENT);
-    a->status = wfr_s(call, r, row, AC_STATUS);
-    a->input = wfr_struct(call, st_s(r, row, AC_INPUT));
-    a->output = wfr_struct(call, st_s(r, row, AC_OUTPUT));
-    a->decided_by = wfr_s(call, r, row, AC_DECIDED_BY);
-    a->decided_at = wfr_ts(call, r, row, AC_DECIDED_AT);
-    a->created_at = wfr_ts(call, r, row, AC_CREATED_AT);
-    a->approval_id = wfr_s(call, r, row, AC_APPROVAL);
-    a->cost_usd = st_d(r, row, AC_COST);
-    a->elapsed_ms = st_i(r, row, AC_ELAPSED);
-    a->blocked_by = rpc_strdup(
-        call, wf_project_blocked_by(st_s(r, row, AC_STATUS), st_s(r, row, AC_BLOCKED_BY)));
-    a->iteration = (int32_t)st_i(r, row, AC_ITERATION);
-    return a;
-}
-
 /* ---- definitions ---- */
 
 /* Validates the definition; on success *json_out (malloc'd) is its JSON text. */
@@ -602,7 +579,7 @@ static int get_status(rpc_call *call, const ProtobufCMessage *req, ProtobufCMess
     int n = PQntuples(a);
     out->actions = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *out->actions);
     for (int i = 0; i < n; i++)
-        out->actions[i] = action_msg(call, a, i);
+        out->actions[i] = wfr_action_msg(call, a, i);
     out->n_actions = (size_t)n;
 done:
     db_tx_rollback(tx);

@@ -5,6 +5,7 @@
 #include "ids.h"
 #include "log.h"
 #include "pbjson.h"
+#include "wf.h"
 #include "store.h"
 
 Google__Protobuf__Struct *wfr_struct_json(rpc_call *call, const cJSON *obj) {
@@ -78,4 +79,27 @@ size_t wfr_utf8_chars(const char *s) {
     for (; s && *s; s++)
         if (((unsigned char)*s & 0xC0) != 0x80) n++;
     return n;
+}
+
+Upsquad__Workflow__V1__WorkflowAction *wfr_action_msg(rpc_call *call, const PGresult *r, int row) {
+    Upsquad__Workflow__V1__WorkflowAction *a = rpc_alloc(call, sizeof *a);
+    upsquad__workflow__v1__workflow_action__init(a);
+    a->id = wfr_s(call, r, row, AC_ID);
+    a->run_id = wfr_s(call, r, row, AC_RUN);
+    a->org_id = wfr_s(call, r, row, AC_ORG);
+    a->step_name = wfr_s(call, r, row, AC_STEP);
+    a->agent_id = wfr_s(call, r, row, AC_AGENT);
+    a->status = wfr_s(call, r, row, AC_STATUS);
+    a->input = wfr_struct(call, st_s(r, row, AC_INPUT));
+    a->output = wfr_struct(call, st_s(r, row, AC_OUTPUT));
+    a->decided_by = wfr_s(call, r, row, AC_DECIDED_BY);
+    a->decided_at = wfr_ts(call, r, row, AC_DECIDED_AT);
+    a->created_at = wfr_ts(call, r, row, AC_CREATED_AT);
+    a->approval_id = wfr_s(call, r, row, AC_APPROVAL);
+    a->cost_usd = st_d(r, row, AC_COST);
+    a->elapsed_ms = st_i(r, row, AC_ELAPSED);
+    a->blocked_by = rpc_strdup(
+        call, wf_project_blocked_by(st_s(r, row, AC_STATUS), st_s(r, row, AC_BLOCKED_BY)));
+    a->iteration = (int32_t)st_i(r, row, AC_ITERATION);
+    return a;
 }

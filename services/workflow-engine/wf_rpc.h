@@ -12,6 +12,7 @@
 #include "google/protobuf/struct.pb-c.h"
 #include "google/protobuf/timestamp.pb-c.h"
 #include "rpc.h"
+#include "upsquad/workflow/v1/workflow.pb-c.h"
 
 /* A Struct in the call's arena from a JSON object; NULL for anything else. */
 Google__Protobuf__Struct *wfr_struct_json(rpc_call *call, const cJSON *obj);
@@ -20,6 +21,9 @@ Google__Protobuf__Struct *wfr_struct(rpc_call *call, const char *json);
 /* Column col of row as a Timestamp (NULL for SQL NULL) / a string, in the call's arena. */
 Google__Protobuf__Timestamp *wfr_ts(rpc_call *call, const PGresult *r, int row, int col);
 char *wfr_s(rpc_call *call, const PGresult *r, int row, int col);
+
+/* One workflow_actions row (st_* AC_* columns) as a WorkflowAction in the call's arena. */
+Upsquad__Workflow__V1__WorkflowAction *wfr_action_msg(rpc_call *call, const PGresult *r, int row);
 
 /* A store failure as the call's status (logged with the SQLSTATE; no detail to the client). */
 int wfr_db_fail(rpc_call *call, int rc, const char *err);
