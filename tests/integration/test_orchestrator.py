@@ -728,20 +728,45 @@ class WithDevworkers(unittest.TestCase):
         self.assertEqual(c[0].token_usage.output_tokens, len(("echo: " + msg).split()))
         lst = self.unary("ListSessions", L.ListSessionsRequest(page_size=100), L.ListSessionsResponse)
         self.assertIn(sid, [s.session_id for s in lst.sessions])
+        # the worker checkpointed its iteration to replica A (same database): loop_count follows.
+        deadline = time.time() + 20
+        while time.time() < deadline and self.get(sid).loop_count < 1:
+            time.sleep(0.1)
+        self.assertGreaterEqual(self.get(sid).loop_count, 1)
+        done = list(evs)
         # a script: projection through a real worker
         script = [{"status": "THINKING"}, {"tool_call": {"tool_name": "search", "arguments": {"q": "w"}}},
                   {"tool_result": {"result": {"temp": 21}}}, {"security": {"violation_code": "x", "detail": "HIDDEN"}},
                   {"metrics": {"model": "m", "cost_usd": 0.1}}, {"tokens": "it is warm"}, {"complete": "It is warm."}]
         evs = self.send("#!script\n" + json.dumps(script), session_id=sid, agent_id="")
+        done += evs
         kinds = [e.WhichOneof("event") for e in evs]
         self.assertEqual(kinds[0], "status")
         self.assertEqual(kinds[-1], "completion")
         self.assertEqual(set(kinds[1:-1]), {"token"})
         self.assertNotIn(b"HIDDEN", b"".join(e.SerializeToString() for e in evs))
         # a step in flight is heartbeated per session (to replica A): last_heartbeat is set
-        self.send("#!script\n" + json.dumps([{"token": "a"}, {"sleep_ms": 700}, {"complete": "done"}]),
-                  session_id=sid, agent_id="")
+        done += self.send("#!script\n" + json.dumps([{"token": "a"}, {"sleep_ms": 700}, {"complete": "done"}]),
+                          session_id=sid, agent_id="")
         self.assertAlmostEqual(self.get(sid).last_heartbeat.seconds, time.time(), delta=30)
+        # every iteration of the three turns reaches replica A as a checkpoint, whichever worker
+        # ran the turn: turns land on either worker (no session affinity), each counting the
+        # session's iterations from what it saw; a worker whose iteration another worker already
+        # checkpointed re-keys it to the next one instead of dropping it (ALREADY_EXISTS)
+        want = sum(e.completion.loop_iterations for e in done if e.HasField("completion"))
+        self.assertGreaterEqual(want, 3)
+        admin = os.environ.get("UPSQUAD_PG_ADMIN_DSN")
+        got, deadline = -1, time.time() + 20
+        while admin and got < want and time.time() < deadline:
+            got = int(subprocess.run(["psql", admin, "-X", "-Atq", "-c",
+                                      "SELECT count(*) FROM orchestrator.checkpoints WHERE session_id = '%s'" % sid],
+                                     capture_output=True, text=True).stdout.strip() or -1)
+            if got < want:
+                time.sleep(0.1)
+        if admin:
+            self.assertEqual(got, want)
+        self.assertEqual([l for w in self.w for l in w.log if "checkpoint.refused" in l and sid in l], [])
+        self.assertGreaterEqual(self.get(sid).loop_count, want - 1)
 
     def test_cancel_through_devworker(self):
         fn = self.ch.unary_stream(LC + "SendMessage", request_serializer=L.SendMessageRequest.SerializeToString,
