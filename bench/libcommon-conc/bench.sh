@@ -102,8 +102,12 @@ if dd and rr:
     small = [r for r in rl if r["streams"] != full[0]["streams"]]
     if small:
         md.append(row("relay", small))
+    cd = statistics.median(r["cpu_us_per_msg"] for r in dd)
+    cr = statistics.median(r["cpu_us_per_msg"] for r in rr)
     md += ["", f"ratio relay/direct: median {statistics.median(ratios):.2f}, range "
-           f"{ratios[0]:.2f}-{ratios[-1]:.2f} (target >= 0.8)"]
+           f"{ratios[0]:.2f}-{ratios[-1]:.2f} (target >= 0.8); CPU per message (the process: "
+           f"backend, reader and relay): direct {cd:.1f} us, relayed {cr:.1f} us (the ratio the "
+           f"CPU allows when the run is CPU-bound: {cd / cr:.2f})"]
     md.append("")
 fo = [r for r in rows if r["mode"] == "fanout"]
 if fo:
