@@ -17,14 +17,15 @@
  * relay:    a backend libcommon server streams M messages on each of N concurrent streams; a
  *           reader with the async client (2 I/O threads) reads them directly (--direct 1) or
  *           through a relay server (--direct 0) that reads each from the backend with the async
- *           client and pushes every message into its own server stream. Prints messages/s and
- *           the process's thread count at the peak.
+ *           client and pushes every message into its own server stream. Prints messages/s, the
+ *           process's thread count at the peak, and its CPU time per message.
  * Output: one line of JSON. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -61,6 +62,13 @@ static long proc_status(const char *key) {
         }
     if (f) fclose(f);
     return v;
+}
+
+static double cpu_us(void) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1e6 +
+           (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
 }
 
 static const char *arg(int argc, char **argv, const char *name, const char *def) {
@@ -478,6 +486,7 @@ static int bench_relay(int nstreams, int count, int direct) {
     req.count = count;
     rpc_call_opts o = {.timeout_ms = 120000};
     rpc_astream **ss = calloc((size_t)nstreams, sizeof *ss);
+    double cpu0 = cpu_us();
     int64_t t0 = now_us();
     for (int i = 0; i < nstreams; i++)
         rpc_astream_open(reader, ch, PATH("PublicStream"), &req.base, RESP_DESC, &o, read_msg,
@@ -489,11 +498,14 @@ static int bench_relay(int nstreams, int count, int direct) {
         usleep(5000);
     }
     double secs = (double)(now_us() - t0) / 1e6;
+    /* the process's CPU over the run (servers, relay, reader: all in here) */
+    double cpu = cpu_us() - cpu0;
     printf("{\"mode\":\"relay\",\"direct\":%d,\"streams\":%d,\"count\":%d,\"messages\":%ld,"
            "\"messages_per_s\":%.1f,\"failed_streams\":%ld,\"threads_start\":%ld,"
-           "\"threads_idle\":%ld,\"threads_peak\":%ld}\n",
+           "\"threads_idle\":%ld,\"threads_peak\":%ld,\"cpu_us_per_msg\":%.2f}\n",
            direct, nstreams, count, atomic_load(&g_msgs), atomic_load(&g_msgs) / secs,
-           atomic_load(&g_bad) + (nstreams - atomic_load(&g_done)), thr_start, thr_idle, thr_peak);
+           atomic_load(&g_bad) + (nstreams - atomic_load(&g_done)), thr_start, thr_idle, thr_peak,
+           atomic_load(&g_msgs) ? cpu / (double)atomic_load(&g_msgs) : 0.0);
     fflush(stdout);
     for (int i = 0; i < nstreams; i++)
         if (ss[i]) rpc_astream_unref(ss[i]);

@@ -6,9 +6,16 @@
  *     HB_MAX_SESSIONS), so the orchestrator can refresh each session's last_heartbeat. The
  *     worker's address rides as metadata x-upsquad-worker-addr; worker_id defaults to it.
  *   - Checkpoints go out in queue order while the orchestrator answers. A transport failure
- *     (UNAVAILABLE, DEADLINE_EXCEEDED) keeps the checkpoint at the head of the queue; any
- *     other status (ALREADY_EXISTS for a conflicting hash, INVALID_ARGUMENT) is final: logged,
- *     counted, dropped.
+ *     (UNAVAILABLE, DEADLINE_EXCEEDED) keeps the checkpoint at the head of the queue.
+ *     ALREADY_EXISTS (another hash holds that iteration) means another worker ran an earlier
+ *     turn of the session: turns land on any worker (no session affinity) and each counts a
+ *     session's iterations from what it saw, so the second worker's numbers collide with the
+ *     first's. The checkpoint goes again with the next key (at most CK_RENUMBER_MAX times):
+ *     keys are chosen when a checkpoint is sent, never below the last key sent for the session
+ *     plus one, so a session's checkpoints keep their order however many were queued behind
+ *     the colliding one, and the session's next iterations continue above them. A re-keyed
+ *     JSON state's "loop_iteration" follows (and the hash with it). Any other status
+ *     (INVALID_ARGUMENT, NOT_FOUND) is final: logged, counted, dropped.
  *   - Unreachable orchestrator: the worker keeps serving; retries back off from 200 ms,
  *     doubling up to UPSQUAD_DEVWORKER_HEARTBEAT_BACKOFF_MAX; "orchestrator.unreachable" and
  *     "orchestrator.reachable" are logged once per change of state.
@@ -16,12 +23,14 @@
  * Tokens: HS256 with UPSQUAD_JWT_SECRET, aud UPSQUAD_JWT_AUDIENCE, sub = worker id, scope
  * "runtime.worker", clearance 1; org_id = the session's tenant on a checkpoint, the nil UUID
  * on a heartbeat (a worker belongs to no tenant). */
+#include <cjson/cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "ids.h"
 #include "log.h"
 #include "upsquad/runtime/v1/runtime.pb-c.h"
 #include "worker.h"
@@ -29,6 +38,7 @@
 #define SVC "/upsquad.runtime.v1.RuntimeService/"
 #define HB_MAX_SESSIONS 64
 #define BACKOFF_MIN_MS 200
+#define CK_RENUMBER_MAX 64
 #define NIL_ORG "00000000-0000-0000-0000-000000000000"
 
 typedef struct reporter {
@@ -216,6 +226,35 @@ static void put_back(dw_worker *w, dw_ckpt *c) {
     }
 }
 
+/* Re-keys c to `iter`: a JSON object state with a "loop_iteration" number gets the new one (the
+ * state names its own iteration, as the devworker's default state does), and the hash is
+ * recomputed over the new bytes. Other states keep their bytes. 0, or -1 out of memory. */
+static int rekey(dw_ckpt *c, int32_t iter) {
+    int rc = 0;
+    cJSON *o = c->len > 4 ? cJSON_ParseWithLength((const char *)c->bytes + 4, c->len - 4) : NULL;
+    cJSON *it = o ? cJSON_GetObjectItemCaseSensitive(o, "loop_iteration") : NULL;
+    c->loop_iteration = iter;
+    if (cJSON_IsNumber(it)) {
+        cJSON_SetNumberValue(it, iter);
+        char *body = cJSON_PrintUnformatted(o);
+        size_t n = body ? strlen(body) : 0;
+        uint8_t *b = body ? malloc(n + 4) : NULL;
+        if (b) {
+            memcpy(b, c->bytes, 4); /* the schema version prefix */
+            memcpy(b + 4, body, n);
+            free(c->bytes);
+            c->bytes = b;
+            c->len = n + 4;
+            ids_sha256_hex(c->bytes, c->len, c->sha256);
+        } else {
+            rc = -1;
+        }
+        cJSON_free(body);
+    }
+    cJSON_Delete(o);
+    return rc;
+}
+
 /* Sends one checkpoint; -1 on a transport failure (kept for a retry). */
 static int send_checkpoint(reporter *r, dw_ckpt *c, char *why, size_t whylen) {
     dw_worker *w = r->w;
@@ -224,6 +263,18 @@ static int send_checkpoint(reporter *r, dw_ckpt *c, char *why, size_t whylen) {
     rpc_status st = {0};
     char *tok = mint(r, c->tenant);
     int code;
+    int32_t key = dw_session_ck_key(w, c->session_id, c->loop_iteration);
+    if (key != c->loop_iteration) {
+        int32_t was = c->loop_iteration;
+        if (rekey(c, key) != 0) {
+            free(tok);
+            metric_inc(w->m_ck_dropped);
+            free(c->bytes);
+            return 0;
+        }
+        log_info("checkpoint.renumbered", "session %s: iteration %d goes as %d (another worker's)",
+                 c->session_id, was, key);
+    }
     rq.session_id = c->session_id;
     rq.bytes.data = c->bytes;
     rq.bytes.len = c->len;
@@ -240,6 +291,7 @@ static int send_checkpoint(reporter *r, dw_ckpt *c, char *why, size_t whylen) {
     if (code != RPC_OK)
         snprintf(why, whylen, "Checkpoint: status %d %s", code, st.message ? st.message : "");
     rpc_status_clear(&st);
+    if (!transient(code)) dw_session_ck_sent(w, c->session_id, c->loop_iteration);
     if (code == RPC_OK) {
         metric_inc(w->m_ck_ok);
         free(c->bytes);
@@ -249,6 +301,11 @@ static int send_checkpoint(reporter *r, dw_ckpt *c, char *why, size_t whylen) {
         metric_inc(w->m_ck_fail);
         put_back(w, c);
         return -1;
+    }
+    if (code == RPC_ALREADY_EXISTS && c->renumbered < CK_RENUMBER_MAX) {
+        c->renumbered++;
+        put_back(w, c); /* next in line, with the next key */
+        return 0;
     }
     metric_inc(w->m_ck_refused);
     log_warn("checkpoint.refused", "session %s iteration %d: %s", c->session_id, c->loop_iteration,

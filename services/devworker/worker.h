@@ -51,6 +51,7 @@ typedef struct dw_session {
     char tenant[DW_ID_MAX];
     char model[DW_ID_MAX];
     int32_t next_iter; /* loop_iteration of the next checkpoint */
+    int32_t ck_next;   /* the lowest key the next checkpoint sent may carry (reporter) */
     uint8_t *state;    /* latest checkpoint blob (prefix + body), owned; NULL: none */
     size_t state_len;
     char state_hash[65];
@@ -77,6 +78,7 @@ typedef struct dw_ckpt {
     uint8_t *bytes;
     size_t len;
     char sha256[65];
+    int renumbered; /* times re-keyed after another worker's checkpoint held the iteration */
 } dw_ckpt;
 
 typedef struct dw_worker {
@@ -117,6 +119,12 @@ int32_t dw_session_touch(dw_worker *w, const char *id, const char *tenant, const
 /* Reserves the session's next loop iteration (two steps of one session in flight on this
  * worker never use the same number). */
 int32_t dw_session_reserve_iter(dw_worker *w, const char *id);
+/* The key the checkpoint of iteration `iter` goes out with: iter, or the session's lowest
+ * key still free when an earlier checkpoint was re-keyed past it (keys stay in queue order). */
+int32_t dw_session_ck_key(dw_worker *w, const char *id, int32_t iter);
+/* After a checkpoint went out as `key` (accepted or taken): later ones go above it, and so do
+ * the session's next iterations. */
+void dw_session_ck_sent(dw_worker *w, const char *id, int32_t key);
 /* Records the blob as the session's latest state (copied) and advances next_iter past iter. */
 void dw_session_set_state(dw_worker *w, const char *id, int32_t iter, const uint8_t *blob,
                           size_t len, const char *hash);

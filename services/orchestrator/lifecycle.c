@@ -463,6 +463,7 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
                        .final_text = res.final_text,
                        .agent_status = res.outcome == TURN_COMPLETED ? 3 : 4,
                        .loop_iterations = res.loop_iterations,
+                       .loop_base = s.loop_count,
                        .input_tokens = res.input_tokens,
                        .output_tokens = res.output_tokens,
                        .cost_usd = res.cost_usd,

@@ -28,10 +28,12 @@ static void fini(void *st) {
 
 int main(int argc, char **argv) {
     size_t n;
-    /* Unary handlers block on Postgres and on worker calls (InitWorkerSession), and every chat
-     * turn holds a stream worker for its whole relay: defaults sized for that, unless the
-     * environment says otherwise (docs/orchestrator.md). */
-    setenv("UPSQUAD_RPC_UNARY_THREADS", "4", 0);
+    /* Every chat turn holds a stream worker for its whole relay: a default sized for that,
+     * unless the environment says otherwise (docs/orchestrator.md). The unary handlers that
+     * wait on Postgres or on workers are RPC_BLOCKING (the blocking pool), so the completion-
+     * queue threads only do I/O: libcommon's one, since each more thread polling the same
+     * connections costs wake-ups on every relayed token (docs/benchmarks.md, "orchestrator
+     * relay"). */
     setenv("UPSQUAD_RPC_STREAM_WORKERS", "64", 0);
     const cfg_var *vars = orch_config_vars(&n);
     svc_def def = {

@@ -583,7 +583,7 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
     PGresult *r = NULL;
     char status[16], loops[16], in[32], outt[32], cost[64];
     snprintf(status, sizeof status, "%d", e->agent_status);
-    snprintf(loops, sizeof loops, "%d", e->loop_iterations);
+    snprintf(loops, sizeof loops, "%d", e->loop_base + e->loop_iterations);
     snprintf(in, sizeof in, "%lld", (long long)e->input_tokens);
     snprintf(outt, sizeof outt, "%lld", (long long)e->output_tokens);
     snprintf(cost, sizeof cost, "%.9f", e->cost_usd);
@@ -597,7 +597,11 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
                        e->ok ? "" : (e->error_msg ? e->error_msg : ""),
                        e->worker ? e->worker : ""};
     rc = db_exec(c,
-                 "UPDATE sessions SET agent_status = $2::int, loop_count = loop_count + $3::int,"
+                 /* loop_count only grows to a count: the turn's iterations on top of the
+                  * count it began with, or what the checkpoints already showed (they race
+                  * the turn's end: orch_store_checkpoint), whichever is more */
+                 "UPDATE sessions SET agent_status = $2::int,"
+                 " loop_count = greatest(loop_count, $3::int),"
                  " input_tokens = input_tokens + $4::bigint,"
                  " output_tokens = output_tokens + $5::bigint,"
                  " cost_usd = cost_usd + $6::float8,"
@@ -742,9 +746,13 @@ int orch_store_checkpoint(db_pool *p, const char *session_id, int loop_iteration
                      "   WHERE session_id = $1::uuid ORDER BY loop_iteration DESC"
                      "   LIMIT $2::int) k)",
                      2, k, NULL, err, errlen);
+        /* loop_count counts completed iterations (spec: SessionInfo.loop_count) and
+         * iterations count from 0, so iteration N means N + 1 completed. A max, like the
+         * turn's end (orch_store_turn_end): a checkpoint arriving before or after the turn's
+         * end gives the same count. */
         if (rc == DB_OK)
             rc = db_exec(c,
-                         "UPDATE sessions SET loop_count = greatest(loop_count, $2::int)"
+                         "UPDATE sessions SET loop_count = greatest(loop_count, $2::int + 1)"
                          " WHERE session_id = $1::uuid",
                          2, (const char *[]){session_id, iter}, NULL, err, errlen);
     }

@@ -129,6 +129,9 @@ typedef struct orch_turn_end {
     const char *error_msg;
     int agent_status;
     int loop_iterations;
+    /* the session's loop_count when the turn began: the turn ends with at least base +
+     * loop_iterations (0 for a fresh session) */
+    int loop_base;
     int64_t input_tokens, output_tokens;
     double cost_usd;
     const char *worker;

@@ -53,11 +53,12 @@ def claims_of(token):
 class FakeOrchestrator:
     """RuntimeService.Heartbeat and .Checkpoint, recording what the worker sent."""
 
-    def __init__(self, port=0, checkpoint_code=None):
+    def __init__(self, port=0, checkpoint_code=None, taken=()):
         self.lock = threading.Lock()
         self.heartbeats = []  # (request, metadata dict, claims)
         self.checkpoints = []
         self.checkpoint_code = checkpoint_code
+        self.taken = set(taken)  # iterations another worker holds: ALREADY_EXISTS
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
         handlers = {
             "Heartbeat": grpc.unary_unary_rpc_method_handler(
@@ -98,6 +99,8 @@ class FakeOrchestrator:
             self.checkpoints.append((req, md, claims))
         if self.checkpoint_code:
             context.abort(self.checkpoint_code, "refused by the test")
+        if req.loop_iteration in self.taken:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, "another hash holds this iteration")
         return R.CheckpointResponse()
 
     def wait_for(self, what, pred, timeout=5.0):
@@ -799,7 +802,7 @@ class UnreachableOrchestratorTest(unittest.TestCase):
         self.assertNotIn("orchestrator.unreachable", log)
 
     def test_refused_checkpoint_is_dropped_not_retried(self):
-        orch = FakeOrchestrator(checkpoint_code=grpc.StatusCode.ALREADY_EXISTS)
+        orch = FakeOrchestrator(checkpoint_code=grpc.StatusCode.INVALID_ARGUMENT)
         w = start_worker(orch.addr)
         c = Client(w.addr)
         try:
@@ -808,6 +811,46 @@ class UnreachableOrchestratorTest(unittest.TestCase):
             time.sleep(0.5)
             self.assertEqual(len(orch.checkpoints), 1)
             self.assertEqual(w.metric("devworker_checkpoints_total", 'result="refused"'), 1.0)
+        finally:
+            c.close()
+            w.stop()
+            orch.stop()
+
+    def test_taken_iteration_is_rekeyed(self):
+        # another worker ran the session's earlier turns (iterations 0 and 1): this worker's
+        # first checkpoint goes as iteration 2, its state naming 2, and its counter follows
+        orch = FakeOrchestrator(taken={0, 1})
+        w = start_worker(orch.addr)
+        c = Client(w.addr)
+        try:
+            c.run("one", session="rekey-1")
+            c.run("two", session="rekey-1")
+            self.assertTrue(orch.wait_for("checkpoints", lambda x: x[0].loop_iteration == 3))
+            # accepted in order: the first turn as 2, the second as 3 (whether the second turn
+            # reserved 1 before or after the first checkpoint was re-keyed)
+            its = [x[0].loop_iteration for x in orch.checkpoints]
+            self.assertEqual([i for i in its if i not in (0, 1)], [2, 3], its)
+            self.assertEqual(sorted(its), [0, 1, 2, 3])
+            for req, _, _ in orch.checkpoints:
+                self.assertEqual(hashlib.sha256(req.bytes).hexdigest(), req.bytes_sha256)
+                self.assertEqual(json.loads(req.bytes[4:])["loop_iteration"], req.loop_iteration)
+            self.assertEqual(w.metric("devworker_checkpoints_total", 'result="refused"'), 0.0)
+        finally:
+            c.close()
+            w.stop()
+            orch.stop()
+
+    def test_rekeying_is_bounded(self):
+        orch = FakeOrchestrator(checkpoint_code=grpc.StatusCode.ALREADY_EXISTS)
+        w = start_worker(orch.addr)
+        c = Client(w.addr)
+        try:
+            c.run("one", session="rekey-2")
+            deadline = time.time() + 10
+            while time.time() < deadline and w.metric("devworker_checkpoints_total", 'result="refused"') < 1:
+                time.sleep(0.05)
+            self.assertEqual(w.metric("devworker_checkpoints_total", 'result="refused"'), 1.0)
+            self.assertEqual(len(orch.checkpoints), 65)  # the first try and 64 re-keyed ones
         finally:
             c.close()
             w.stop()

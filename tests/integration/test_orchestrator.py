@@ -599,7 +599,7 @@ class Orch(unittest.TestCase):
                                   " FROM orchestrator.checkpoints WHERE session_id = '%s'" % sid],
                                  capture_output=True, text=True).stdout.strip()
             self.assertEqual(its, "5,6,7,8,9")
-        self.assertEqual(self.get(sid).loop_count, 9)
+        self.assertEqual(self.get(sid).loop_count, 10)  # iterations 0..9: ten completed
 
     # ---- upsquad-agents ----
     def test_upsquad_agents(self):
@@ -728,20 +728,49 @@ class WithDevworkers(unittest.TestCase):
         self.assertEqual(c[0].token_usage.output_tokens, len(("echo: " + msg).split()))
         lst = self.unary("ListSessions", L.ListSessionsRequest(page_size=100), L.ListSessionsResponse)
         self.assertIn(sid, [s.session_id for s in lst.sessions])
+        # the worker checkpointed its iteration to replica A (same database): loop_count follows.
+        deadline = time.time() + 20
+        while time.time() < deadline and self.get(sid).loop_count < 1:
+            time.sleep(0.1)
+        self.assertGreaterEqual(self.get(sid).loop_count, 1)
+        done = list(evs)
         # a script: projection through a real worker
         script = [{"status": "THINKING"}, {"tool_call": {"tool_name": "search", "arguments": {"q": "w"}}},
                   {"tool_result": {"result": {"temp": 21}}}, {"security": {"violation_code": "x", "detail": "HIDDEN"}},
                   {"metrics": {"model": "m", "cost_usd": 0.1}}, {"tokens": "it is warm"}, {"complete": "It is warm."}]
         evs = self.send("#!script\n" + json.dumps(script), session_id=sid, agent_id="")
+        done += evs
         kinds = [e.WhichOneof("event") for e in evs]
         self.assertEqual(kinds[0], "status")
         self.assertEqual(kinds[-1], "completion")
         self.assertEqual(set(kinds[1:-1]), {"token"})
         self.assertNotIn(b"HIDDEN", b"".join(e.SerializeToString() for e in evs))
         # a step in flight is heartbeated per session (to replica A): last_heartbeat is set
-        self.send("#!script\n" + json.dumps([{"token": "a"}, {"sleep_ms": 700}, {"complete": "done"}]),
-                  session_id=sid, agent_id="")
+        done += self.send("#!script\n" + json.dumps([{"token": "a"}, {"sleep_ms": 700}, {"complete": "done"}]),
+                          session_id=sid, agent_id="")
         self.assertAlmostEqual(self.get(sid).last_heartbeat.seconds, time.time(), delta=30)
+        # every iteration of the three turns reaches replica A as a checkpoint, whichever worker
+        # ran the turn: turns land on either worker (no session affinity), each counting the
+        # session's iterations from what it saw; a worker whose iteration another worker already
+        # checkpointed re-keys it to the next one instead of dropping it (ALREADY_EXISTS)
+        # (iterations 0..want-1; the newest UPSQUAD_CHECKPOINTS_KEEP, 5 by default, are kept)
+        want = sum(e.completion.loop_iterations for e in done if e.HasField("completion"))
+        self.assertGreaterEqual(want, 3)
+        expect = "%d %d" % (min(want, 5), want - 1)
+        admin = os.environ.get("UPSQUAD_PG_ADMIN_DSN")
+        got, deadline = "", time.time() + 20
+        while admin and got != expect and time.time() < deadline:
+            got = subprocess.run(["psql", admin, "-X", "-Atq", "-F", " ", "-c",
+                                  "SELECT count(*), max(loop_iteration) FROM orchestrator.checkpoints"
+                                  " WHERE session_id = '%s'" % sid],
+                                 capture_output=True, text=True).stdout.strip()
+            if got != expect:
+                time.sleep(0.1)
+        if admin:
+            self.assertEqual(got, expect)
+        self.assertEqual([l for w in self.w for l in w.log if "checkpoint.refused" in l and sid in l], [])
+        # the count is the iterations, however the checkpoints raced the turns' ends
+        self.assertEqual(self.get(sid).loop_count, want)
 
     def test_cancel_through_devworker(self):
         fn = self.ch.unary_stream(LC + "SendMessage", request_serializer=L.SendMessageRequest.SerializeToString,
