@@ -42,6 +42,13 @@ typedef Upsquad__Workflow__V1__NodeIOFrame NodeIOFrame;
 #define ACK_WAIT_MS 30000
 #define IN_PROGRESS_MS 10000
 #define SUMMARY_MAX 512
+#define RECENT_CANCELS 1024 /* keys of cancelled attempts remembered (a ring: oldest forgotten) */
+
+/* The attempt a consumer thread runs, for AgentStepCancel (one slot per consumer thread). */
+typedef struct step_slot {
+    char key[65]; /* "" when idle */
+    atomic_int cancelled;
+} step_slot;
 
 struct orch_steps {
     orch *o;
@@ -49,6 +56,11 @@ struct orch_steps {
     pthread_t th[STEPS_MAX_THREADS];
     int n;
     atomic_int stop; /* set by orch_steps_stop, read by the consumers */
+    bus_sub *cancel_sub;
+    pthread_mutex_t cmu; /* guards slots and recent */
+    step_slot slots[STEPS_MAX_THREADS];
+    char recent[RECENT_CANCELS][65];
+    size_t recent_next;
 };
 
 static int64_t now_ms(void) {
@@ -72,7 +84,7 @@ typedef struct tee {
     int64_t first_ms;
     natsMsg *msg; /* the dispatch (in-progress acks) */
     int64_t last_progress;
-    int cancelled;
+    atomic_int *cancelled; /* the slot's flag: set by an AgentStepCancel of this attempt */
 } tee;
 
 static void publish(tee *t, NodeIOFrame *frame, Upsquad__Workflow__V1__TranscriptEvent *tr) {
@@ -250,7 +262,54 @@ static int tee_poll(void *ud) {
         t->last_progress = now;
     }
     pthread_mutex_unlock(&t->mu);
-    return 0;
+    return t->cancelled && atomic_load(t->cancelled); /* non-zero: the worker call is cancelled */
+}
+
+/* ---- cancellation (AgentStepCancel) ---- */
+
+/* The slot of this consumer now runs `key`; a key cancelled before it got here starts
+ * cancelled. */
+static step_slot *slot_begin(orch_steps *s, int i, const char *key) {
+    step_slot *sl = &s->slots[i];
+    int hit = 0;
+    pthread_mutex_lock(&s->cmu);
+    snprintf(sl->key, sizeof sl->key, "%s", key);
+    for (size_t k = 0; k < RECENT_CANCELS && !hit; k++)
+        hit = s->recent[k][0] && !strcmp(s->recent[k], key);
+    atomic_store(&sl->cancelled, hit);
+    pthread_mutex_unlock(&s->cmu);
+    return sl;
+}
+
+static void slot_end(orch_steps *s, step_slot *sl) {
+    pthread_mutex_lock(&s->cmu);
+    sl->key[0] = 0;
+    atomic_store(&sl->cancelled, 0);
+    pthread_mutex_unlock(&s->cmu);
+}
+
+/* Core NATS callback (every replica): cancel the attempt if it runs here, and remember the
+ * key so a dispatch of it picked up later is not run. */
+static void on_cancel(bus *b, natsMsg *m, void *ud) {
+    (void)b;
+    orch_steps *s = ud;
+    Upsquad__Internal__V1__AgentStepCancel *c = upsquad__internal__v1__agent_step_cancel__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
+    if (c && strlen(c->idempotency_key) == 64) {
+        int running = 0;
+        pthread_mutex_lock(&s->cmu);
+        snprintf(s->recent[s->recent_next], sizeof s->recent[0], "%s", c->idempotency_key);
+        s->recent_next = (s->recent_next + 1) % RECENT_CANCELS;
+        for (int i = 0; i < STEPS_MAX_THREADS; i++)
+            if (s->slots[i].key[0] && !strcmp(s->slots[i].key, c->idempotency_key)) {
+                atomic_store(&s->slots[i].cancelled, 1);
+                running = 1;
+            }
+        pthread_mutex_unlock(&s->cmu);
+        log_info("steps.cancel", "run %s step %s: cancelled (%s)%s", c->run_id, c->step_name,
+                 c->reason, running ? "; stopping the worker call" : "");
+    }
+    if (c) protobuf_c_message_free_unpacked(&c->base, NULL);
 }
 
 /* ---- one dispatch ---- */
@@ -318,8 +377,8 @@ static void fail(StepResult *r, Upsquad__Internal__V1__StepFailed *f, const char
     r->failed = f;
 }
 
-/* Returns 0 to ack, -1 to nak (retry later). */
-static int run_step(orch *o, const Dispatch *d, natsMsg *msg) {
+/* Returns 0 to ack, -1 to nak (retry later). sl: this consumer's slot, already holding the key. */
+static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
     char err[512], sid[37] = "", hash[65], emsg[768];
     unsigned char *prior = NULL;
     size_t plen = 0;
@@ -357,6 +416,10 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg) {
     r.step_name = d->step_name;
     r.iteration = d->iteration;
     r.attempt = d->attempt;
+    if (atomic_load(&sl->cancelled)) { /* cancelled before it started: never run */
+        fail(&r, &failed, "cancelled", "the step was cancelled before it started", 0);
+        goto record;
+    }
     rc = orch_store_agent_by_role(o->pool, d->org_id, d->agent_role, &agent, err, sizeof err);
     if (rc == ORCH_ENOTFOUND) {
         snprintf(emsg, sizeof emsg, "no agent with role \"%s\" in org %s", d->agent_role,
@@ -384,7 +447,12 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg) {
         orch_request_build(o, &a, &s, message, 1, NULL, 0, &req, &snap))
         goto retry;
     req->ask_user_resume = d->ask_user_resume;
-    tee t = {.o = o, .d = d, .session_id = sid, .msg = msg, .last_progress = now_ms()};
+    tee t = {.o = o,
+             .d = d,
+             .session_id = sid,
+             .msg = msg,
+             .last_progress = now_ms(),
+             .cancelled = &sl->cancelled};
     pthread_mutex_init(&t.mu, NULL);
     bus_subject(t.subject, sizeof t.subject, SUBJ_WFIO, d->org_id, d->run_id, NULL);
     orch_sink sink = {tee_event, tee_poll, &t};
@@ -412,6 +480,9 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg) {
     usage.cost_usd = res.cost_usd;
     r.usage = &usage;
     switch (res.outcome) {
+    case TURN_CANCELLED: /* the engine is past this attempt: the result is for the record */
+        fail(&r, &failed, "cancelled", "the step was cancelled while it ran", 0);
+        break;
     case TURN_COMPLETED:
         done.text = res.final_text ? res.final_text : (char *)"";
         done.output = output_of(done.text);
@@ -488,7 +559,8 @@ static int dispatch_ok(const Dispatch *d) {
            d->agent_role[0] && bus_token_valid(d->org_id) && bus_token_valid(d->run_id);
 }
 
-static void handle(orch *o, natsMsg *m) {
+static void handle(orch_steps *s, int slot, natsMsg *m) {
+    orch *o = s->o;
     Dispatch *d = (Dispatch *)protobuf_c_message_unpack(
         &upsquad__internal__v1__agent_step_dispatch__descriptor, NULL,
         (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
@@ -500,10 +572,12 @@ static void handle(orch *o, natsMsg *m) {
         return;
     }
     log_set_trace(d->trace_id[0] ? d->trace_id : NULL);
-    if (run_step(o, d, m) == 0)
+    step_slot *sl = slot_begin(s, slot, d->idempotency_key);
+    if (run_step(o, d, m, sl) == 0)
         bus_ack(m);
     else
         bus_nak(m, 2000);
+    slot_end(s, sl);
     log_set_trace(NULL);
     protobuf_c_message_free_unpacked(&d->base, NULL);
 }
@@ -540,6 +614,12 @@ static int setup(orch_steps *s, int i) {
                              NULL, err, sizeof err) ||
         bus_js_pull_subscribe(b, STREAM_AGENT_STEPS, DURABLE_AGENT_STEPS, SUBJ_AGENT_STEP_DISPATCH,
                               ACK_WAIT_MS, -1, &s->pull[i], err, sizeof err);
+    if (!rc && !s->cancel_sub) {
+        char subj[64];
+        snprintf(subj, sizeof subj, "%s.>", SUBJ_AGENT_STEP_CANCEL);
+        /* no queue group: every replica must see every cancel */
+        rc = bus_subscribe(b, subj, NULL, on_cancel, s, &s->cancel_sub, err, sizeof err);
+    }
     pthread_mutex_unlock(&setup_mu);
     if (rc) log_warn("steps.setup", "agent steps not consumed yet (%s); retrying", err);
     return rc;
@@ -561,7 +641,7 @@ static void *consume(void *arg) {
             continue;
         }
         for (int k = 0; k < list.Count; k++)
-            handle(s->o, list.Msgs[k]);
+            handle(s, ta->i, list.Msgs[k]);
         natsMsgList_Destroy(&list);
     }
     return NULL;
@@ -572,6 +652,7 @@ int orch_steps_start(orch *o, char *err, size_t errlen) {
     bus_opts bo;
     if (!s) return snprintf(err, errlen, "out of memory"), -1;
     s->o = o;
+    pthread_mutex_init(&s->cmu, NULL);
     o->steps = s;
     bus_opts_default(&bo);
     bo.connect_retry = 1; /* NATS down at start: connect in the background */
@@ -595,6 +676,7 @@ void orch_steps_stop(orch *o) {
         s->stop = 1;
         for (int i = 0; i < s->n; i++)
             pthread_join(s->th[i], NULL);
+        bus_unsubscribe(s->cancel_sub);
         for (int i = 0; i < STEPS_MAX_THREADS; i++)
             bus_pull_close(s->pull[i]);
         free(s);

@@ -366,6 +366,36 @@ static int dispatch_agent(tick *t, act *a, const cJSON *sd) {
     return rc;
 }
 
+/* An agent attempt in flight is stopped (CancelRun, its run failing, its timeout): the cancel
+ * is an outbox row of the same transaction as the step's end, so it reaches the orchestrator
+ * even after a crash; every replica there cancels that attempt's ExecuteStep. An attempt
+ * waiting out a retry delay has nothing in flight. */
+static int cancel_agent(tick *t, act *a, const char *reason) {
+    if (strcmp(a->type, "agent_action") || strcmp(a->status, "in_progress") || !a->key[0] ||
+        a->next_poll_ms > 0)
+        return DB_OK;
+    Upsquad__Internal__V1__AgentStepCancel c = UPSQUAD__INTERNAL__V1__AGENT_STEP_CANCEL__INIT;
+    Google__Protobuf__Timestamp now;
+    char subject[160], msg_id[80];
+    pbjson_ts_now(&now);
+    c.idempotency_key = a->key;
+    c.org_id = t->run->org;
+    c.run_id = t->run->id;
+    c.action_id = a->id;
+    c.step_name = a->step;
+    c.reason = (char *)reason;
+    c.cancelled_at = &now;
+    snprintf(subject, sizeof subject, "%s.%s.%s", SUBJ_AGENT_STEP_CANCEL, t->run->org, t->run->id);
+    snprintf(msg_id, sizeof msg_id, "cancel:%s", a->key);
+    size_t len = protobuf_c_message_get_packed_size(&c.base);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (!buf) return DB_ENOMEM;
+    protobuf_c_message_pack(&c.base, buf);
+    int rc = st_outbox_put(t->tx, t->run->org, subject, msg_id, buf, len, t->err, sizeof t->err);
+    free(buf);
+    return rc;
+}
+
 /* ---- starting steps ---- */
 
 static int start_agent(tick *t, act *a, const cJSON *sd) {
@@ -882,6 +912,7 @@ static int walk_step(tick *t, const char *name, const char *lap, int iteration) 
         if (!strcmp(type, "agent_action")) {
             if (a->result) return apply_agent_result(t, a, sd);
             if (a->deadline_ms > 0 && t->now >= a->deadline_ms) {
+                t->rc = cancel_agent(t, a, "timeout");
                 fail_act(t, a, "timeout", "the agent step timed out");
                 return SCOPE_FAILED;
             }
@@ -926,6 +957,7 @@ static int stop_open_actions(tick *t, const char *why) {
     for (size_t i = 0; i < t->n && !t->rc; i++) {
         act *a = t->acts[i];
         if (wf_raw_terminal(a->status)) continue;
+        if ((t->rc = cancel_agent(t, a, why))) break;
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "error", why);
         set_output(a, o);

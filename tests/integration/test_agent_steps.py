@@ -1,0 +1,243 @@
+"""The agent-step boundary over the real system: workflow-engine, orchestrator and devworker
+processes with the runtime's Postgres, Redis and NATS (docs/workflow-engine.md "Agent steps",
+docs/orchestrator.md "Agent steps for workflows", docs/devworker.md).
+
+Every agent step's prompt is a devworker `#!script`, so the test decides what the worker does:
+hang until cancelled (CancelRun reaches the worker), fail retryably or not (the engine's retry
+policy), ask the user (the turn resumes with AskUserResume). Each run of this file uses a fresh
+org; processes are stopped by pid."""
+import json
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import threading
+import time
+import unittest
+import uuid
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
+import upsquad_testlib as T  # noqa: E402
+
+WF_DSN = os.environ.get("UPSQUAD_PG_DSN_WORKFLOW_ENGINE")
+ORCH_DSN = os.environ.get("UPSQUAD_PG_DSN_ORCHESTRATOR")
+REDIS = os.environ.get("UPSQUAD_REDIS_URL")
+NATS = os.environ.get("UPSQUAD_NATS_URL")
+if not WF_DSN or not ORCH_DSN or not REDIS or not NATS:
+    print("SKIP: UPSQUAD_PG_DSN_WORKFLOW_ENGINE, UPSQUAD_PG_DSN_ORCHESTRATOR, UPSQUAD_REDIS_URL "
+          "and UPSQUAD_NATS_URL are required")
+    sys.exit(0)
+for b in ("workflow-engine", "orchestrator", "devworker", "upsquad-agents"):
+    if not os.path.exists(os.path.join(T.BUILD, "bin", b)):
+        print("SKIP: build/bin/%s is not built" % b)
+        sys.exit(0)
+
+import grpc  # noqa: E402
+from google.protobuf import struct_pb2, json_format  # noqa: E402
+from upsquad.workflow.v1 import workflow_pb2 as W  # noqa: E402
+from upsquad.internal.v1 import agent_step_pb2 as AS  # noqa: E402
+import nats_mini  # noqa: E402
+
+SECRET = secrets.token_hex(32)
+KEK = "k1:" + secrets.token_hex(32)
+SVC = "/upsquad.workflow.v1.WorkflowService/"
+ROLE = "scripted"
+
+
+def st(d):
+    s = struct_pb2.Struct()
+    s.update(d)
+    return s
+
+
+def js(s):
+    return json_format.MessageToDict(s)
+
+
+def script(*directives):
+    return "#!script\n" + json.dumps(list(directives))
+
+
+def agent(prompt, nxt=None, **kw):
+    s = {"type": "agent_action", "agent_role": ROLE, "prompt": prompt}
+    if nxt:
+        s["next"] = nxt
+    s.update(kw)
+    return s
+
+
+def drain(server):
+    """Keeps a process's log (stderr) flowing into server.log so tests can grep it."""
+    server.log = []
+    threading.Thread(target=lambda: [server.log.append(l) for l in iter(server.proc.stderr.readline, "")],
+                     daemon=True).start()
+    return server
+
+
+def apply_agent(org):
+    path = "/tmp/agent-%s.json" % uuid.uuid4().hex
+    with open(path, "w") as f:
+        json.dump({"role": ROLE, "display_name": "Scripted", "model": "claude-sonnet-4-6"}, f)
+    try:
+        env = dict(os.environ, UPSQUAD_PG_DSN=ORCH_DSN, UPSQUAD_KEK=KEK, UPSQUAD_LOG_LEVEL="warn")
+        out = subprocess.run([os.path.join(T.BUILD, "bin", "upsquad-agents"), "--org", org, "apply", path],
+                             env=env, capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr)
+    finally:
+        os.unlink(path)
+
+
+class Client:
+    def __init__(self, addr, token):
+        self.ch = grpc.insecure_channel(addr)
+        self.md = [("authorization", "Bearer " + token)]
+
+    def __call__(self, method, req, timeout=10):
+        resp = getattr(W, method + "Response")
+        f = self.ch.unary_unary(SVC + method, request_serializer=req.SerializeToString,
+                                response_deserializer=resp.FromString)
+        return f(req, metadata=self.md, timeout=timeout)
+
+    def close(self):
+        self.ch.close()
+
+
+class AgentSteps(unittest.TestCase):
+    procs = []
+
+    @classmethod
+    def setUpClass(cls):
+        cls.orch = drain(T.Server("orchestrator", env={
+            "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": ORCH_DSN, "UPSQUAD_REDIS_URL": REDIS,
+            "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK, "UPSQUAD_WORKER_PROBE": "200ms",
+            "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/orchestrator/migrations"),
+            "UPSQUAD_WORKER_TARGETS": "127.0.0.1:1", "UPSQUAD_LOG_LEVEL": "info"}))
+        cls.procs.append(cls.orch)
+        cls.worker = drain(T.Server("devworker", env={
+            "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info",
+            "UPSQUAD_ORCHESTRATOR_ADDR": cls.orch.addr, "UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL": "200ms"}))
+        cls.procs.append(cls.worker)
+        # the orchestrator's pool is the devworker (a second replica with the real target)
+        cls.orch2 = drain(T.Server("orchestrator", env={
+            "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": ORCH_DSN, "UPSQUAD_REDIS_URL": REDIS,
+            "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK, "UPSQUAD_WORKER_PROBE": "200ms",
+            "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/orchestrator/migrations"),
+            "UPSQUAD_WORKER_TARGETS": cls.worker.addr, "UPSQUAD_LOG_LEVEL": "info"}))
+        cls.procs.append(cls.orch2)
+        cls.engine = drain(T.Server("workflow-engine", env={
+            "UPSQUAD_PG_DSN": WF_DSN, "UPSQUAD_NATS_URL": NATS, "UPSQUAD_JWT_SECRET": SECRET,
+            "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/workflow-engine/migrations"),
+            "UPSQUAD_WF_SCHEMA_FILE": os.path.join(T.ROOT, "services/workflow-engine/schema/workflow-definition.schema.json"),
+            "UPSQUAD_WF_CATALOG_FILE": os.path.join(T.ROOT, "services/workflow-engine/catalog/tools.json"),
+            "UPSQUAD_WF_PAGE_KEY": secrets.token_hex(16), "UPSQUAD_WF_LEASE": "2s",
+            "UPSQUAD_WF_IDLE_POLL": "50ms", "UPSQUAD_WF_AGENT_RETRIES": "2",
+            "UPSQUAD_WF_AGENT_RETRY_BACKOFF": "200ms", "UPSQUAD_LOG_LEVEL": "warn"}))
+        cls.procs.append(cls.engine)
+        cls.org = str(uuid.uuid4())
+        cls.user = str(uuid.uuid4())
+        apply_agent(cls.org)
+        cls.A = Client(cls.engine.addr, T.mint(SECRET, sub=cls.user, org=cls.org, clearance=5))
+        cls.nc = nats_mini.Nats(NATS)
+        cls.results = queue.Queue()
+        cls.seen = []
+        cls.nc.subscribe("agent.step.result.%s.>" % cls.org, q=cls.results)
+        cls.cancels = queue.Queue()
+        cls.nc.subscribe("agent.step.cancel.%s.>" % cls.org, q=cls.cancels)
+        cls.nc.flush()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.A.close()
+        cls.nc.close()
+        for p in reversed(cls.procs):
+            p.stop()
+
+    # ---- helpers ----
+    def start(self, d):
+        w = self.A("CreateWorkflow", W.CreateWorkflowRequest(name="agent-steps", definition=st(d))).workflow
+        return self.A("TriggerWorkflow", W.TriggerWorkflowRequest(workflow_id=w.id)).run.id
+
+    def status(self, run):
+        return self.A("GetWorkflowStatus", W.GetWorkflowStatusRequest(run_id=run))
+
+    def wait_for(self, run, pred, timeout=30):
+        end = time.time() + timeout
+        s = None
+        while time.time() < end:
+            s = self.status(run)
+            if pred(s):
+                return s
+            time.sleep(0.1)
+        self.fail("timed out; last: %s %s" % (s.run.status, [(a.step_name, a.status) for a in s.actions]))
+
+    def done(self, run, timeout=30):
+        return self.wait_for(run, lambda s: s.run.status in ("completed", "failed", "cancelled"), timeout)
+
+    def results_of(self, run, n, timeout=20):
+        """The first n AgentStepResults the orchestrator published for run (core NATS)."""
+        end = time.time() + timeout
+        while time.time() < end:
+            mine = [r for r in self.seen if r.run_id == run]
+            if len(mine) >= n:
+                return mine[:n]
+            try:
+                _, _, _, data = self.results.get(timeout=0.2)
+                self.seen.append(AS.AgentStepResult.FromString(data))
+            except queue.Empty:
+                pass
+        return [r for r in self.seen if r.run_id == run]
+
+    def worker_logged(self, event, session_id, timeout=5):
+        end = time.time() + timeout
+        while time.time() < end:
+            if any('"%s"' % event in line and session_id in line for line in self.worker.log):
+                return True
+            time.sleep(0.05)
+        return False
+
+    # ---- 1. CancelRun stops a dispatched agent turn ----
+    def test_1_cancel_reaches_the_worker(self):
+        marker = uuid.uuid4().hex
+        run = self.start({"version": 1, "start": "a", "steps": {
+            "a": agent(script({"token": marker}, {"hang": True}), "b"),
+            "b": agent(script({"complete": "must never run"}))}})
+        s = self.wait_for(run, lambda s: any(a.step_name == "a" and a.status == "in_progress" for a in s.actions))
+        # the worker is running the turn (it hangs until cancelled)
+        end = time.time() + 20
+        while time.time() < end and not any('"step.hang"' in l for l in self.worker.log):
+            time.sleep(0.05)
+        hangs = [l for l in self.worker.log if '"step.hang"' in l]
+        self.assertTrue(hangs, "the devworker never started the turn")
+        t0 = time.time()
+        r = self.A("CancelRun", W.CancelRunRequest(run_id=run, reason="stop it"))
+        self.assertEqual(r.run.status, "cancelled")
+        # the cancel went out on the bus, keyed to the attempt in flight
+        subj, _, _, data = self.cancels.get(timeout=5)
+        c = AS.AgentStepCancel.FromString(data)
+        self.assertEqual((c.org_id, c.run_id, c.step_name, c.reason), (self.org, run, "a", "cancelled"))
+        self.assertEqual(subj, "agent.step.cancel.%s.%s" % (self.org, run))
+        a = [x for x in s.actions if x.step_name == "a"][0]
+        self.assertEqual(c.action_id, a.id)
+        # the worker saw its ExecuteStep cancelled within a few seconds
+        res = self.results_of(run, 1)
+        self.assertEqual(len(res), 1, "the orchestrator published no result for the cancelled turn")
+        self.assertEqual((res[0].WhichOneof("outcome"), res[0].failed.code), ("failed", "cancelled"))
+        self.assertEqual(res[0].idempotency_key, c.idempotency_key)
+        self.assertTrue(self.worker_logged("step.cancelled", res[0].session_id), "the worker was not cancelled")
+        self.assertLess(time.time() - t0, 5)
+        # the run stays cancelled, the late result is ignored, no further step starts
+        time.sleep(1.0)
+        s = self.status(run)
+        self.assertEqual(s.run.status, "cancelled")
+        self.assertEqual([(x.step_name, x.status) for x in s.actions], [("a", "failed")])
+        self.assertEqual(js(s.actions[0].output).get("error"), "cancelled")
+        # idempotent: a second cancel changes nothing and sends no second cancel
+        self.assertEqual(self.A("CancelRun", W.CancelRunRequest(run_id=run)).run.status, "cancelled")
+        with self.assertRaises(queue.Empty):
+            self.cancels.get(timeout=1)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
