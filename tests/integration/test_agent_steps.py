@@ -239,5 +239,74 @@ class AgentSteps(unittest.TestCase):
             self.cancels.get(timeout=1)
 
 
+    # ---- 2. retries of retryable failures ----
+    def test_2_retryable_failure_is_retried_then_fails(self):
+        err = {"code": "LLM_RATE_LIMIT", "message": "rate limited", "retryable": True}
+        run = self.start({"version": 1, "start": "a", "steps": {
+            "a": agent(script({"token": "x"}, {"error": err}), "b"),
+            "b": agent(script({"complete": "must never run"}))}})
+        s = self.done(run)
+        self.assertEqual(s.run.status, "failed")
+        self.assertEqual([(x.step_name, x.status) for x in s.actions], [("a", "failed")])
+        self.assertEqual(js(s.actions[0].output)["error"], "LLM_RATE_LIMIT")
+        # UPSQUAD_WF_AGENT_RETRIES=2: three attempts, each its own key, spaced by the backoff
+        res = self.results_of(run, 4, timeout=3)
+        self.assertEqual([r.attempt for r in res], [1, 2, 3])
+        self.assertEqual(len({r.idempotency_key for r in res}), 3)
+        self.assertTrue(all(r.failed.code == "LLM_RATE_LIMIT" and r.failed.retryable for r in res))
+        gaps = [res[i + 1].finished_at.ToMilliseconds() - res[i].finished_at.ToMilliseconds() for i in (0, 1)]
+        self.assertGreaterEqual(gaps[0], 200)
+        self.assertGreaterEqual(gaps[1], 400)  # doubled
+        logs = self.A("GetWorkflowStatus", W.GetWorkflowStatusRequest(run_id=run))
+        self.assertEqual(logs.run.status, "failed")
+
+    def test_2_non_retryable_failure_fails_at_once(self):
+        err = {"code": "BAD_REQUEST", "message": "no", "retryable": False}
+        run = self.start({"version": 1, "start": "a", "steps": {"a": agent(script({"error": err}))}})
+        s = self.done(run)
+        self.assertEqual(s.run.status, "failed")
+        self.assertEqual(js(s.actions[0].output)["error"], "BAD_REQUEST")
+        time.sleep(0.5)
+        self.assertEqual([r.attempt for r in self.results_of(run, 2, timeout=1)], [1])
+
+    # ---- 3. ask_user resumes the frozen turn ----
+    def test_3_ask_user_resumes_with_ask_user_resume(self):
+        ask = {"question_spec": {"question": "Which environment?", "allow_text": True}}
+        run = self.start({"version": 1, "start": "a", "steps": {
+            "a": agent(script({"tokens": "let me ask"}, {"ask_user": ask}, {"complete": "deploying to {{answer}}"}))}})
+        s = self.wait_for(run, lambda s: any(a.status == "awaiting_approval" for a in s.actions))
+        a = s.actions[0]
+        first = self.results_of(run, 1)[0]
+        self.assertEqual(first.WhichOneof("outcome"), "input_required")
+        self.assertTrue(first.input_required.checkpoint)
+        p = self.A("GetRunPrompt", W.GetRunPromptRequest(prompt_id=a.approval_id))
+        self.assertEqual((p.kind, p.status), ("user_prompt", "pending"))
+        self.assertNotIn(first.input_required.checkpoint.decode(), json.dumps(js(p)))  # never shown
+        r = self.A("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=a.approval_id, text="staging please"))
+        self.assertTrue(r.recorded)
+        s = self.done(run)
+        self.assertEqual(s.run.status, "completed")
+        out = js(s.actions[0].output)["text"]
+        self.assertTrue(out.startswith("deploying to "), out)
+        self.assertIn("staging please", out)
+        self.assertEqual(json.loads(out[len("deploying to "):])["text"], "staging please")
+        # the worker resumed the same frozen turn (AskUserResume), keyed to the pending call
+        second = self.results_of(run, 2)[1]
+        self.assertEqual(second.WhichOneof("outcome"), "completed")
+        self.assertEqual(second.attempt, first.attempt + 1)
+        end = time.time() + 5
+        lines = []
+        while time.time() < end and not lines:
+            lines = [l for l in self.worker.log if '"step.ask_resumed"' in l and second.session_id in l]
+            time.sleep(0.05)
+        self.assertTrue(lines, "the worker did not resume a frozen turn")
+        self.assertIn(first.input_required.tool_call_id, lines[0])
+        # a second answer is not recorded, and nothing is dispatched again
+        r = self.A("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=a.approval_id, text="prod"))
+        self.assertFalse(r.recorded)
+        time.sleep(0.5)
+        self.assertEqual(len(self.results_of(run, 3, timeout=1)), 2)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
