@@ -627,6 +627,12 @@ void bus_pull_close(bus_pull *p) {
     free(p);
 }
 
+int bus_pull_pending(bus_pull *p) {
+    int n = 0;
+    if (!p || natsSubscription_GetPending(p->sub, &n, NULL) != NATS_OK) return 0;
+    return n;
+}
+
 int bus_ack(natsMsg *m) {
     return bus__code(natsMsg_Ack(m, NULL));
 }

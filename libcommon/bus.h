@@ -179,6 +179,10 @@ int bus_js_fetch(bus_pull *p, int batch, int timeout_ms, natsMsgList *out, char 
 /* Stops fetching; the durable consumer and its state stay on the server. Messages in flight
  * to this subscriber are delivered again after ack_wait. p NULL: no-op. */
 void bus_pull_close(bus_pull *p);
+/* Messages the server already delivered to p that no fetch has taken yet (a fetch that ended
+ * early can leave its pull request alive at the server, which then delivers the next message
+ * to this subscription); a bus_js_fetch of that many returns them at once. 0 when none. */
+int bus_pull_pending(bus_pull *p);
 
 /* Acknowledgements of a fetched message (borrowed). */
 int bus_ack(natsMsg *m);               /* done */

@@ -662,6 +662,14 @@ static int parse_element(pctx *c, const cJSON *el, dw_op *op) {
             path_pop(c, 0);
             continue;
         }
+        if (strcmp(it->string, "first_runs") == 0) {
+            double v;
+            path_push(c, it->string, 0);
+            if (integral(c, it, 1, 1000000, &v)) return -1;
+            path_pop(c, 0);
+            op->first_runs = (long long)v;
+            continue;
+        }
         const directive *x = find_directive(it->string);
         if (x == NULL) return fail(c, "unknown directive \"%.64s\"", it->string);
         if (d != NULL)

@@ -51,6 +51,7 @@ typedef struct run {
     int fail_code;         /* the `fail` directive that ended the step: its status and */
     const char *fail_text; /* message, in the call arena (the script is freed before) */
     const char *answer;    /* AskUserResume: the answer's result as text (call arena) */
+    long long runs;        /* steps of this message on this worker, this one included */
 } run;
 
 static int64_t now_ms(void) {
@@ -512,6 +513,7 @@ static int resume_point(run *r, size_t n_ops, int *start) {
 
 /* The if_worker / unless_worker modifiers, against the worker's id and address. */
 static int runs_here(run *r, const dw_op *op) {
+    if (op->first_runs && r->runs > op->first_runs) return 0;
     if (!op->if_worker && !op->unless_worker) return 1;
     pthread_mutex_lock(&r->w->mu);
     const char *want = op->if_worker ? op->if_worker : op->unless_worker;
@@ -568,6 +570,7 @@ int dw_step_run(dw_worker *w, rpc_call *call, const StepRequest *rq) {
     r.tenant = rq->tenant_id ? rq->tenant_id : "";
     r.start_ms = now_ms();
     ids_sha256_hex(r.message, strlen(r.message), r.message_sha);
+    r.runs = dw_message_run(w, r.message_sha);
     if (rq->snapshot && rq->snapshot->model_id && rq->snapshot->model_id[0])
         dw_copy_id(r.model, rq->snapshot->model_id);
     else

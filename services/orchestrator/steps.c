@@ -42,12 +42,14 @@ typedef Upsquad__Workflow__V1__NodeIOFrame NodeIOFrame;
 #define ACK_WAIT_MS 30000
 #define IN_PROGRESS_MS 10000
 #define SUMMARY_MAX 512
+#define HANDBACK_MS 200 /* how often a running step gives back dispatches sent to its consumer */
 #define RECENT_CANCELS 1024 /* keys of cancelled attempts remembered (a ring: oldest forgotten) */
 
 /* The attempt a consumer thread runs, for AgentStepCancel (one slot per consumer thread). */
 typedef struct step_slot {
     char key[65]; /* "" when idle */
     atomic_int cancelled;
+    bus_pull *pull; /* this consumer's subscription (borrowed) */
 } step_slot;
 
 struct orch_steps {
@@ -84,6 +86,8 @@ typedef struct tee {
     int64_t first_ms;
     natsMsg *msg; /* the dispatch (in-progress acks) */
     int64_t last_progress;
+    bus_pull *pull; /* the consumer's subscription (hand_back) */
+    int64_t last_handback;
     atomic_int *cancelled; /* the slot's flag: set by an AgentStepCancel of this attempt */
 } tee;
 
@@ -250,6 +254,23 @@ static int tee_event(void *ud, const ExecuteStepEvent *ev) {
     return 1;
 }
 
+/* A fetch that ended early can leave its pull request alive at the server, which then hands the
+ * next dispatch to this consumer's subscription while the consumer runs a long step: such a
+ * message would wait out the ack wait (30 s). It is given back at once (nak without delay) so
+ * an idle consumer, of this replica or another, takes it. */
+static void hand_back(bus_pull *p) {
+    int n = bus_pull_pending(p);
+    natsMsgList l = {0};
+    char err[128];
+    if (n <= 0) return;
+    if (bus_js_fetch(p, n > 16 ? 16 : n, 1, &l, err, sizeof err) == BUS_OK)
+        for (int k = 0; k < l.Count; k++) {
+            bus_nak(l.Msgs[k], 0);
+            log_info("steps.hand_back", "a dispatch delivered to a busy consumer: given back");
+        }
+    natsMsgList_Destroy(&l);
+}
+
 /* Polled by the cancellation watcher every ~20 ms: flushes coalesced tokens after 50 ms and
  * keeps the dispatch from being redelivered while the step runs. */
 static int tee_poll(void *ud) {
@@ -260,6 +281,10 @@ static int tee_poll(void *ud) {
     if (now - t->last_progress >= IN_PROGRESS_MS) {
         bus_in_progress(t->msg);
         t->last_progress = now;
+    }
+    if (now - t->last_handback >= HANDBACK_MS) {
+        hand_back(t->pull);
+        t->last_handback = now;
     }
     pthread_mutex_unlock(&t->mu);
     return t->cancelled && atomic_load(t->cancelled); /* non-zero: the worker call is cancelled */
@@ -314,6 +339,36 @@ static void on_cancel(bus *b, natsMsg *m, void *ud) {
 
 /* ---- one dispatch ---- */
 
+static int key_cmp(const void *a, const void *b) {
+    return strcmp((*(cJSON *const *)a)->string, (*(cJSON *const *)b)->string);
+}
+
+/* Orders every object's members by key, recursively: a Struct is a map, so the order it
+ * arrives in says nothing (the engine's input comes back from jsonb in its own order), and the
+ * same step must render the same message on every attempt. */
+static void sort_keys(cJSON *j) {
+    cJSON *it;
+    if (cJSON_IsObject(j) && j->child) {
+        size_t n = 0, k = 0;
+        for (it = j->child; it; it = it->next)
+            n++;
+        cJSON **v = malloc(n * sizeof *v);
+        if (v) {
+            for (it = j->child; it; it = it->next)
+                v[k++] = it;
+            qsort(v, n, sizeof *v, key_cmp);
+            for (k = 0; k < n; k++) {
+                v[k]->prev = k ? v[k - 1] : v[n - 1]; /* cJSON: child->prev is the last item */
+                v[k]->next = k + 1 < n ? v[k + 1] : NULL;
+            }
+            j->child = v[0];
+            free(v);
+        }
+    }
+    for (it = j ? j->child : NULL; it; it = it->next)
+        sort_keys(it);
+}
+
 static char *compose(const Dispatch *d) {
     char *out = NULL;
     size_t len = 0;
@@ -322,6 +377,7 @@ static char *compose(const Dispatch *d) {
     fputs(d->goal, f);
     if (d->input && d->input->n_fields) {
         cJSON *j = pbjson_struct_to_json(d->input);
+        sort_keys(j);
         char *s = j ? cJSON_PrintUnformatted(j) : NULL;
         if (s) fprintf(f, "\n\nInput: %s", s);
         free(s);
@@ -452,7 +508,8 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
              .session_id = sid,
              .msg = msg,
              .last_progress = now_ms(),
-             .cancelled = &sl->cancelled};
+             .cancelled = &sl->cancelled,
+             .pull = sl->pull};
     pthread_mutex_init(&t.mu, NULL);
     bus_subject(t.subject, sizeof t.subject, SUBJ_WFIO, d->org_id, d->run_id, NULL);
     orch_sink sink = {tee_event, tee_poll, &t};
@@ -573,6 +630,7 @@ static void handle(orch_steps *s, int slot, natsMsg *m) {
     }
     log_set_trace(d->trace_id[0] ? d->trace_id : NULL);
     step_slot *sl = slot_begin(s, slot, d->idempotency_key);
+    sl->pull = s->pull[slot];
     if (run_step(o, d, m, sl) == 0)
         bus_ack(m);
     else

@@ -109,23 +109,19 @@ class AgentSteps(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.orch = drain(T.Server("orchestrator", env={
-            "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": ORCH_DSN, "UPSQUAD_REDIS_URL": REDIS,
-            "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK, "UPSQUAD_WORKER_PROBE": "200ms",
-            "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/orchestrator/migrations"),
-            "UPSQUAD_WORKER_TARGETS": "127.0.0.1:1", "UPSQUAD_LOG_LEVEL": "info"}))
-        cls.procs.append(cls.orch)
-        cls.worker = drain(T.Server("devworker", env={
-            "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info",
-            "UPSQUAD_ORCHESTRATOR_ADDR": cls.orch.addr, "UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL": "200ms"}))
+        # one devworker (no heartbeats: the orchestrators' health probes find it live), two
+        # orchestrator replicas sharing the dispatch queue: a cancel must reach whichever runs
+        # the turn
+        cls.worker = drain(T.Server("devworker", env={"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info",
+                                                      "UPSQUAD_ORCHESTRATOR_ADDR": ""}))
         cls.procs.append(cls.worker)
-        # the orchestrator's pool is the devworker (a second replica with the real target)
-        cls.orch2 = drain(T.Server("orchestrator", env={
+        orch_env = {
             "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": ORCH_DSN, "UPSQUAD_REDIS_URL": REDIS,
             "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK, "UPSQUAD_WORKER_PROBE": "200ms",
             "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/orchestrator/migrations"),
-            "UPSQUAD_WORKER_TARGETS": cls.worker.addr, "UPSQUAD_LOG_LEVEL": "info"}))
-        cls.procs.append(cls.orch2)
+            "UPSQUAD_WORKER_TARGETS": cls.worker.addr, "UPSQUAD_LOG_LEVEL": "info"}
+        cls.orchs = [drain(T.Server("orchestrator", env=orch_env)) for _ in range(2)]
+        cls.procs.extend(cls.orchs)
         cls.engine = drain(T.Server("workflow-engine", env={
             "UPSQUAD_PG_DSN": WF_DSN, "UPSQUAD_NATS_URL": NATS, "UPSQUAD_JWT_SECRET": SECRET,
             "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/workflow-engine/migrations"),
@@ -170,7 +166,14 @@ class AgentSteps(unittest.TestCase):
             if pred(s):
                 return s
             time.sleep(0.1)
-        self.fail("timed out; last: %s %s" % (s.run.status, [(a.step_name, a.status) for a in s.actions]))
+        try:
+            info = self.nc.request("$JS.API.CONSUMER.INFO.AGENT_STEPS.orchestrator-steps", b"")
+            print("dispatch consumer:", info, file=sys.stderr)  # where the dispatches stand
+        except Exception as e:  # noqa: BLE001
+            print("no consumer info:", e, file=sys.stderr)
+        logs = [l.strip()[:250] for o in self.orchs + [self.engine, self.worker] for l in o.log if "heartbeat" not in l]
+        self.fail("timed out; last: %s %s\n%s" % (s.run.status, [(a.step_name, a.status) for a in s.actions],
+                                                  "\n".join(logs[-20:])))
 
     def done(self, run, timeout=30):
         return self.wait_for(run, lambda s: s.run.status in ("completed", "failed", "cancelled"), timeout)
@@ -268,6 +271,37 @@ class AgentSteps(unittest.TestCase):
         self.assertEqual(js(s.actions[0].output)["error"], "BAD_REQUEST")
         time.sleep(0.5)
         self.assertEqual([r.attempt for r in self.results_of(run, 2, timeout=1)], [1])
+
+    def test_2_retry_succeeds(self):
+        # the worker fails the call the first time it runs this goal (first_runs), as a flaky
+        # backend would: the orchestrator reports WORKER_FAILED (retryable), the engine retries
+        marker = uuid.uuid4().hex
+        run = self.start({"version": 1, "start": "a", "steps": {
+            "a": agent(script({"fail": {"code": "INTERNAL", "message": "backend down"}, "first_runs": 1},
+                              {"complete": "ok " + marker}))}})
+        s = self.done(run)
+        self.assertEqual(s.run.status, "completed", [(a.step_name, js(a.output)) for a in s.actions])
+        self.assertEqual(js(s.actions[0].output), {"text": "ok " + marker})
+        res = self.results_of(run, 2)
+        self.assertEqual([(r.attempt, r.WhichOneof("outcome")) for r in res], [(1, "failed"), (2, "completed")])
+        self.assertEqual((res[0].failed.code, res[0].failed.retryable), ("WORKER_FAILED", True))
+        self.assertNotEqual(res[0].idempotency_key, res[1].idempotency_key)
+
+    def test_1_run_failure_cancels_a_parallel_turn(self):
+        # one branch hangs on the worker, the other fails: the run fails and the hanging turn
+        # is cancelled on the worker ("run failed")
+        run = self.start({"version": 1, "start": "p", "steps": {
+            "p": {"type": "parallel", "branches": ["slow", "bad"]},
+            "slow": agent(script({"token": uuid.uuid4().hex}, {"hang": True})),
+            "bad": agent(script({"sleep_ms": 1500}, {"error": {"code": "NOPE", "message": "no"}}))}})
+        s = self.done(run)
+        self.assertEqual(s.run.status, "failed")
+        slow = [a for a in s.actions if a.step_name == "slow"][0]
+        self.assertEqual(js(slow.output).get("error"), "run failed")
+        mine = [r for r in self.results_of(run, 2) if r.step_name == "slow"]
+        self.assertEqual(len(mine), 1)
+        self.assertEqual(mine[0].failed.code, "cancelled")
+        self.assertTrue(self.worker_logged("step.cancelled", mine[0].session_id))
 
     # ---- 3. ask_user resumes the frozen turn ----
     def test_3_ask_user_resumes_with_ask_user_resume(self):
