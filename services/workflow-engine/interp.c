@@ -1370,6 +1370,32 @@ void *wf_interp_thread(void *arg) {
 
 /* ---- agent results ---- */
 
+/* The agent's question (InputRequired.question_spec: {question, options[], allow_text}) as the
+ * prompt the governance row poses: `question`, `options` as [{value, label}] (a bare string is
+ * both), `allow_text` (true unless the agent said false). The checkpoint never goes here. */
+static void ask_spec(cJSON *o, const Upsquad__Runtime__V1__InputRequired *ir) {
+    cJSON_AddStringToObject(o, "tool_call_id", ir->tool_call_id);
+    char *txt = strndup((const char *)ir->question_spec.data, ir->question_spec.len);
+    cJSON *q = txt ? cJSON_Parse(txt) : NULL, *opts = cJSON_CreateArray();
+    const cJSON *it;
+    free(txt);
+    if (str(q, "question")) cJSON_AddStringToObject(o, "question", str(q, "question"));
+    cJSON_ArrayForEach(it, item(q, "options")) {
+        const char *v = cJSON_IsString(it) ? it->valuestring : str(it, "value");
+        const char *l = cJSON_IsString(it) ? it->valuestring : str(it, "label");
+        if (!v || !v[0]) continue;
+        cJSON *x = cJSON_CreateObject();
+        cJSON_AddStringToObject(x, "value", v);
+        cJSON_AddStringToObject(x, "label", l ? l : v);
+        cJSON_AddItemToArray(opts, x);
+    }
+    cJSON_AddItemToObject(o, "options", opts);
+    cJSON_AddBoolToObject(o, "allow_text", !cJSON_IsFalse(item(q, "allow_text")));
+    if (str(q, "answerable_by"))
+        cJSON_AddStringToObject(o, "answerable_by", str(q, "answerable_by"));
+    cJSON_Delete(q);
+}
+
 static char *result_json(const Upsquad__Internal__V1__AgentStepResult *m) {
     cJSON *o = cJSON_CreateObject();
     const char *outcome = "failed";
@@ -1393,6 +1419,7 @@ static char *result_json(const Upsquad__Internal__V1__AgentStepResult *m) {
         break;
     case UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INPUT_REQUIRED:
         outcome = "input_required";
+        ask_spec(o, m->input_required);
         break;
     case UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INTERRUPT_REQUIRED:
         outcome = "interrupt_required";

@@ -314,7 +314,8 @@ class AgentSteps(unittest.TestCase):
         self.assertEqual(first.WhichOneof("outcome"), "input_required")
         self.assertTrue(first.input_required.checkpoint)
         p = self.A("GetRunPrompt", W.GetRunPromptRequest(prompt_id=a.approval_id))
-        self.assertEqual((p.kind, p.status), ("user_prompt", "pending"))
+        self.assertEqual((p.kind, p.status, p.question, p.allow_text, len(p.options)),
+                         ("user_prompt", "pending", "Which environment?", True, 0))
         self.assertNotIn(first.input_required.checkpoint.decode(), json.dumps(js(p)))  # never shown
         r = self.A("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=a.approval_id, text="staging please"))
         self.assertTrue(r.recorded)
@@ -340,6 +341,28 @@ class AgentSteps(unittest.TestCase):
         self.assertFalse(r.recorded)
         time.sleep(0.5)
         self.assertEqual(len(self.results_of(run, 3, timeout=1)), 2)
+
+
+    def test_3_ask_user_with_options(self):
+        ask = {"question_spec": {"question": "Where to?", "options": ["staging", {"value": "prod", "label": "Production"}],
+                                 "allow_text": False}}
+        run = self.start({"version": 1, "start": "a", "steps": {
+            "a": agent(script({"ask_user": ask}, {"complete": "going to {{answer}}"}))}})
+        s = self.wait_for(run, lambda s: any(a.status == "awaiting_approval" for a in s.actions))
+        pid = s.actions[0].approval_id
+        p = self.A("GetRunPrompt", W.GetRunPromptRequest(prompt_id=pid))
+        self.assertEqual((p.question, p.allow_text), ("Where to?", False))
+        self.assertEqual([(o.value, o.label) for o in p.options], [("staging", "staging"), ("prod", "Production")])
+        for bad, field in ((dict(text="somewhere"), "text"), (dict(choice="moon"), "choice")):
+            with self.assertRaises(grpc.RpcError) as ctx:
+                self.A("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=pid, **bad))
+            self.assertEqual(ctx.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(field, ctx.exception.details())
+        self.assertTrue(self.A("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=pid, choice="prod")).recorded)
+        s = self.done(run)
+        self.assertEqual(s.run.status, "completed")
+        out = js(s.actions[0].output)["text"]
+        self.assertEqual(json.loads(out[len("going to "):])["choice"], "prod")
 
 
 if __name__ == "__main__":
