@@ -303,6 +303,22 @@ class AgentSteps(unittest.TestCase):
         self.assertEqual(mine[0].failed.code, "cancelled")
         self.assertTrue(self.worker_logged("step.cancelled", mine[0].session_id))
 
+    def test_2_retries_are_not_redos(self):
+        # max_redos 1 and a flaky first run of each distinct message: attempt 1 fails (retried),
+        # 2 answers badly (redone with feedback: a new message), 3 fails (retried), 4 answers
+        # badly again: the one redo is used, the step fails on acceptance. Were retries counted
+        # as redos, attempt 2 would already have failed the step.
+        run = self.start({"version": 1, "start": "a", "steps": {
+            "a": agent(script({"fail": {"code": "INTERNAL", "message": "flaky"}, "first_runs": 1},
+                              {"complete": "{\"y\": 1}"}),
+                       expects={"x": {"type": "string", "required": True}}, acceptance={"max_redos": 1})}})
+        s = self.done(run)
+        self.assertEqual(s.run.status, "failed")
+        self.assertEqual(js(s.actions[0].output).get("error"), "acceptance")
+        res = self.results_of(run, 4)
+        self.assertEqual([(r.attempt, r.WhichOneof("outcome")) for r in res],
+                         [(1, "failed"), (2, "completed"), (3, "failed"), (4, "completed")])
+
     # ---- 3. ask_user resumes the frozen turn ----
     def test_3_ask_user_resumes_with_ask_user_resume(self):
         ask = {"question_spec": {"question": "Which environment?", "allow_text": True}}
