@@ -433,6 +433,14 @@ static void fail(StepResult *r, Upsquad__Internal__V1__StepFailed *f, const char
     r->failed = f;
 }
 
+/* No live worker: the dispatch waits (nak, redelivered 2 s later) until its
+ * UPSQUAD_AGENT_STEP_NO_WORKER_DELIVERIES-th delivery; then the step is reported failed,
+ * NO_WORKER, retryable, and the engine's retry policy decides (a fresh attempt after its
+ * backoff, or the step fails) instead of the step waiting out its whole timeout. */
+static int no_worker_final(orch *o, natsMsg *msg) {
+    return bus_delivery_count(msg) >= o->cfg->no_worker_deliveries;
+}
+
 /* Returns 0 to ack, -1 to nak (retry later). sl: this consumer's slot, already holding the key. */
 static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
     char err[512], sid[37] = "", hash[65], emsg[768];
@@ -492,8 +500,11 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
                           .mode = 1 /* stateless single turn */};
     rc = orch_session_start(o, &n, sid, hash, emsg, sizeof emsg);
     if (rc != RPC_OK) {
-        if (rc == RPC_UNAVAILABLE) goto retry;
-        fail(&r, &failed, "session_failed", emsg, 0);
+        if (rc == RPC_UNAVAILABLE && !no_worker_final(o, msg)) goto retry;
+        if (rc == RPC_UNAVAILABLE)
+            fail(&r, &failed, "NO_WORKER", emsg, 1);
+        else
+            fail(&r, &failed, "session_failed", emsg, 0);
         goto record;
     }
     r.session_id = sid;
@@ -530,7 +541,7 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
     }
     pthread_mutex_unlock(&t.mu);
     pthread_mutex_destroy(&t.mu);
-    if (res.outcome == TURN_NO_WORKER) goto retry;
+    if (res.outcome == TURN_NO_WORKER && !no_worker_final(o, msg)) goto retry;
     usage.input_tokens = (int32_t)res.input_tokens;
     usage.output_tokens = (int32_t)res.output_tokens;
     usage.model = res.model[0] ? res.model : s.model_id;

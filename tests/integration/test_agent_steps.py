@@ -119,7 +119,8 @@ class AgentSteps(unittest.TestCase):
             "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": ORCH_DSN, "UPSQUAD_REDIS_URL": REDIS,
             "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK, "UPSQUAD_WORKER_PROBE": "200ms",
             "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/orchestrator/migrations"),
-            "UPSQUAD_WORKER_TARGETS": cls.worker.addr, "UPSQUAD_LOG_LEVEL": "info"}
+            "UPSQUAD_WORKER_TARGETS": cls.worker.addr, "UPSQUAD_LOG_LEVEL": "info",
+            "UPSQUAD_AGENT_STEP_NO_WORKER_DELIVERIES": "2"}
         cls.orchs = [drain(T.Server("orchestrator", env=orch_env)) for _ in range(2)]
         cls.procs.extend(cls.orchs)
         cls.engine = drain(T.Server("workflow-engine", env={
@@ -379,6 +380,18 @@ class AgentSteps(unittest.TestCase):
         self.assertEqual(s.run.status, "completed")
         out = js(s.actions[0].output)["text"]
         self.assertEqual(json.loads(out[len("going to "):])["choice"], "prod")
+
+
+    # ---- last: the worker goes away ----
+    def test_9_no_live_worker_follows_the_retry_policy(self):
+        self.worker.stop()
+        run = self.start({"version": 1, "start": "a", "steps": {"a": agent(script({"complete": "unreachable"}))}})
+        s = self.done(run, timeout=40)
+        self.assertEqual(s.run.status, "failed")
+        self.assertEqual(js(s.actions[0].output).get("error"), "NO_WORKER")
+        res = self.results_of(run, 3)
+        self.assertEqual([(r.attempt, r.failed.code, r.failed.retryable) for r in res],
+                         [(1, "NO_WORKER", True), (2, "NO_WORKER", True), (3, "NO_WORKER", True)])
 
 
 if __name__ == "__main__":
