@@ -993,6 +993,7 @@ static int walk_step(tick *t, const char *name, const char *lap, int iteration) 
             }
             if (a->deadline_ms > 0 && t->now >= a->deadline_ms) {
                 t->rc = cancel_agent(t, a, "timeout");
+                if (!t->rc) t->rc = st_agent_ask_clear(t->tx, a->id, t->err, sizeof t->err);
                 fail_act(t, a, "timeout", "the agent step timed out");
                 return SCOPE_FAILED;
             }
@@ -1038,6 +1039,10 @@ static int stop_open_actions(tick *t, const char *why) {
         act *a = t->acts[i];
         if (wf_raw_terminal(a->status)) continue;
         if ((t->rc = cancel_agent(t, a, why))) break;
+        /* an agent's frozen ask ends with its step */
+        if (!strcmp(a->type, "agent_action") &&
+            (t->rc = st_agent_ask_clear(t->tx, a->id, t->err, sizeof t->err)))
+            break;
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "error", why);
         set_output(a, o);

@@ -193,6 +193,16 @@ class AgentSteps(unittest.TestCase):
                 pass
         return [r for r in self.seen if r.run_id == run]
 
+    def frozen_turns(self, run):
+        """agent_steps rows of run that still hold a checkpoint (read in the run's org: RLS)."""
+        out = subprocess.run(["psql", WF_DSN, "-X", "-Atq", "-v", "ON_ERROR_STOP=1", "-c",
+                              "SELECT set_config('app.org_id', '%s', false)" % self.org, "-c",
+                              "SELECT count(*) FROM workflow_engine.agent_steps WHERE run_id = '%s' "
+                              "AND checkpoint IS NOT NULL" % run],
+                             capture_output=True, text=True, timeout=30)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        return int(out.stdout.split()[-1])
+
     def worker_logged(self, event, session_id, timeout=5):
         end = time.time() + timeout
         while time.time() < end:
@@ -334,6 +344,7 @@ class AgentSteps(unittest.TestCase):
         self.assertEqual((p.kind, p.status, p.question, p.allow_text, len(p.options)),
                          ("user_prompt", "pending", "Which environment?", True, 0))
         self.assertNotIn(first.input_required.checkpoint.decode(), json.dumps(js(p)))  # never shown
+        self.assertEqual(self.frozen_turns(run), 1)  # kept durably while the prompt waits
         r = self.A("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=a.approval_id, text="staging please"))
         self.assertTrue(r.recorded)
         s = self.done(run)
@@ -353,6 +364,7 @@ class AgentSteps(unittest.TestCase):
             time.sleep(0.05)
         self.assertTrue(lines, "the worker did not resume a frozen turn")
         self.assertIn(first.input_required.tool_call_id, lines[0])
+        self.assertEqual(self.frozen_turns(run), 0)  # dropped when the step ended
         # a second answer is not recorded, and nothing is dispatched again
         r = self.A("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=a.approval_id, text="prod"))
         self.assertFalse(r.recorded)
@@ -381,6 +393,22 @@ class AgentSteps(unittest.TestCase):
         out = js(s.actions[0].output)["text"]
         self.assertEqual(json.loads(out[len("going to "):])["choice"], "prod")
 
+
+    def test_3_cancel_while_asking(self):
+        run = self.start({"version": 1, "start": "a", "steps": {
+            "a": agent(script({"ask_user": {"question_spec": {"question": "?"}}}, {"complete": "x"}))}})
+        self.wait_for(run, lambda s: any(a.status == "awaiting_approval" for a in s.actions))
+        self.assertEqual(self.frozen_turns(run), 1)
+        self.assertEqual(self.A("CancelRun", W.CancelRunRequest(run_id=run)).run.status, "cancelled")
+        self.assertEqual(self.frozen_turns(run), 0)
+        # nothing was in flight: no cancel goes out for a parked ask
+        end = time.time() + 1
+        while time.time() < end:
+            try:
+                _, _, _, data = self.cancels.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self.assertNotEqual(AS.AgentStepCancel.FromString(data).run_id, run)
 
     # ---- last: the worker goes away ----
     def test_9_no_live_worker_follows_the_retry_policy(self):
