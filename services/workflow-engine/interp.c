@@ -797,6 +797,8 @@ static int apply_agent_result(tick *t, act *a, const cJSON *sd) {
                 a->feedback = strdup(fb);
                 set_output(a, cJSON_Duplicate(output, 1));
                 t->rc = wf_emit_log(t->run, a->id, "WARN", line, t->err, sizeof t->err);
+                /* a redo is a fresh turn: a frozen ask it came from is not resumed again */
+                if (!t->rc) t->rc = st_agent_ask_clear(t->tx, a->id, t->err, sizeof t->err);
                 ret = start_agent(t, a, sd);
             } else if (str(acc, "on_exhausted") && !strcmp(str(acc, "on_exhausted"), "continue")) {
                 complete_act(t, a, cJSON_Duplicate(output, 1));
@@ -1452,9 +1454,10 @@ static char *result_json(const Upsquad__Internal__V1__AgentStepResult *m) {
  * enters the result JSON, the governance row's spec or any event. */
 static int keep_ask(db_tx *tx, const Upsquad__Internal__V1__AgentStepResult *m, char *err,
                     size_t errlen) {
-    if (m->outcome_case != UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INPUT_REQUIRED ||
-        m->input_required->checkpoint.len == 0)
+    if (m->outcome_case != UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INPUT_REQUIRED)
         return DB_OK;
+    if (m->input_required->checkpoint.len == 0) /* nothing to resume: an earlier ask is over */
+        return st_agent_ask_clear(tx, m->action_id, err, errlen);
     return st_agent_ask_put(tx, m->org_id, m->run_id, m->action_id, m->input_required->tool_call_id,
                             m->input_required->checkpoint.data, m->input_required->checkpoint.len,
                             err, errlen);
