@@ -298,6 +298,26 @@ class AgentSteps(unittest.TestCase):
         self.assertEqual((res[0].failed.code, res[0].failed.retryable), ("WORKER_FAILED", True))
         self.assertNotEqual(res[0].idempotency_key, res[1].idempotency_key)
 
+    def test_1_cancelled_before_pickup_never_runs(self):
+        # the cancel reaches the replicas before the dispatch is taken (it sat in the queue):
+        # the attempt is answered "cancelled" without a turn
+        import hashlib
+        run = str(uuid.uuid4())
+        key = hashlib.sha256(("%s:late:0:1" % run).encode()).hexdigest()
+        c = AS.AgentStepCancel(idempotency_key=key, org_id=self.org, run_id=run, action_id=str(uuid.uuid4()),
+                               step_name="late", reason="cancelled")
+        self.nc.js_publish("agent.step.cancel.%s.%s" % (self.org, run), c.SerializeToString(), msg_id="cancel:" + key)
+        time.sleep(0.3)
+        marker = uuid.uuid4().hex
+        d = AS.AgentStepDispatch(idempotency_key=key, org_id=self.org, run_id=run, workflow_id=str(uuid.uuid4()),
+                                 action_id=c.action_id, step_name="late", attempt=1, agent_role=ROLE,
+                                 goal=script({"token": marker}, {"complete": "ran"}))
+        self.nc.js_publish("agent.step.dispatch", d.SerializeToString(), msg_id=key)
+        res = self.results_of(run, 1)
+        self.assertEqual(len(res), 1)
+        self.assertEqual((res[0].failed.code, res[0].failed.retryable), ("cancelled", False))
+        self.assertEqual(res[0].session_id, "")  # no session, no turn
+
     def test_1_run_failure_cancels_a_parallel_turn(self):
         # one branch hangs on the worker, the other fails: the run fails and the hanging turn
         # is cancelled on the worker ("run failed")
