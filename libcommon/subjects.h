@@ -8,7 +8,7 @@
  *                                                              Nats-Msg-Id = idempotency key
  *  agent.step.result.<org>.<run>  orchestrator -> engine       AgentStepResult; AGENT_RESULTS
  *  agent.step.cancel.<org>.<run>  workflow-engine -> orch.     AgentStepCancel; AGENT_CANCELS,
- *                                                              read live (core) by every replica
+ *                                                              an ordered consumer per replica
  *  wf.status.<org>.<run>          workflow-engine -> hub       RunEvent; WF_EVENTS
  *  wf.log.<org>.<run>             workflow-engine -> hub       RunEvent; WF_EVENTS
  *  wfio.<org>.<run>               orchestrator -> stream-hub   NodeIOEvent; WFIO
@@ -56,10 +56,9 @@
 #define DURABLE_AGENT_RESULTS "workflow-engine-results"
 
 /* Cancellations of dispatched agent steps. The engine publishes them through its outbox (so a
- * cancel is never lost); every orchestrator replica subscribes on core NATS (a fan-out: the
- * replica running the attempt must see it), and the stream keeps them an hour for inspection.
- * No durable consumer: a replica disconnected at that moment lets the turn run to its timeout,
- * and the engine ignores its result. */
+ * cancel is never lost); every orchestrator replica reads all of them through an ordered
+ * consumer (a fan-out: the replica running the attempt must see it; it resumes after a
+ * reconnect), from the oldest the stream keeps (an hour). */
 #define STREAM_AGENT_CANCELS "AGENT_CANCELS"
 #define STREAM_AGENT_CANCELS_SUBJECTS "agent.step.cancel.>"
 #define STREAM_AGENT_CANCELS_MAX_AGE_S 3600

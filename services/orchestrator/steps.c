@@ -331,8 +331,12 @@ static void on_cancel(bus *b, natsMsg *m, void *ud) {
                 running = 1;
             }
         pthread_mutex_unlock(&s->cmu);
-        log_info("steps.cancel", "run %s step %s: cancelled (%s)%s", c->run_id, c->step_name,
-                 c->reason, running ? "; stopping the worker call" : "");
+        if (running)
+            log_info("steps.cancel", "run %s step %s: cancelled (%s); stopping the worker call",
+                     c->run_id, c->step_name, c->reason);
+        else
+            log_debug("steps.cancel", "run %s step %s: cancelled (%s); not running here", c->run_id,
+                      c->step_name, c->reason);
     }
     if (c) protobuf_c_message_free_unpacked(&c->base, NULL);
 }
@@ -684,10 +688,17 @@ static int setup(orch_steps *s, int i) {
         bus_js_pull_subscribe(b, STREAM_AGENT_STEPS, DURABLE_AGENT_STEPS, SUBJ_AGENT_STEP_DISPATCH,
                               ACK_WAIT_MS, -1, &s->pull[i], err, sizeof err);
     if (!rc && !s->cancel_sub) {
-        char subj[64];
-        snprintf(subj, sizeof subj, "%s.>", SUBJ_AGENT_STEP_CANCEL);
-        /* no queue group: every replica must see every cancel */
-        rc = bus_subscribe(b, subj, NULL, on_cancel, s, &s->cancel_sub, err, sizeof err);
+        /* every replica sees every cancel (a fan-out), including those published while it was
+         * disconnected or before it started (the stream keeps an hour of them) */
+        const char *cancels[] = {STREAM_AGENT_CANCELS_SUBJECTS};
+        rc = bus_js_stream_ensure(b, STREAM_AGENT_CANCELS, cancels, 1, BUS_RETENTION_LIMITS,
+                                  STREAM_AGENT_CANCELS_MAX_AGE_S, NULL, err, sizeof err) ||
+             bus_js_subscribe_ordered(b, STREAM_AGENT_CANCELS, STREAM_AGENT_CANCELS_SUBJECTS,
+                                      on_cancel, s, &s->cancel_sub, err, sizeof err);
+        /* no dispatch is taken before the cancels the stream holds are known (bounded wait:
+         * past it, a late cancel still stops the turn once it arrives) */
+        for (int w = 0; !rc && w < 150 && !bus_sub_caught_up(s->cancel_sub); w++)
+            pause_ms(20);
     }
     pthread_mutex_unlock(&setup_mu);
     if (rc) log_warn("steps.setup", "agent steps not consumed yet (%s); retrying", err);

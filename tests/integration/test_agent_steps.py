@@ -121,6 +121,7 @@ class AgentSteps(unittest.TestCase):
             "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/orchestrator/migrations"),
             "UPSQUAD_WORKER_TARGETS": cls.worker.addr, "UPSQUAD_LOG_LEVEL": "info",
             "UPSQUAD_AGENT_STEP_NO_WORKER_DELIVERIES": "2"}
+        cls.orch_env = orch_env
         cls.orchs = [drain(T.Server("orchestrator", env=orch_env)) for _ in range(2)]
         cls.procs.extend(cls.orchs)
         cls.engine = drain(T.Server("workflow-engine", env={
@@ -430,16 +431,43 @@ class AgentSteps(unittest.TestCase):
                 continue
             self.assertNotEqual(AS.AgentStepCancel.FromString(data).run_id, run)
 
+    # ---- late: replicas replaced ----
+    def test_8_replica_started_after_the_cancel(self):
+        # the cancel is published while no orchestrator runs; a replica started afterwards reads
+        # it from the stream and never runs that attempt
+        import hashlib
+        for o in self.orchs:
+            o.stop()
+        run = str(uuid.uuid4())
+        key = hashlib.sha256(("%s:later:0:1" % run).encode()).hexdigest()
+        c = AS.AgentStepCancel(idempotency_key=key, org_id=self.org, run_id=run, action_id=str(uuid.uuid4()),
+                               step_name="later", reason="cancelled")
+        self.nc.js_publish("agent.step.cancel.%s.%s" % (self.org, run), c.SerializeToString(), msg_id="cancel:" + key)
+        d = AS.AgentStepDispatch(idempotency_key=key, org_id=self.org, run_id=run, workflow_id=str(uuid.uuid4()),
+                                 action_id=c.action_id, step_name="later", attempt=1, agent_role=ROLE,
+                                 goal=script({"complete": "ran"}))
+        self.nc.js_publish("agent.step.dispatch", d.SerializeToString(), msg_id=key)
+        type(self).orchs = [drain(T.Server("orchestrator", env=self.orch_env))]
+        self.procs.extend(self.orchs)
+        res = self.results_of(run, 1)
+        self.assertEqual(len(res), 1)
+        self.assertEqual((res[0].failed.code, res[0].session_id), ("cancelled", ""))
+
     # ---- last: the worker goes away ----
     def test_9_no_live_worker_follows_the_retry_policy(self):
         self.worker.stop()
         run = self.start({"version": 1, "start": "a", "steps": {"a": agent(script({"complete": "unreachable"}))}})
         s = self.done(run, timeout=40)
         self.assertEqual(s.run.status, "failed")
-        self.assertEqual(js(s.actions[0].output).get("error"), "NO_WORKER")
+        # the worker may still look live to the first attempt (WORKER_UNAVAILABLE: the call
+        # failed), then it is marked down (NO_WORKER); both are retryable
+        unreachable = ("NO_WORKER", "WORKER_UNAVAILABLE")
+        self.assertIn(js(s.actions[0].output).get("error"), unreachable)
         res = self.results_of(run, 3)
-        self.assertEqual([(r.attempt, r.failed.code, r.failed.retryable) for r in res],
-                         [(1, "NO_WORKER", True), (2, "NO_WORKER", True), (3, "NO_WORKER", True)])
+        self.assertEqual([r.attempt for r in res], [1, 2, 3])
+        self.assertTrue(all(r.failed.code in unreachable and r.failed.retryable for r in res),
+                        [(r.failed.code, r.failed.retryable) for r in res])
+        self.assertEqual(res[-1].failed.code, "NO_WORKER")
 
 
 if __name__ == "__main__":
