@@ -13,7 +13,9 @@
  *   4. record the AgentStepResult, publish it on agent.step.result.<org>.<run> (Nats-Msg-Id =
  *      the idempotency key), then ack the dispatch.
  * A long step keeps its dispatch with in-progress acks every 10 s. An undecodable dispatch is
- * terminated (never redelivered) with an error log. */
+ * terminated (never redelivered) with an error log. An AgentStepCancel (AGENT_CANCELS, read by
+ * every replica) cancels the attempt's worker call, or answers its dispatch "cancelled" when it
+ * is picked up later. */
 #include <stdatomic.h>
 #include <cjson/cJSON.h>
 #include <pthread.h>
@@ -313,8 +315,8 @@ static void slot_end(orch_steps *s, step_slot *sl) {
     pthread_mutex_unlock(&s->cmu);
 }
 
-/* Core NATS callback (every replica): cancel the attempt if it runs here, and remember the
- * key so a dispatch of it picked up later is not run. */
+/* AGENT_CANCELS callback (every replica sees every cancel): cancel the attempt if it runs here,
+ * and remember the key so a dispatch of it picked up later is not run. */
 static void on_cancel(bus *b, natsMsg *m, void *ud) {
     (void)b;
     orch_steps *s = ud;
