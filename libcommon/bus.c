@@ -430,6 +430,58 @@ void bus_unsubscribe(bus_sub *s) {
     bus__sub_free(s);
 }
 
+int bus_js_subscribe_ordered(bus *b, const char *stream, const char *subject, bus_msg_cb cb,
+                             void *ud, bus_sub **out, char *err, size_t errlen) {
+    *out = NULL;
+    if (!b || !stream || !*stream || !subject || !*subject || !cb) {
+        snprintf(err, errlen, "bus_js_subscribe_ordered: bad stream, subject or callback");
+        return BUS_EINVAL;
+    }
+    bus_sub *s = calloc(1, sizeof *s);
+    if (!s) {
+        snprintf(err, errlen, "out of memory");
+        return BUS_ENOMEM;
+    }
+    s->b = b;
+    s->cb = cb;
+    s->ud = ud;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    jsSubOptions so;
+    jsErrCode jerr = 0;
+    jsSubOptions_Init(&so);
+    so.Stream = stream;
+    so.Ordered = true; /* nats.c recreates the consumer after the last delivered sequence */
+    so.Config.DeliverPolicy = js_DeliverAll;
+    natsStatus st = js_Subscribe(&s->sub, b->js, subject, bus__on_msg, s, NULL, &so, &jerr);
+    if (st != NATS_OK) {
+        int rc = bus__fail(err, errlen, "ordered subscribe", st, jerr);
+        bus__sub_free(s); /* never subscribed: no callback can run */
+        return rc;
+    }
+    st = natsSubscription_SetOnCompleteCB(s->sub, bus__on_sub_complete, s);
+    if (st == NATS_OK)
+        st = natsSubscription_SetPendingLimits(s->sub, b->o.sub_pending_msgs,
+                                               b->o.sub_pending_bytes);
+    if (st != NATS_OK) {
+        int rc = bus__fail(err, errlen, "ordered subscribe", st, 0);
+        bus_unsubscribe(s);
+        return rc;
+    }
+    *out = s;
+    return BUS_OK;
+}
+
+int bus_sub_caught_up(bus_sub *s) {
+    jsConsumerInfo *ci = NULL;
+    int queued = 0;
+    if (!s || natsSubscription_GetConsumerInfo(&ci, s->sub, NULL, NULL) != NATS_OK) return 0;
+    int ok = ci->NumPending == 0 && natsSubscription_GetPending(s->sub, &queued, NULL) == NATS_OK &&
+             queued == 0;
+    jsConsumerInfo_Destroy(ci);
+    return ok;
+}
+
 int64_t bus_sub_dropped(bus_sub *s) {
     int64_t n = 0;
     natsSubscription_GetDropped(s->sub, &n);
@@ -625,6 +677,12 @@ void bus_pull_close(bus_pull *p) {
     natsSubscription_Unsubscribe(p->sub); /* the consumer stays: this call did not create it */
     natsSubscription_Destroy(p->sub);
     free(p);
+}
+
+int bus_pull_pending(bus_pull *p) {
+    int n = 0;
+    if (!p || natsSubscription_GetPending(p->sub, &n, NULL) != NATS_OK) return 0;
+    return n;
 }
 
 int bus_ack(natsMsg *m) {

@@ -125,6 +125,16 @@ int bus_subscribe(bus *b, const char *subject, const char *queue_group, bus_msg_
 /* Stops delivery and waits until the callback is no longer running, so ud may be freed
  * afterwards. Must not be called from that subscription's own callback. s NULL: no-op. */
 void bus_unsubscribe(bus_sub *s);
+/* Every message of JetStream stream `stream` on `subject` (wildcards allowed): those the stream
+ * holds, then each new one, through an ordered consumer (ephemeral, no acks, in stream order).
+ * When the connection comes back it resumes after the last message it delivered, so messages
+ * published while this process was disconnected still arrive (while the stream keeps them).
+ * A fan-out: every subscriber gets every message. cb and freeing as for bus_subscribe. */
+int bus_js_subscribe_ordered(bus *b, const char *stream, const char *subject, bus_msg_cb cb,
+                             void *ud, bus_sub **out, char *err, size_t errlen);
+/* 1 when a bus_js_subscribe_ordered subscription has handed its callback every message the
+ * stream holds now (none left at the server nor queued here); 0 otherwise or on error. */
+int bus_sub_caught_up(bus_sub *s);
 /* Messages dropped for this subscription because it was slow. */
 int64_t bus_sub_dropped(bus_sub *s);
 
@@ -179,6 +189,10 @@ int bus_js_fetch(bus_pull *p, int batch, int timeout_ms, natsMsgList *out, char 
 /* Stops fetching; the durable consumer and its state stay on the server. Messages in flight
  * to this subscriber are delivered again after ack_wait. p NULL: no-op. */
 void bus_pull_close(bus_pull *p);
+/* Messages the server already delivered to p that no fetch has taken yet (a fetch that ended
+ * early can leave its pull request alive at the server, which then delivers the next message
+ * to this subscription); a bus_js_fetch of that many returns them at once. 0 when none. */
+int bus_pull_pending(bus_pull *p);
 
 /* Acknowledgements of a fetched message (borrowed). */
 int bus_ack(natsMsg *m);               /* done */

@@ -7,6 +7,8 @@
  *                                                              AGENT_STEPS (work queue),
  *                                                              Nats-Msg-Id = idempotency key
  *  agent.step.result.<org>.<run>  orchestrator -> engine       AgentStepResult; AGENT_RESULTS
+ *  agent.step.cancel.<org>.<run>  workflow-engine -> orch.     AgentStepCancel; AGENT_CANCELS,
+ *                                                              an ordered consumer per replica
  *  wf.status.<org>.<run>          workflow-engine -> hub       RunEvent; WF_EVENTS
  *  wf.log.<org>.<run>             workflow-engine -> hub       RunEvent; WF_EVENTS
  *  wfio.<org>.<run>               orchestrator -> stream-hub   NodeIOEvent; WFIO
@@ -28,6 +30,7 @@
 /* ---- subjects (prefixes; build full subjects with bus_subject) ---- */
 #define SUBJ_AGENT_STEP_DISPATCH "agent.step.dispatch"
 #define SUBJ_AGENT_STEP_RESULT "agent.step.result" /* .<org>.<run> */
+#define SUBJ_AGENT_STEP_CANCEL "agent.step.cancel" /* .<org>.<run> */
 #define SUBJ_WF_STATUS "wf.status"                 /* .<org>.<run> */
 #define SUBJ_WF_LOG "wf.log"                       /* .<org>.<run> */
 #define SUBJ_WFIO "wfio"                           /* .<org>.<run> */
@@ -51,6 +54,14 @@
 #define STREAM_AGENT_RESULTS_SUBJECTS "agent.step.result.>"
 #define STREAM_AGENT_RESULTS_MAX_AGE_S (7 * 24 * 3600)
 #define DURABLE_AGENT_RESULTS "workflow-engine-results"
+
+/* Cancellations of dispatched agent steps. The engine publishes them through its outbox (so a
+ * cancel is never lost); every orchestrator replica reads all of them through an ordered
+ * consumer (a fan-out: the replica running the attempt must see it; it resumes after a
+ * reconnect), from the oldest the stream keeps (an hour). */
+#define STREAM_AGENT_CANCELS "AGENT_CANCELS"
+#define STREAM_AGENT_CANCELS_SUBJECTS "agent.step.cancel.>"
+#define STREAM_AGENT_CANCELS_MAX_AGE_S 3600
 
 /* Run status and log events, kept for replay (limits: the oldest go first when full). */
 #define STREAM_WF_EVENTS "WF_EVENTS"

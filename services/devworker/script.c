@@ -662,6 +662,14 @@ static int parse_element(pctx *c, const cJSON *el, dw_op *op) {
             path_pop(c, 0);
             continue;
         }
+        if (strcmp(it->string, "first_runs") == 0) {
+            double v;
+            path_push(c, it->string, 0);
+            if (integral(c, it, 1, 1000000, &v)) return -1;
+            path_pop(c, 0);
+            op->first_runs = (long long)v;
+            continue;
+        }
         const directive *x = find_directive(it->string);
         if (x == NULL) return fail(c, "unknown directive \"%.64s\"", it->string);
         if (d != NULL)
@@ -731,6 +739,21 @@ static int parse_element(pctx *c, const cJSON *el, dw_op *op) {
     return 0;
 }
 
+/* What may follow the script's array: nothing but white space, or context after a blank line
+ * (a workflow agent step's goal reaches the worker followed by "\n\nInput: ..." and the
+ * step's expected fields and feedback, which a script ignores). */
+static int trailer_ok(const char *end) {
+    int newlines = 0;
+    for (const char *p = end; *p; p++) {
+        if (*p == '\n') {
+            if (++newlines == 2) return 1;
+        } else if (*p != ' ' && *p != '\t' && *p != '\r') {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 int dw_script_parse(const char *body, size_t max_elements, dw_script **out, char *err,
                     size_t errlen, char *pointer, size_t pointerlen) {
     pctx c = {.index = -1, .err = err, .errlen = errlen, .ptr = pointer, .ptrlen = pointerlen};
@@ -741,11 +764,19 @@ int dw_script_parse(const char *body, size_t max_elements, dw_script **out, char
         oom(&c);
         goto done;
     }
-    root = cJSON_ParseWithOpts(body, NULL, 1);
+    const char *end = NULL;
+    root = cJSON_ParseWithOpts(body, &end, 0);
     if (root == NULL) {
         const char *at = cJSON_GetErrorPtr();
         long off = (at && at >= body) ? (long)(at - body) : 0;
         fail(&c, "not valid JSON (near byte %ld of the script)", off);
+        goto done;
+    }
+    if (!trailer_ok(end)) {
+        fail(&c,
+             "not valid JSON (text after the array at byte %ld of the script; context "
+             "after a script must follow a blank line)",
+             (long)(end - body));
         goto done;
     }
     if (!cJSON_IsArray(root)) {

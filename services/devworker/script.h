@@ -57,6 +57,9 @@ typedef struct dw_op {
     /* modifiers: the element runs only on the worker whose id or address is if_worker, or
      * on every worker but unless_worker (tests with several workers) */
     const char *if_worker, *unless_worker;
+    /* modifier: the element runs only while this worker has run this message at most
+     * first_runs times (0: always) — a flaky model that fails once, then succeeds on a retry */
+    long long first_runs;
 } dw_op;
 
 typedef struct dw_script dw_script;

@@ -50,6 +50,8 @@ typedef struct run {
     const char *susp_call, *susp_tool;
     int fail_code;         /* the `fail` directive that ended the step: its status and */
     const char *fail_text; /* message, in the call arena (the script is freed before) */
+    const char *answer;    /* AskUserResume: the answer's result as text (call arena) */
+    long long runs;        /* steps of this message on this worker, this one included */
 } run;
 
 static int64_t now_ms(void) {
@@ -219,9 +221,33 @@ static TokenUsage *usage(run *r) {
     return u;
 }
 
+/* A resumed ask's answer in the final text: every ANSWER_MARK becomes the answer (a turn that
+ * resumed nothing leaves the text as it is). NULL on OOM. */
+#define ANSWER_MARK "{{answer}}"
+static char *with_answer(run *r, char *text) {
+    if (r->answer == NULL || text == NULL || strstr(text, ANSWER_MARK) == NULL) return text;
+    size_t ml = strlen(ANSWER_MARK), al = strlen(r->answer), n = strlen(text) + 1;
+    for (const char *p = strstr(text, ANSWER_MARK); p; p = strstr(p + ml, ANSWER_MARK))
+        n += al; /* an upper bound: each mark's own bytes are counted too */
+    char *out = rpc_alloc(r->call, n), *o = out;
+    if (out == NULL) return NULL;
+    for (const char *p = text; *p;) {
+        if (strncmp(p, ANSWER_MARK, ml) == 0) {
+            memcpy(o, r->answer, al);
+            o += al;
+            p += ml;
+        } else {
+            *o++ = *p++;
+        }
+    }
+    *o = 0;
+    return out;
+}
+
 static int send_completion(run *r, CompletionEvent *c, unsigned flags) {
     Upsquad__Runtime__V1__ExecuteStepEvent ev = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__INIT;
     int rc;
+    if (!(c->final_response = with_answer(r, c->final_response))) return RUN_GONE;
     /* the final iteration is checkpointed before the step reports completion */
     if (r->dirty && (rc = end_iteration(r, NULL, 0)) != RUN_OK) return rc;
     if ((flags & DW_F_USAGE) && !(c->token_usage = usage(r))) return RUN_GONE;
@@ -473,7 +499,11 @@ static int resume_point(run *r, size_t n_ops, int *start) {
     tr.result = res_txt ? res_txt : (ans ? ans : "");
     ev.event_case = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_RESULT;
     ev.tool_result = &tr;
-    rc = tr.tool_call_id ? send_event(r, &ev) : RUN_GONE;
+    log_info("step.ask_resumed",
+             "session %s: resuming the frozen turn at element %d with the answer to %s",
+             r->rq->session_id, *start, id->valuestring);
+    r->answer = rpc_strdup(r->call, tr.result);
+    rc = tr.tool_call_id && r->answer ? send_event(r, &ev) : RUN_GONE;
     if (rc == RUN_OK) rc = end_iteration(r, NULL, 0);
     free(res_txt);
     cJSON_Delete(a);
@@ -483,6 +513,7 @@ static int resume_point(run *r, size_t n_ops, int *start) {
 
 /* The if_worker / unless_worker modifiers, against the worker's id and address. */
 static int runs_here(run *r, const dw_op *op) {
+    if (op->first_runs && r->runs > op->first_runs) return 0;
     if (!op->if_worker && !op->unless_worker) return 1;
     pthread_mutex_lock(&r->w->mu);
     const char *want = op->if_worker ? op->if_worker : op->unless_worker;
@@ -539,6 +570,7 @@ int dw_step_run(dw_worker *w, rpc_call *call, const StepRequest *rq) {
     r.tenant = rq->tenant_id ? rq->tenant_id : "";
     r.start_ms = now_ms();
     ids_sha256_hex(r.message, strlen(r.message), r.message_sha);
+    r.runs = dw_message_run(w, r.message_sha);
     if (rq->snapshot && rq->snapshot->model_id && rq->snapshot->model_id[0])
         dw_copy_id(r.model, rq->snapshot->model_id);
     else

@@ -207,6 +207,21 @@ void dw_session_set_resume(dw_worker *w, const char *id, int32_t at, const char 
     pthread_mutex_unlock(&w->mu);
 }
 
+long long dw_message_run(dw_worker *w, const char *sha) {
+    long long n = 0;
+    pthread_mutex_lock(&w->mu);
+    for (size_t i = 0; i < DW_MSG_RUNS && !n; i++)
+        if (strcmp(w->msg_runs[i].sha, sha) == 0) n = ++w->msg_runs[i].runs;
+    if (!n) {
+        size_t i = w->msg_runs_next;
+        w->msg_runs_next = (i + 1) % DW_MSG_RUNS;
+        snprintf(w->msg_runs[i].sha, sizeof w->msg_runs[i].sha, "%s", sha);
+        n = w->msg_runs[i].runs = 1;
+    }
+    pthread_mutex_unlock(&w->mu);
+    return n;
+}
+
 int dw_session_take_resume(dw_worker *w, const char *id, const char *sha, int32_t *at,
                            char call_id[DW_ID_MAX], char tool[DW_ID_MAX]) {
     int hit = 0;

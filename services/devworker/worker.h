@@ -81,6 +81,8 @@ typedef struct dw_ckpt {
     int renumbered; /* times re-keyed after another worker's checkpoint held the iteration */
 } dw_ckpt;
 
+#define DW_MSG_RUNS 256 /* messages whose runs are counted (first_runs) */
+
 typedef struct dw_worker {
     const dw_config *cfg;
     pthread_mutex_t mu;
@@ -103,6 +105,13 @@ typedef struct dw_worker {
     metric *m_steps, *m_steps_cancelled, *m_tokens, *m_scripts_invalid;
     metric *m_hb_ok, *m_hb_fail, *m_ck_ok, *m_ck_fail, *m_ck_dropped, *m_ck_refused;
     metric *m_inflight;
+    /* how often each recent message ran here (the first_runs modifier); a ring, oldest
+     * forgotten */
+    struct {
+        char sha[65];
+        long long runs;
+    } msg_runs[DW_MSG_RUNS];
+    size_t msg_runs_next;
 } dw_worker;
 
 const cfg_var *dw_config_vars(size_t *n);
@@ -139,6 +148,9 @@ void dw_session_set_resume(dw_worker *w, const char *id, int32_t at, const char 
                            const char *call_id, const char *tool);
 /* Takes the pending suspension of a session (cleared either way): 1 with *at, call_id and tool
  * filled when the step's message is the suspended one (sha), else 0. */
+/* Counts one more step of the message whose SHA-256 hex is sha on this worker; returns the
+ * count including this one (1 the first time; a message forgotten by the ring starts again). */
+long long dw_message_run(dw_worker *w, const char *sha);
 int dw_session_take_resume(dw_worker *w, const char *id, const char *sha, int32_t *at,
                            char call_id[DW_ID_MAX], char tool[DW_ID_MAX]);
 /* Forgets the session and marks its in-flight steps terminated. */

@@ -74,6 +74,10 @@ static const cfg_var vars[] = {
     {"UPSQUAD_AGENT_STEP_TIMEOUT", CFG_MS, "5m",
      "bound on a workflow agent step whose dispatch names none", &C.step_default_timeout_ms, 1000,
      3600000},
+    {"UPSQUAD_AGENT_STEP_NO_WORKER_DELIVERIES", CFG_INT, "15",
+     "a workflow agent step that finds no live worker is redelivered every 2 s; at this delivery "
+     "it is reported failed (NO_WORKER, retryable) and the engine's retry policy decides",
+     &C.no_worker_deliveries, 1, 1000},
 };
 
 const cfg_var *orch_config_vars(size_t *n) {

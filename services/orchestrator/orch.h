@@ -45,6 +45,7 @@ typedef struct orch_config {
     long long checkpoints_keep;
     long long steps_concurrency;
     long long step_default_timeout_ms;
+    long long no_worker_deliveries; /* a dispatch without a live worker: deliveries, then failed */
     char *client_ca, *client_cert, *client_key; /* TLS/mTLS towards workers and model-registry */
 } orch_config;
 

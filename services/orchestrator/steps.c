@@ -13,7 +13,9 @@
  *   4. record the AgentStepResult, publish it on agent.step.result.<org>.<run> (Nats-Msg-Id =
  *      the idempotency key), then ack the dispatch.
  * A long step keeps its dispatch with in-progress acks every 10 s. An undecodable dispatch is
- * terminated (never redelivered) with an error log. */
+ * terminated (never redelivered) with an error log. An AgentStepCancel (AGENT_CANCELS, read by
+ * every replica) cancels the attempt's worker call, or answers its dispatch "cancelled" when it
+ * is picked up later. */
 #include <stdatomic.h>
 #include <cjson/cJSON.h>
 #include <pthread.h>
@@ -42,6 +44,15 @@ typedef Upsquad__Workflow__V1__NodeIOFrame NodeIOFrame;
 #define ACK_WAIT_MS 30000
 #define IN_PROGRESS_MS 10000
 #define SUMMARY_MAX 512
+#define HANDBACK_MS 200 /* how often a running step gives back dispatches sent to its consumer */
+#define RECENT_CANCELS 1024 /* keys of cancelled attempts remembered (a ring: oldest forgotten) */
+
+/* The attempt a consumer thread runs, for AgentStepCancel (one slot per consumer thread). */
+typedef struct step_slot {
+    char key[65]; /* "" when idle */
+    atomic_int cancelled;
+    bus_pull *pull; /* this consumer's subscription (borrowed) */
+} step_slot;
 
 struct orch_steps {
     orch *o;
@@ -49,6 +60,11 @@ struct orch_steps {
     pthread_t th[STEPS_MAX_THREADS];
     int n;
     atomic_int stop; /* set by orch_steps_stop, read by the consumers */
+    bus_sub *cancel_sub;
+    pthread_mutex_t cmu; /* guards slots and recent */
+    step_slot slots[STEPS_MAX_THREADS];
+    char recent[RECENT_CANCELS][65];
+    size_t recent_next;
 };
 
 static int64_t now_ms(void) {
@@ -72,7 +88,9 @@ typedef struct tee {
     int64_t first_ms;
     natsMsg *msg; /* the dispatch (in-progress acks) */
     int64_t last_progress;
-    int cancelled;
+    bus_pull *pull; /* the consumer's subscription (hand_back) */
+    int64_t last_handback;
+    atomic_int *cancelled; /* the slot's flag: set by an AgentStepCancel of this attempt */
 } tee;
 
 static void publish(tee *t, NodeIOFrame *frame, Upsquad__Workflow__V1__TranscriptEvent *tr) {
@@ -238,6 +256,23 @@ static int tee_event(void *ud, const ExecuteStepEvent *ev) {
     return 1;
 }
 
+/* A fetch that ended early can leave its pull request alive at the server, which then hands the
+ * next dispatch to this consumer's subscription while the consumer runs a long step: such a
+ * message would wait out the ack wait (30 s). It is given back at once (nak without delay) so
+ * an idle consumer, of this replica or another, takes it. */
+static void hand_back(bus_pull *p) {
+    int n = bus_pull_pending(p);
+    natsMsgList l = {0};
+    char err[128];
+    if (n <= 0) return;
+    if (bus_js_fetch(p, n > 16 ? 16 : n, 1, &l, err, sizeof err) == BUS_OK)
+        for (int k = 0; k < l.Count; k++) {
+            bus_nak(l.Msgs[k], 0);
+            log_info("steps.hand_back", "a dispatch delivered to a busy consumer: given back");
+        }
+    natsMsgList_Destroy(&l);
+}
+
 /* Polled by the cancellation watcher every ~20 ms: flushes coalesced tokens after 50 ms and
  * keeps the dispatch from being redelivered while the step runs. */
 static int tee_poll(void *ud) {
@@ -249,11 +284,96 @@ static int tee_poll(void *ud) {
         bus_in_progress(t->msg);
         t->last_progress = now;
     }
+    if (now - t->last_handback >= HANDBACK_MS) {
+        hand_back(t->pull);
+        t->last_handback = now;
+    }
     pthread_mutex_unlock(&t->mu);
-    return 0;
+    return t->cancelled && atomic_load(t->cancelled); /* non-zero: the worker call is cancelled */
+}
+
+/* ---- cancellation (AgentStepCancel) ---- */
+
+/* The slot of this consumer now runs `key`; a key cancelled before it got here starts
+ * cancelled. */
+static step_slot *slot_begin(orch_steps *s, int i, const char *key) {
+    step_slot *sl = &s->slots[i];
+    int hit = 0;
+    pthread_mutex_lock(&s->cmu);
+    snprintf(sl->key, sizeof sl->key, "%s", key);
+    for (size_t k = 0; k < RECENT_CANCELS && !hit; k++)
+        hit = s->recent[k][0] && !strcmp(s->recent[k], key);
+    atomic_store(&sl->cancelled, hit);
+    pthread_mutex_unlock(&s->cmu);
+    return sl;
+}
+
+static void slot_end(orch_steps *s, step_slot *sl) {
+    pthread_mutex_lock(&s->cmu);
+    sl->key[0] = 0;
+    atomic_store(&sl->cancelled, 0);
+    pthread_mutex_unlock(&s->cmu);
+}
+
+/* AGENT_CANCELS callback (every replica sees every cancel): cancel the attempt if it runs here,
+ * and remember the key so a dispatch of it picked up later is not run. */
+static void on_cancel(bus *b, natsMsg *m, void *ud) {
+    (void)b;
+    orch_steps *s = ud;
+    Upsquad__Internal__V1__AgentStepCancel *c = upsquad__internal__v1__agent_step_cancel__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
+    if (c && strlen(c->idempotency_key) == 64) {
+        int running = 0;
+        pthread_mutex_lock(&s->cmu);
+        snprintf(s->recent[s->recent_next], sizeof s->recent[0], "%s", c->idempotency_key);
+        s->recent_next = (s->recent_next + 1) % RECENT_CANCELS;
+        for (int i = 0; i < STEPS_MAX_THREADS; i++)
+            if (s->slots[i].key[0] && !strcmp(s->slots[i].key, c->idempotency_key)) {
+                atomic_store(&s->slots[i].cancelled, 1);
+                running = 1;
+            }
+        pthread_mutex_unlock(&s->cmu);
+        if (running)
+            log_info("steps.cancel", "run %s step %s: cancelled (%s); stopping the worker call",
+                     c->run_id, c->step_name, c->reason);
+        else
+            log_debug("steps.cancel", "run %s step %s: cancelled (%s); not running here", c->run_id,
+                      c->step_name, c->reason);
+    }
+    if (c) protobuf_c_message_free_unpacked(&c->base, NULL);
 }
 
 /* ---- one dispatch ---- */
+
+static int key_cmp(const void *a, const void *b) {
+    return strcmp((*(cJSON *const *)a)->string, (*(cJSON *const *)b)->string);
+}
+
+/* Orders every object's members by key, recursively: a Struct is a map, so the order it
+ * arrives in says nothing (the engine's input comes back from jsonb in its own order), and the
+ * same step must render the same message on every attempt. */
+static void sort_keys(cJSON *j) {
+    cJSON *it;
+    if (cJSON_IsObject(j) && j->child) {
+        size_t n = 0, k = 0;
+        for (it = j->child; it; it = it->next)
+            n++;
+        cJSON **v = malloc(n * sizeof *v);
+        if (v) {
+            for (it = j->child; it; it = it->next)
+                v[k++] = it;
+            qsort(v, n, sizeof *v, key_cmp);
+            for (k = 0; k < n; k++) {
+                v[k]->prev = k ? v[k - 1] : v[n - 1]; /* cJSON: child->prev is the last item */
+                v[k]->next = k + 1 < n ? v[k + 1] : NULL;
+            }
+            j->child = v[0];
+            free(v);
+        }
+    }
+    for (it = j ? j->child : NULL; it; it = it->next)
+        sort_keys(it);
+}
 
 static char *compose(const Dispatch *d) {
     char *out = NULL;
@@ -263,6 +383,7 @@ static char *compose(const Dispatch *d) {
     fputs(d->goal, f);
     if (d->input && d->input->n_fields) {
         cJSON *j = pbjson_struct_to_json(d->input);
+        sort_keys(j);
         char *s = j ? cJSON_PrintUnformatted(j) : NULL;
         if (s) fprintf(f, "\n\nInput: %s", s);
         free(s);
@@ -318,8 +439,16 @@ static void fail(StepResult *r, Upsquad__Internal__V1__StepFailed *f, const char
     r->failed = f;
 }
 
-/* Returns 0 to ack, -1 to nak (retry later). */
-static int run_step(orch *o, const Dispatch *d, natsMsg *msg) {
+/* No live worker: the dispatch waits (nak, redelivered 2 s later) until its
+ * UPSQUAD_AGENT_STEP_NO_WORKER_DELIVERIES-th delivery; then the step is reported failed,
+ * NO_WORKER, retryable, and the engine's retry policy decides (a fresh attempt after its
+ * backoff, or the step fails) instead of the step waiting out its whole timeout. */
+static int no_worker_final(orch *o, natsMsg *msg) {
+    return bus_delivery_count(msg) >= o->cfg->no_worker_deliveries;
+}
+
+/* Returns 0 to ack, -1 to nak (retry later). sl: this consumer's slot, already holding the key. */
+static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
     char err[512], sid[37] = "", hash[65], emsg[768];
     unsigned char *prior = NULL;
     size_t plen = 0;
@@ -357,6 +486,10 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg) {
     r.step_name = d->step_name;
     r.iteration = d->iteration;
     r.attempt = d->attempt;
+    if (atomic_load(&sl->cancelled)) { /* cancelled before it started: never run */
+        fail(&r, &failed, "cancelled", "the step was cancelled before it started", 0);
+        goto record;
+    }
     rc = orch_store_agent_by_role(o->pool, d->org_id, d->agent_role, &agent, err, sizeof err);
     if (rc == ORCH_ENOTFOUND) {
         snprintf(emsg, sizeof emsg, "no agent with role \"%s\" in org %s", d->agent_role,
@@ -373,8 +506,11 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg) {
                           .mode = 1 /* stateless single turn */};
     rc = orch_session_start(o, &n, sid, hash, emsg, sizeof emsg);
     if (rc != RPC_OK) {
-        if (rc == RPC_UNAVAILABLE) goto retry;
-        fail(&r, &failed, "session_failed", emsg, 0);
+        if (rc == RPC_UNAVAILABLE && !no_worker_final(o, msg)) goto retry;
+        if (rc == RPC_UNAVAILABLE)
+            fail(&r, &failed, "NO_WORKER", emsg, 1);
+        else
+            fail(&r, &failed, "session_failed", emsg, 0);
         goto record;
     }
     r.session_id = sid;
@@ -384,7 +520,13 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg) {
         orch_request_build(o, &a, &s, message, 1, NULL, 0, &req, &snap))
         goto retry;
     req->ask_user_resume = d->ask_user_resume;
-    tee t = {.o = o, .d = d, .session_id = sid, .msg = msg, .last_progress = now_ms()};
+    tee t = {.o = o,
+             .d = d,
+             .session_id = sid,
+             .msg = msg,
+             .last_progress = now_ms(),
+             .cancelled = &sl->cancelled,
+             .pull = sl->pull};
     pthread_mutex_init(&t.mu, NULL);
     bus_subject(t.subject, sizeof t.subject, SUBJ_WFIO, d->org_id, d->run_id, NULL);
     orch_sink sink = {tee_event, tee_poll, &t};
@@ -405,13 +547,16 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg) {
     }
     pthread_mutex_unlock(&t.mu);
     pthread_mutex_destroy(&t.mu);
-    if (res.outcome == TURN_NO_WORKER) goto retry;
+    if (res.outcome == TURN_NO_WORKER && !no_worker_final(o, msg)) goto retry;
     usage.input_tokens = (int32_t)res.input_tokens;
     usage.output_tokens = (int32_t)res.output_tokens;
     usage.model = res.model[0] ? res.model : s.model_id;
     usage.cost_usd = res.cost_usd;
     r.usage = &usage;
     switch (res.outcome) {
+    case TURN_CANCELLED: /* the engine is past this attempt: the result is for the record */
+        fail(&r, &failed, "cancelled", "the step was cancelled while it ran", 0);
+        break;
     case TURN_COMPLETED:
         done.text = res.final_text ? res.final_text : (char *)"";
         done.output = output_of(done.text);
@@ -488,7 +633,8 @@ static int dispatch_ok(const Dispatch *d) {
            d->agent_role[0] && bus_token_valid(d->org_id) && bus_token_valid(d->run_id);
 }
 
-static void handle(orch *o, natsMsg *m) {
+static void handle(orch_steps *s, int slot, natsMsg *m) {
+    orch *o = s->o;
     Dispatch *d = (Dispatch *)protobuf_c_message_unpack(
         &upsquad__internal__v1__agent_step_dispatch__descriptor, NULL,
         (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
@@ -500,10 +646,13 @@ static void handle(orch *o, natsMsg *m) {
         return;
     }
     log_set_trace(d->trace_id[0] ? d->trace_id : NULL);
-    if (run_step(o, d, m) == 0)
+    step_slot *sl = slot_begin(s, slot, d->idempotency_key);
+    sl->pull = s->pull[slot];
+    if (run_step(o, d, m, sl) == 0)
         bus_ack(m);
     else
         bus_nak(m, 2000);
+    slot_end(s, sl);
     log_set_trace(NULL);
     protobuf_c_message_free_unpacked(&d->base, NULL);
 }
@@ -540,6 +689,19 @@ static int setup(orch_steps *s, int i) {
                              NULL, err, sizeof err) ||
         bus_js_pull_subscribe(b, STREAM_AGENT_STEPS, DURABLE_AGENT_STEPS, SUBJ_AGENT_STEP_DISPATCH,
                               ACK_WAIT_MS, -1, &s->pull[i], err, sizeof err);
+    if (!rc && !s->cancel_sub) {
+        /* every replica sees every cancel (a fan-out), including those published while it was
+         * disconnected or before it started (the stream keeps an hour of them) */
+        const char *cancels[] = {STREAM_AGENT_CANCELS_SUBJECTS};
+        rc = bus_js_stream_ensure(b, STREAM_AGENT_CANCELS, cancels, 1, BUS_RETENTION_LIMITS,
+                                  STREAM_AGENT_CANCELS_MAX_AGE_S, NULL, err, sizeof err) ||
+             bus_js_subscribe_ordered(b, STREAM_AGENT_CANCELS, STREAM_AGENT_CANCELS_SUBJECTS,
+                                      on_cancel, s, &s->cancel_sub, err, sizeof err);
+        /* no dispatch is taken before the cancels the stream holds are known (bounded wait:
+         * past it, a late cancel still stops the turn once it arrives) */
+        for (int w = 0; !rc && w < 150 && !bus_sub_caught_up(s->cancel_sub); w++)
+            pause_ms(20);
+    }
     pthread_mutex_unlock(&setup_mu);
     if (rc) log_warn("steps.setup", "agent steps not consumed yet (%s); retrying", err);
     return rc;
@@ -561,7 +723,7 @@ static void *consume(void *arg) {
             continue;
         }
         for (int k = 0; k < list.Count; k++)
-            handle(s->o, list.Msgs[k]);
+            handle(s, ta->i, list.Msgs[k]);
         natsMsgList_Destroy(&list);
     }
     return NULL;
@@ -572,6 +734,7 @@ int orch_steps_start(orch *o, char *err, size_t errlen) {
     bus_opts bo;
     if (!s) return snprintf(err, errlen, "out of memory"), -1;
     s->o = o;
+    pthread_mutex_init(&s->cmu, NULL);
     o->steps = s;
     bus_opts_default(&bo);
     bo.connect_retry = 1; /* NATS down at start: connect in the background */
@@ -595,6 +758,7 @@ void orch_steps_stop(orch *o) {
         s->stop = 1;
         for (int i = 0; i < s->n; i++)
             pthread_join(s->th[i], NULL);
+        bus_unsubscribe(s->cancel_sub);
         for (int i = 0; i < STEPS_MAX_THREADS; i++)
             bus_pull_close(s->pull[i]);
         free(s);

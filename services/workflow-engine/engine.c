@@ -60,6 +60,15 @@ static const cfg_var vars[] = {
      &C.relay_batch, 1, 10000},
     {"UPSQUAD_WF_SCHEDULE_POLL", CFG_MS, "1s", "how often a replica looks for due schedules",
      &C.schedule_poll_ms, 50, 60000},
+    {"UPSQUAD_WF_AGENT_RETRIES", CFG_INT, "3",
+     "retries of an agent step whose attempt failed retryably (ErrorEvent.retryable, worker "
+     "unreachable), each with a fresh idempotency key; then the step fails",
+     &C.agent_retries, 0, 20},
+    {"UPSQUAD_WF_AGENT_RETRY_BACKOFF", CFG_MS, "2s",
+     "delay before the first retry of an agent step, doubled for each further retry",
+     &C.agent_retry_backoff_ms, 10, 600000},
+    {"UPSQUAD_WF_AGENT_RETRY_BACKOFF_MAX", CFG_MS, "60s",
+     "longest delay between agent step retries", &C.agent_retry_backoff_max_ms, 10, 3600000},
 };
 
 const cfg_var *wf_config_vars(size_t *n) {
@@ -131,12 +140,15 @@ static int streams(wf_engine *e, char *err, size_t errlen) {
     const char *wf[] = {STREAM_WF_EVENTS_SUBJECT_STATUS, STREAM_WF_EVENTS_SUBJECT_LOG};
     const char *steps[] = {STREAM_AGENT_STEPS_SUBJECTS};
     const char *results[] = {STREAM_AGENT_RESULTS_SUBJECTS};
+    const char *cancels[] = {STREAM_AGENT_CANCELS_SUBJECTS};
     if (bus_js_stream_ensure(e->bus, STREAM_WF_EVENTS, wf, 2, BUS_RETENTION_LIMITS,
                              STREAM_WF_EVENTS_MAX_AGE_S, NULL, err, errlen) != BUS_OK ||
         bus_js_stream_ensure(e->bus, STREAM_AGENT_STEPS, steps, 1, BUS_RETENTION_WORKQUEUE,
                              STREAM_AGENT_STEPS_MAX_AGE_S, NULL, err, errlen) != BUS_OK ||
         bus_js_stream_ensure(e->bus, STREAM_AGENT_RESULTS, results, 1, BUS_RETENTION_WORKQUEUE,
-                             STREAM_AGENT_RESULTS_MAX_AGE_S, NULL, err, errlen) != BUS_OK)
+                             STREAM_AGENT_RESULTS_MAX_AGE_S, NULL, err, errlen) != BUS_OK ||
+        bus_js_stream_ensure(e->bus, STREAM_AGENT_CANCELS, cancels, 1, BUS_RETENTION_LIMITS,
+                             STREAM_AGENT_CANCELS_MAX_AGE_S, NULL, err, errlen) != BUS_OK)
         return -1;
     return bus_js_pull_subscribe(e->bus, STREAM_AGENT_RESULTS, DURABLE_AGENT_RESULTS,
                                  STREAM_AGENT_RESULTS_SUBJECTS, 30000, -1, &e->result_sub, err,

@@ -143,12 +143,15 @@ static const char *g_scope(const gate *g) {
     return a ? a : "";
 }
 
-/* A prompt allows free text when its step says so, and always when an agent asked (an agent's
- * ask_user park: the row's spec is the agent's result, outcome "input_required"). */
+/* A prompt allows free text when its step says so; an agent's ask (the row's spec is the agent's
+ * result, outcome "input_required", with its question_spec projected) unless it said
+ * allow_text false. */
 static int g_allow_text(const gate *g) {
     const char *outcome = jstr(g->spec, "outcome");
-    return cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(g->spec, "allow_text")) ||
-           (outcome && !strcmp(outcome, "input_required"));
+    const cJSON *at = cJSON_GetObjectItemCaseSensitive(g->spec, "allow_text");
+    /* an agent's ask: free text unless its question_spec said allow_text false */
+    if (outcome && !strcmp(outcome, "input_required")) return !cJSON_IsFalse(at);
+    return cJSON_IsTrue(at);
 }
 
 /* The floor and the answer scope, for this caller (not the row's state). */

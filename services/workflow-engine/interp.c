@@ -46,6 +46,7 @@ typedef struct act {
     int64_t deadline_ms, next_poll_ms, started_ms;
     double cost;
     char blocked[64], approval[37], agent_id[64];
+    st_agent_state *resume; /* the next dispatch resumes a frozen ask (AskUserResume); owned */
     /* pending writes */
     int is_new, dirty, clear_result, started, finished;
     double add_cost;
@@ -112,6 +113,8 @@ static void act_free(act *a) {
     cJSON_Delete(a->input);
     cJSON_Delete(a->output);
     cJSON_Delete(a->result);
+    if (a->resume) st_agent_state_clear(a->resume);
+    free(a->resume);
 }
 
 static act *find(tick *t, const char *step, const char *lap) {
@@ -374,6 +377,16 @@ static int dispatch_agent(tick *t, act *a, const cJSON *sd) {
     d.trace_id = a->key;
     d.dispatched_at = &now;
     d.team_id = t->run->team;
+    Upsquad__Runtime__V1__AskUserResume aur = UPSQUAD__RUNTIME__V1__ASK_USER_RESUME__INIT;
+    if (a->resume && a->resume->checkpoint && a->resume->answer) {
+        /* the same frozen turn goes on: its checkpoint verbatim, the answer keyed to the
+         * pending ask_user call (agent-runtime-api: AskUserResume) */
+        aur.checkpoint.data = a->resume->checkpoint;
+        aur.checkpoint.len = a->resume->checkpoint_len;
+        aur.answer_tool_result.data = (uint8_t *)a->resume->answer;
+        aur.answer_tool_result.len = strlen(a->resume->answer);
+        d.ask_user_resume = &aur;
+    }
     size_t len = protobuf_c_message_get_packed_size(&d.base);
     uint8_t *buf = malloc(len ? len : 1);
     protobuf_c_message_pack(&d.base, buf);
@@ -383,6 +396,36 @@ static int dispatch_agent(tick *t, act *a, const cJSON *sd) {
     free(ef);
     free(efp);
     if (input) pbjson_struct_free(input);
+    return rc;
+}
+
+/* An agent attempt in flight is stopped (CancelRun, its run failing, its timeout): the cancel
+ * is an outbox row of the same transaction as the step's end, so it reaches the orchestrator
+ * even after a crash; every replica there cancels that attempt's ExecuteStep. An attempt
+ * waiting out a retry delay has nothing in flight. */
+static int cancel_agent(tick *t, act *a, const char *reason) {
+    if (strcmp(a->type, "agent_action") || strcmp(a->status, "in_progress") || !a->key[0] ||
+        a->next_poll_ms > 0)
+        return DB_OK;
+    Upsquad__Internal__V1__AgentStepCancel c = UPSQUAD__INTERNAL__V1__AGENT_STEP_CANCEL__INIT;
+    Google__Protobuf__Timestamp now;
+    char subject[160], msg_id[80];
+    pbjson_ts_now(&now);
+    c.idempotency_key = a->key;
+    c.org_id = t->run->org;
+    c.run_id = t->run->id;
+    c.action_id = a->id;
+    c.step_name = a->step;
+    c.reason = (char *)reason;
+    c.cancelled_at = &now;
+    snprintf(subject, sizeof subject, "%s.%s.%s", SUBJ_AGENT_STEP_CANCEL, t->run->org, t->run->id);
+    snprintf(msg_id, sizeof msg_id, "cancel:%s", a->key);
+    size_t len = protobuf_c_message_get_packed_size(&c.base);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (!buf) return DB_ENOMEM;
+    protobuf_c_message_pack(&c.base, buf);
+    int rc = st_outbox_put(t->tx, t->run->org, subject, msg_id, buf, len, t->err, sizeof t->err);
+    free(buf);
     return rc;
 }
 
@@ -692,6 +735,55 @@ static int accept_output(tick *t, act *a, const cJSON *sd, const cJSON *output, 
     return -1;
 }
 
+/* Sends the attempt already keyed on `a` (a retry whose delay passed): the step's input and
+ * feedback as they were, a fresh timeout, and the frozen ask again when the failed attempt
+ * was resuming one. */
+static int redispatch_agent(tick *t, act *a, const cJSON *sd) {
+    st_agent_state *rs = calloc(1, sizeof *rs);
+    if (!rs) return t->rc = DB_ENOMEM, SCOPE_BUSY;
+    if ((t->rc = st_agent_state_get(t->tx, a->id, rs, t->err, sizeof t->err))) {
+        free(rs);
+        return SCOPE_BUSY;
+    }
+    a->resume = rs;
+    a->next_poll_ms = 0;
+    int tm = num(sd, "timeout_minutes", 0);
+    a->deadline_ms = t->now + (tm > 0 ? (int64_t)tm * 60000 : t->e->cfg->agent_timeout_ms);
+    wake_at(t, a->deadline_ms);
+    if (save(t, a)) return SCOPE_BUSY;
+    t->rc = dispatch_agent(t, a, sd);
+    return SCOPE_BUSY;
+}
+
+/* A retryable failure (the worker's ErrorEvent.retryable, a worker that could not be reached)
+ * is tried again as a new attempt — attempt + 1, so a fresh idempotency key — after
+ * UPSQUAD_WF_AGENT_RETRY_BACKOFF doubled per retry (at most ..._BACKOFF_MAX), up to
+ * UPSQUAD_WF_AGENT_RETRIES per step. Returns 1 when a retry was scheduled, 0 when exhausted. */
+static int retry_agent(tick *t, act *a, const cJSON *r) {
+    const wf_config *c = t->e->cfg;
+    int n = 0;
+    if (c->agent_retries <= 0) return 0;
+    if ((t->rc = st_agent_retry_take(t->tx, t->run->org, t->run->id, a->id, (int)c->agent_retries,
+                                     &n, t->err, sizeof t->err)))
+        return 1;
+    if (n == 0) return 0;
+    int64_t delay = c->agent_retry_backoff_ms;
+    for (int i = 1; i < n && delay < c->agent_retry_backoff_max_ms; i++)
+        delay *= 2;
+    if (delay > c->agent_retry_backoff_max_ms) delay = c->agent_retry_backoff_max_ms;
+    char line[700];
+    snprintf(line, sizeof line, "step %s attempt %d failed (%s: %s); retry %d of %lld in %lld ms",
+             a->step, a->attempt, str(r, "code") ? str(r, "code") : "failed",
+             str(r, "message") ? str(r, "message") : "", n, c->agent_retries, (long long)delay);
+    a->attempt++;
+    idem_key(t->run->id, a->step, a->lap, "", a->attempt, a->key);
+    a->next_poll_ms = t->now + delay; /* the walk dispatches it then (redispatch_agent) */
+    a->deadline_ms = 0;
+    wake_at(t, a->next_poll_ms);
+    if (!save(t, a)) t->rc = wf_emit_log(t->run, a->id, "WARN", line, t->err, sizeof t->err);
+    return 1;
+}
+
 static int apply_agent_result(tick *t, act *a, const cJSON *sd) {
     cJSON *r = a->result;
     a->result = NULL;
@@ -711,7 +803,15 @@ static int apply_agent_result(tick *t, act *a, const cJSON *sd) {
         } else {
             const cJSON *acc = item(sd, "acceptance");
             int max_redos = num(acc, "max_redos", 0);
-            if (a->attempt - 1 < max_redos) { /* redo with the feedback */
+            st_agent_state as = {0};
+            /* retries and resumed asks are attempts too, but not redos */
+            if ((t->rc = st_agent_state_get(t->tx, a->id, &as, t->err, sizeof t->err))) {
+                cJSON_Delete(r);
+                return SCOPE_BUSY;
+            }
+            int redos = a->attempt - 1 - as.retries - as.resumes;
+            st_agent_state_clear(&as);
+            if (redos < max_redos) { /* redo with the feedback */
                 char line[800];
                 snprintf(line, sizeof line, "step %s redone (attempt %d): %s", a->step,
                          a->attempt + 1, fb);
@@ -719,6 +819,8 @@ static int apply_agent_result(tick *t, act *a, const cJSON *sd) {
                 a->feedback = strdup(fb);
                 set_output(a, cJSON_Duplicate(output, 1));
                 t->rc = wf_emit_log(t->run, a->id, "WARN", line, t->err, sizeof t->err);
+                /* a redo is a fresh turn: a frozen ask it came from is not resumed again */
+                if (!t->rc) t->rc = st_agent_ask_clear(t->tx, a->id, t->err, sizeof t->err);
                 ret = start_agent(t, a, sd);
             } else if (str(acc, "on_exhausted") && !strcmp(str(acc, "on_exhausted"), "continue")) {
                 complete_act(t, a, cJSON_Duplicate(output, 1));
@@ -744,13 +846,18 @@ static int apply_agent_result(tick *t, act *a, const cJSON *sd) {
             free(sj);
         }
         cJSON_Delete(spec);
-    } else {
+    } else if (cJSON_IsTrue(item(r, "retryable")) && retry_agent(t, a, r)) {
+        ret = SCOPE_BUSY;
+    } else if (!t->rc) {
         char msg[400];
         snprintf(msg, sizeof msg, "%s",
                  str(r, "message") ? str(r, "message") : "agent step failed");
         fail_act(t, a, str(r, "code") ? str(r, "code") : "failed", msg);
         ret = SCOPE_FAILED;
     }
+    /* the step is over: its frozen ask (if any) is no longer needed */
+    if (!t->rc && (ret == SCOPE_DONE || ret == SCOPE_FAILED))
+        t->rc = st_agent_ask_clear(t->tx, a->id, t->err, sizeof t->err);
     cJSON_Delete(r);
     return ret;
 }
@@ -903,7 +1010,14 @@ static int walk_step(tick *t, const char *name, const char *lap, int iteration) 
     if (!strcmp(a->status, "in_progress")) {
         if (!strcmp(type, "agent_action")) {
             if (a->result) return apply_agent_result(t, a, sd);
+            if (a->next_poll_ms > 0) { /* a retry waiting out its delay */
+                if (t->now >= a->next_poll_ms) return redispatch_agent(t, a, sd);
+                wake_at(t, a->next_poll_ms);
+                return SCOPE_BUSY;
+            }
             if (a->deadline_ms > 0 && t->now >= a->deadline_ms) {
+                t->rc = cancel_agent(t, a, "timeout");
+                if (!t->rc) t->rc = st_agent_ask_clear(t->tx, a->id, t->err, sizeof t->err);
                 fail_act(t, a, "timeout", "the agent step timed out");
                 return SCOPE_FAILED;
             }
@@ -948,6 +1062,11 @@ static int stop_open_actions(tick *t, const char *why) {
     for (size_t i = 0; i < t->n && !t->rc; i++) {
         act *a = t->acts[i];
         if (wf_raw_terminal(a->status)) continue;
+        if ((t->rc = cancel_agent(t, a, why))) break;
+        /* an agent's frozen ask ends with its step */
+        if (!strcmp(a->type, "agent_action") &&
+            (t->rc = st_agent_ask_clear(t->tx, a->id, t->err, sizeof t->err)))
+            break;
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "error", why);
         set_output(a, o);
@@ -1280,6 +1399,32 @@ void *wf_interp_thread(void *arg) {
 
 /* ---- agent results ---- */
 
+/* The agent's question (InputRequired.question_spec: {question, options[], allow_text}) as the
+ * prompt the governance row poses: `question`, `options` as [{value, label}] (a bare string is
+ * both), `allow_text` (true unless the agent said false). The checkpoint never goes here. */
+static void ask_spec(cJSON *o, const Upsquad__Runtime__V1__InputRequired *ir) {
+    cJSON_AddStringToObject(o, "tool_call_id", ir->tool_call_id);
+    char *txt = strndup((const char *)ir->question_spec.data, ir->question_spec.len);
+    cJSON *q = txt ? cJSON_Parse(txt) : NULL, *opts = cJSON_CreateArray();
+    const cJSON *it;
+    free(txt);
+    if (str(q, "question")) cJSON_AddStringToObject(o, "question", str(q, "question"));
+    cJSON_ArrayForEach(it, item(q, "options")) {
+        const char *v = cJSON_IsString(it) ? it->valuestring : str(it, "value");
+        const char *l = cJSON_IsString(it) ? it->valuestring : str(it, "label");
+        if (!v || !v[0]) continue;
+        cJSON *x = cJSON_CreateObject();
+        cJSON_AddStringToObject(x, "value", v);
+        cJSON_AddStringToObject(x, "label", l ? l : v);
+        cJSON_AddItemToArray(opts, x);
+    }
+    cJSON_AddItemToObject(o, "options", opts);
+    cJSON_AddBoolToObject(o, "allow_text", !cJSON_IsFalse(item(q, "allow_text")));
+    if (str(q, "answerable_by"))
+        cJSON_AddStringToObject(o, "answerable_by", str(q, "answerable_by"));
+    cJSON_Delete(q);
+}
+
 static char *result_json(const Upsquad__Internal__V1__AgentStepResult *m) {
     cJSON *o = cJSON_CreateObject();
     const char *outcome = "failed";
@@ -1303,6 +1448,7 @@ static char *result_json(const Upsquad__Internal__V1__AgentStepResult *m) {
         break;
     case UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INPUT_REQUIRED:
         outcome = "input_required";
+        ask_spec(o, m->input_required);
         break;
     case UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INTERRUPT_REQUIRED:
         outcome = "interrupt_required";
@@ -1325,6 +1471,20 @@ static char *result_json(const Upsquad__Internal__V1__AgentStepResult *m) {
     return s;
 }
 
+/* An ask_user park (InputRequired with a checkpoint): the frozen turn is kept with the action,
+ * in the transaction that records the result, for the AskUserResume of the answer. It never
+ * enters the result JSON, the governance row's spec or any event. */
+static int keep_ask(db_tx *tx, const Upsquad__Internal__V1__AgentStepResult *m, char *err,
+                    size_t errlen) {
+    if (m->outcome_case != UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INPUT_REQUIRED)
+        return DB_OK;
+    if (m->input_required->checkpoint.len == 0) /* nothing to resume: an earlier ask is over */
+        return st_agent_ask_clear(tx, m->action_id, err, errlen);
+    return st_agent_ask_put(tx, m->org_id, m->run_id, m->action_id, m->input_required->tool_call_id,
+                            m->input_required->checkpoint.data, m->input_required->checkpoint.len,
+                            err, errlen);
+}
+
 /* 0: handled (ack), -1: retry later (nak). */
 static int take_result(wf_engine *e, natsMsg *msg) {
     char err[512];
@@ -1340,7 +1500,7 @@ static int take_result(wf_engine *e, natsMsg *msg) {
             st_queue_wake(tx, m->run_id, err, sizeof err) ||
             st_action_put_result(tx, m->action_id, m->idempotency_key, json, &applied, err,
                                  sizeof err) ||
-            db_tx_commit(tx, err, sizeof err)) {
+            (applied && keep_ask(tx, m, err, sizeof err)) || db_tx_commit(tx, err, sizeof err)) {
             log_warn("agent.result", "run=%s action=%s: %s", m->run_id, m->action_id, err);
             rc = -1;
         }
@@ -1609,6 +1769,47 @@ void *wf_scheduler_thread(void *arg) {
 
 /* ---- a person's decision on a parked gate (gates.c) ---- */
 
+/* How a parked agent's answer reaches its turn. An ask_user with its frozen turn kept
+ * (keep_ask): AskUserResume = that checkpoint + answer_tool_result {tool_call_id, result: the
+ * recorded answer {choice, text, answered_by}}, built from the durable answer so a replay sends
+ * the same bytes; the prompt is unchanged (the worker resumes the same turn). Anything else (an
+ * approved interrupt, an ask without a checkpoint): a fresh turn whose feedback carries the
+ * answer. Either way a resumed attempt is not an acceptance redo. */
+static int resume_agent_turn(tick *t, act *a, const char *output_json) {
+    st_agent_state *rs = calloc(1, sizeof *rs);
+    char *answer = NULL;
+    int rc = rs ? st_agent_state_get(t->tx, a->id, rs, t->err, sizeof t->err) : DB_ENOMEM;
+    if (rc) goto done;
+    if (rs->checkpoint && rs->tool_call_id[0]) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "tool_call_id", rs->tool_call_id);
+        cJSON *res = cJSON_Parse(output_json ? output_json : "{}");
+        cJSON_AddItemToObject(o, "result", res ? res : cJSON_CreateObject());
+        answer = cJSON_PrintUnformatted(o);
+        cJSON_Delete(o);
+        if (!answer) {
+            rc = DB_ENOMEM;
+            goto done;
+        }
+        free(rs->answer);
+        rs->answer = strdup(answer);
+        a->resume = rs;
+        rs = NULL;
+    } else {
+        char fb[1200];
+        snprintf(fb, sizeof fb, "A person answered your request: %s",
+                 output_json ? output_json : "{}");
+        free(a->feedback);
+        a->feedback = strdup(fb);
+    }
+    rc = st_agent_resume_put(t->tx, t->run->org, t->run->id, a->id, answer, t->err, sizeof t->err);
+done:
+    if (rs) st_agent_state_clear(rs);
+    free(rs);
+    cJSON_free(answer);
+    return t->rc = rc;
+}
+
 int wf_interp_decide(wf_engine *e, wf_run *r, const char *action_id, const char *status,
                      const char *output_json, char **new_ids, char *err, size_t errlen) {
     tick t;
@@ -1626,17 +1827,12 @@ int wf_interp_decide(wf_engine *e, wf_run *r, const char *action_id, const char 
     int resume_agent = !rc && !strcmp(a->type, "agent_action") &&
                        (!strcmp(status, "completed") || !strcmp(status, "approved"));
     if (resume_agent) {
-        /* an agent that asked a person (input_required / interrupt_required): its turn goes on,
-         * a new attempt whose feedback carries the answer; the step's output stays the
-         * agent's to give */
-        char fb[1200];
-        snprintf(fb, sizeof fb, "A person answered your request: %s",
-                 output_json ? output_json : "{}");
-        free(a->feedback);
-        a->feedback = strdup(fb);
+        /* an agent that asked a person (input_required / interrupt_required): its turn goes
+         * on as a new attempt; the step's output stays the agent's to give */
+        rc = resume_agent_turn(&t, a, output_json);
         a->blocked[0] = 0;
         const char *keep = a->step;
-        start_agent(&t, a, step_def(&t, keep));
+        if (!rc) start_agent(&t, a, step_def(&t, keep));
         rc = t.rc;
     } else if (!rc) {
         if (output_json) set_output(a, cJSON_Parse(output_json));

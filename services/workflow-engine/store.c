@@ -849,3 +849,98 @@ int st_action_brief(db_tx *tx, const char *action_id, PGresult **out, char *err,
     return ex(tx, "SELECT run_id, status FROM " S "actions WHERE id = $1::uuid", 1, p, out, err,
               errlen);
 }
+
+/* ---- agent step bookkeeping ---- */
+
+void st_agent_state_clear(st_agent_state *s) {
+    free(s->checkpoint);
+    free(s->answer);
+    memset(s, 0, sizeof *s);
+}
+
+int st_agent_state_get(db_tx *tx, const char *action_id, st_agent_state *out, char *err,
+                       size_t errlen) {
+    PGresult *r = NULL;
+    const char *p[] = {action_id};
+    memset(out, 0, sizeof *out);
+    /* binary results: the checkpoint's bytes as they are (the counters as int4) */
+    int rc = db_exec_bin(db_tx_conn(tx),
+                         "SELECT retries, resumes, tool_call_id, checkpoint, answer FROM " S
+                         "agent_steps WHERE action_id = $1::uuid",
+                         1, p, NULL, NULL, 1, &r, err, errlen);
+    if (rc != DB_OK || PQntuples(r) == 0) goto done;
+    const unsigned char *v = (const unsigned char *)PQgetvalue(r, 0, 0);
+    out->retries = (int)((uint32_t)v[0] << 24 | (uint32_t)v[1] << 16 | (uint32_t)v[2] << 8 | v[3]);
+    v = (const unsigned char *)PQgetvalue(r, 0, 1);
+    out->resumes = (int)((uint32_t)v[0] << 24 | (uint32_t)v[1] << 16 | (uint32_t)v[2] << 8 | v[3]);
+    int n = PQgetlength(r, 0, 2);
+    if (n >= (int)sizeof out->tool_call_id) n = (int)sizeof out->tool_call_id - 1;
+    memcpy(out->tool_call_id, PQgetvalue(r, 0, 2), (size_t)n);
+    out->tool_call_id[n] = 0;
+    if (!PQgetisnull(r, 0, 3)) {
+        out->checkpoint_len = (size_t)PQgetlength(r, 0, 3);
+        out->checkpoint = malloc(out->checkpoint_len ? out->checkpoint_len : 1);
+        if (!out->checkpoint)
+            rc = DB_ENOMEM;
+        else
+            memcpy(out->checkpoint, PQgetvalue(r, 0, 3), out->checkpoint_len);
+    }
+    if (rc == DB_OK && !PQgetisnull(r, 0, 4)) {
+        out->answer = strndup(PQgetvalue(r, 0, 4), (size_t)PQgetlength(r, 0, 4));
+        if (!out->answer) rc = DB_ENOMEM;
+    }
+done:
+    PQclear(r);
+    if (rc != DB_OK) st_agent_state_clear(out);
+    return rc;
+}
+
+int st_agent_retry_take(db_tx *tx, const char *org, const char *run, const char *action_id, int max,
+                        int *taken, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    char m[16];
+    snprintf(m, sizeof m, "%d", max);
+    const char *p[] = {action_id, org, run, m};
+    *taken = 0;
+    int rc = ex(tx,
+                "INSERT INTO " S "agent_steps AS a (action_id, org_id, run_id, retries) "
+                "SELECT $1::uuid, $2::uuid, $3::uuid, 1 WHERE $4::int > 0 "
+                "ON CONFLICT (action_id) DO UPDATE SET retries = a.retries + 1 "
+                "WHERE a.retries < $4::int RETURNING retries",
+                4, p, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 1) *taken = (int)st_i(r, 0, 0);
+    PQclear(r);
+    return rc;
+}
+
+int st_agent_ask_put(db_tx *tx, const char *org, const char *run, const char *action_id,
+                     const char *tool_call_id, const uint8_t *checkpoint, size_t len, char *err,
+                     size_t errlen) {
+    const char *p[] = {action_id, org, run, tool_call_id, (const char *)checkpoint};
+    int lens[] = {0, 0, 0, 0, (int)len};
+    int fmts[] = {0, 0, 0, 0, 1};
+    return db_exec_bin(db_tx_conn(tx),
+                       "INSERT INTO " S "agent_steps AS a (action_id, org_id, run_id, "
+                       "tool_call_id, checkpoint) VALUES ($1::uuid, $2::uuid, $3::uuid, $4, "
+                       "$5::bytea) ON CONFLICT (action_id) DO UPDATE SET tool_call_id = $4, "
+                       "checkpoint = $5::bytea, answer = NULL",
+                       5, p, lens, fmts, 0, NULL, err, errlen);
+}
+
+int st_agent_resume_put(db_tx *tx, const char *org, const char *run, const char *action_id,
+                        const char *answer_json, char *err, size_t errlen) {
+    const char *p[] = {action_id, org, run, answer_json};
+    return ex(tx,
+              "INSERT INTO " S "agent_steps AS a (action_id, org_id, run_id, resumes, answer) "
+              "VALUES ($1::uuid, $2::uuid, $3::uuid, 1, $4) ON CONFLICT (action_id) DO UPDATE "
+              "SET resumes = a.resumes + 1, answer = $4",
+              4, p, NULL, err, errlen);
+}
+
+int st_agent_ask_clear(db_tx *tx, const char *action_id, char *err, size_t errlen) {
+    const char *p[] = {action_id};
+    return ex(tx,
+              "UPDATE " S "agent_steps SET checkpoint = NULL, answer = NULL "
+              "WHERE action_id = $1::uuid AND (checkpoint IS NOT NULL OR answer IS NOT NULL)",
+              1, p, NULL, err, errlen);
+}

@@ -283,6 +283,33 @@ int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err
 /* Deletes the published rows; ids as a Postgres array text "{1,2,3}". */
 int st_outbox_delete(db_tx *tx, const char *ids, char *err, size_t errlen);
 
+/* ---- agent step bookkeeping (migrations/004_agent_steps.sql) ---- */
+
+typedef struct st_agent_state {
+    int retries, resumes;
+    char tool_call_id[128];
+    uint8_t *checkpoint; /* heap (caller frees with st_agent_state_clear); NULL: no open ask */
+    size_t checkpoint_len;
+    char *answer; /* heap; NULL: not resumed */
+} st_agent_state;
+void st_agent_state_clear(st_agent_state *s);
+/* The action's row; all zero when it has none. */
+int st_agent_state_get(db_tx *tx, const char *action_id, st_agent_state *out, char *err,
+                       size_t errlen);
+/* Takes one retry when fewer than max were taken: *taken = the retry's number (1..max), 0 when
+ * the retries are exhausted. */
+int st_agent_retry_take(db_tx *tx, const char *org, const char *run, const char *action_id, int max,
+                        int *taken, char *err, size_t errlen);
+/* Records the frozen turn of an ask (replacing an earlier one; the answer is cleared). */
+int st_agent_ask_put(db_tx *tx, const char *org, const char *run, const char *action_id,
+                     const char *tool_call_id, const uint8_t *checkpoint, size_t len, char *err,
+                     size_t errlen);
+/* Counts a resumed attempt; answer_json (NULL ok) is the AskUserResume.answer_tool_result. */
+int st_agent_resume_put(db_tx *tx, const char *org, const char *run, const char *action_id,
+                        const char *answer_json, char *err, size_t errlen);
+/* The step ended: the frozen turn and its answer are dropped. */
+int st_agent_ask_clear(db_tx *tx, const char *action_id, char *err, size_t errlen);
+
 #endif
 
 /* ---- human gates (gates.c) ---- */

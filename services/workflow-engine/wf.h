@@ -32,6 +32,9 @@ typedef struct wf_config {
     long long agent_timeout_ms;
     long long relay_batch;
     long long schedule_poll_ms;
+    long long agent_retries;          /* retries of a retryable agent failure, per step */
+    long long agent_retry_backoff_ms; /* first retry's delay, doubled per retry */
+    long long agent_retry_backoff_max_ms;
 } wf_config;
 
 const cfg_var *wf_config_vars(size_t *n);
