@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 #define MR_RECCACHE_SLOTS 64
-#define MR_RECCACHE_KEY_MAX 2048        /* longer keys are not cached */
+#define MR_RECCACHE_KEY_MAX 2048         /* longer keys are not cached */
 #define MR_RECCACHE_ENTRY_MAX (16 << 10) /* key + response bytes; bigger ones are not cached */
 
 /* The response bytes (borrowed: valid until the next mr_reccache_put on this thread) for
