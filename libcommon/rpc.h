@@ -209,6 +209,14 @@ ProtobufCAllocator *rpc_call_allocator(rpc_call *call);
 typedef void (*rpc_defer_fn)(void *arg);
 int rpc_call_defer(rpc_call *call, rpc_defer_fn fn, void *arg);
 
+/* A unary handler's response given already encoded (the wire bytes of the method's response
+ * type, e.g. kept from an earlier call): the bytes are copied and sent instead of the response
+ * message, which is then neither checked nor encoded (the caller vouches for the bytes: they
+ * were encoded from a message that passed the checks). Returns RPC_OK, or RPC_EINVAL (not a
+ * unary call, or given twice) / RPC_ENOMEM and nothing changes. A status set with rpc_error()
+ * still wins: no response is sent then. Called from the thread running the handler. */
+int rpc_reply_encoded(rpc_call *call, const void *data, size_t len);
+
 /* Sets the status to send and returns `code`: `return rpc_error(c, RPC_NOT_FOUND, "...")`.
  * A status set with rpc_error() is final: the call fails with it even when the handler then
  * returns RPC_OK (no response is sent with a non-OK status). A unary handler that returns

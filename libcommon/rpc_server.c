@@ -164,6 +164,14 @@ char *rpc_sprintf(rpc_call *c, const char *fmt, ...) {
     return p;
 }
 
+int rpc_reply_encoded(rpc_call *c, const void *data, size_t len) {
+    if (c->method->m.kind != RPC_UNARY || c->reply) return RPC_EINVAL;
+    grpc_slice s = grpc_slice_from_copied_buffer(data, len);
+    c->reply = grpc_raw_byte_buffer_create(&s, 1);
+    grpc_slice_unref(s);
+    return c->reply ? RPC_OK : RPC_ENOMEM;
+}
+
 ProtobufCMessage *rpc_new_msg(rpc_call *c, const ProtobufCMessageDescriptor *d) {
     ProtobufCMessage *m = rpc__arena_alloc(&c->arena, d->sizeof_message);
     if (m) d->message_init(m);
@@ -442,7 +450,7 @@ static void unary_reply(rpc_call *c, ProtobufCMessage *resp) {
     }
     ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
     if (resp) {
-        c->reply = rpc__encode(resp);
+        if (c->reply == NULL) c->reply = rpc__encode(resp); /* else rpc_reply_encoded */
         ops[n].op = GRPC_OP_SEND_MESSAGE;
         ops[n++].data.send_message.send_message = c->reply;
     }
@@ -475,7 +483,7 @@ static void unary_handle(rpc_call *c) {
         code = c->code; /* the rule: a status set with rpc_error() is final (rpc.h) */
     else if (code == RPC_OK && rpc_deadline_ms(c) <= 0)
         code = rpc_error(c, RPC_DEADLINE_EXCEEDED, "deadline exceeded"); /* nobody waits */
-    if (code == RPC_OK) code = rpc__check_response(c, resp);
+    if (code == RPC_OK && c->reply == NULL) code = rpc__check_response(c, resp);
     unary_reply(c, code == RPC_OK ? resp : NULL);
 }
 

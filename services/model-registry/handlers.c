@@ -7,7 +7,11 @@
  *     INVALID_ARGUMENT; unknown ids are NOT_FOUND naming every one of them. */
 #include "handlers.h"
 
+#include <string.h>
+
+#include "reccache.h"
 #include "score.h"
+#include "util.h"
 #include "upsquad/runtime/v1/model.pb-c.h"
 
 typedef Upsquad__Runtime__V1__ModelEntry ModelEntry;
@@ -91,6 +95,44 @@ done:
     return rc;
 }
 
+/* The cache key of a request: every field mr_recommend reads, as NUL-terminated strings in
+ * order (a protobuf-c string holds no NUL, so the sequence is unambiguous). 0 when it does not
+ * fit (such a request is answered without the cache). */
+static size_t rec_key(const RecRequest *rq, char *buf, size_t cap) {
+    size_t n = 0;
+    const char *role = rq->agent_role ? rq->agent_role : "";
+    const char *goal = rq->optimization_goal ? rq->optimization_goal : "";
+    for (size_t i = 0; i < 2 + rq->n_connected_providers; i++) {
+        const char *f = i == 0 ? role : i == 1 ? goal : rq->connected_providers[i - 2];
+        size_t len = strlen(f ? f : "") + 1;
+        if (len > cap - n) return 0;
+        memcpy(buf + n, f ? f : "", len);
+        n += len;
+    }
+    return n;
+}
+
+static int entry_utf8(const ModelEntry *m) {
+    return util_utf8_valid(m->model_id) && util_utf8_valid(m->provider) &&
+           util_utf8_valid(m->display_name);
+}
+
+/* Encodes the response into this thread's cache and replies with those bytes. The checks the
+ * RPC layer would run on the message (valid UTF-8 strings) are made here, so a cached reply
+ * carries only bytes that passed them; a response failing them is left to the RPC layer. */
+static void rec_remember(rpc_call *call, const mr_registry *r, uint64_t version, const char *key,
+                         size_t klen, const RecResponse *out) {
+    int ok = entry_utf8(out->recommended) && util_utf8_valid(out->reasoning);
+    for (size_t i = 0; ok && i < out->n_alternatives; i++)
+        ok = entry_utf8(out->alternatives[i]);
+    if (!ok) return;
+    uint8_t *bytes;
+    size_t len = protobuf_c_message_get_packed_size(&out->base);
+    if (mr_reccache_put(r, version, key, klen, len, &bytes) != 0) return;
+    protobuf_c_message_pack(&out->base, bytes);
+    rpc_reply_encoded(call, bytes, len); /* on failure the message is encoded as usual */
+}
+
 static int recommend(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
                      void *ud) {
     const RecRequest *rq = (const RecRequest *)req;
@@ -99,8 +141,17 @@ static int recommend(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessa
     mr_rec_result res;
     char err[768];
     int rc;
+    char key[MR_RECCACHE_KEY_MAX];
+    const uint8_t *cached;
+    size_t n_cached;
     mr_snapshot *s = snapshot_or_error(call, r, &rc);
     if (!s) return rc;
+    /* the same question on the same snapshot: the same answer, already encoded */
+    size_t klen = rec_key(rq, key, sizeof key);
+    if (klen && mr_reccache_get(r, s->version, key, klen, &cached, &n_cached) == 0) {
+        rc = rpc_reply_encoded(call, cached, n_cached) == RPC_OK ? RPC_OK : no_memory(call);
+        goto done;
+    }
     mr_rec_request mq = {rq->agent_role, (const char *const *)rq->connected_providers,
                          rq->n_connected_providers, rq->optimization_goal,
                          (size_t)r->cfg->alternatives};
@@ -125,6 +176,7 @@ static int recommend(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessa
     out->n_alternatives = out->alternatives ? res.n_alternatives : 0;
     out->reasoning = rpc_strdup(call, res.reasoning);
     rc = out->recommended && out->alternatives && out->reasoning ? RPC_OK : no_memory(call);
+    if (rc == RPC_OK && klen) rec_remember(call, r, s->version, key, klen, out);
 done:
     mr_snapshot_unref(s);
     return rc;

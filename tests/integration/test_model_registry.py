@@ -354,10 +354,16 @@ class ModelRegistry(unittest.TestCase):
     # ---- GetModelRecommendation ----
     def test_recommendation_follows_the_documented_scoring(self):
         models = self.ca.models()
-        for role in ROLE_WEIGHTS:
+        first = {}
+        # the second round is answered from the replica's cache of encoded answers: the same
+        # rules must hold, byte for byte
+        for _ in range(2):
+          for role in ROLE_WEIGHTS:
             for goal in PRICE_WEIGHT:
                 with self.subTest(role=role, goal=goal):
                     r = self.ca.recommend(role, [], goal)
+                    wire = r.SerializeToString()
+                    self.assertEqual(first.setdefault((role, goal), wire), wire)
                     want = expected_ranking(models, role, goal)
                     got = [r.recommended.model_id] + [a.model_id for a in r.alternatives]
                     self.assertEqual(got, [w[0] for w in want[:1 + ALTERNATIVES]])
@@ -370,6 +376,22 @@ class ModelRegistry(unittest.TestCase):
                         self.assertFalse(m.is_deprecated)
                         self.assertTrue(m.supports_tool_use)
                         self.assertFalse(m.model_id.startswith("it-"))
+
+    def test_repeated_questions_get_their_own_answers(self):
+        """More distinct questions than a replica caches (64 per thread): asked again in another
+        order, each gets the answer it got the first time and never another question's."""
+        providers = ((), ("openai",), ("google", "anthropic"), ("Anthropic", "mistral"))
+        questions = [(role, provs, goal) for role in list(ROLE_WEIGHTS) + ["astronaut", ""]
+                     for provs in providers for goal in ("quality", "cost", "balanced", "")]
+        self.assertGreater(len(questions), 64)
+        first = {q: self.ca.recommend(q[0], q[1], q[2]).SerializeToString() for q in questions}
+        self.assertGreater(len(set(first.values())), 64)
+        for q in reversed(questions):
+            with self.subTest(question=q):
+                self.assertEqual(self.ca.recommend(q[0], q[1], q[2]).SerializeToString(), first[q])
+        # the same question from another connection and replica: the same answer
+        for q in questions[:8]:
+            self.assertEqual(self.cb.recommend(q[0], q[1], q[2]).SerializeToString(), first[q])
 
     def test_default_goal_is_balanced_and_role_names_are_forgiving(self):
         a = self.ca.recommend("backend-sme")
@@ -445,6 +467,15 @@ class ModelRegistry(unittest.TestCase):
         self.assertEqual(self.cb.price_of(tid), old)
         loads_before = int(self.sql("SELECT count(*) FROM model_registry.catalog_loads"))
 
+        # a question whose answer shows the model, asked (and so cached) before the change
+        def priced(r):
+            return {m.model_id: (m.pricing.input_per_million_tokens,
+                                 m.pricing.output_per_million_tokens)
+                    for m in [r.recommended] + list(r.alternatives)}
+        asked = next((role, goal) for role in ROLE_WEIGHTS for goal in PRICE_WEIGHT
+                     if tid in priced(self.ca.recommend(role, ["openai"], goal)))
+        self.assertEqual(priced(self.ca.recommend(asked[0], ["openai"], asked[1]))[tid], old)
+
         stop = threading.Event()
         errors, seen = [], {}
 
@@ -472,6 +503,9 @@ class ModelRegistry(unittest.TestCase):
             self.write_catalog(doc)
             self.a.signal(signal.SIGHUP)
             wait_until(lambda: self.ca.price_of(tid) == new, 15, "replica A to serve the new price")
+            # the answer cached before the change is not served after it
+            r = self.ca.recommend(asked[0], ["openai"], asked[1])
+            self.assertEqual(priced(r).get(tid, new), new)
             wait_until(lambda: self.cb.price_of(tid) == new, 15,
                        "replica B to get the change through NATS")
             time.sleep(0.3)
