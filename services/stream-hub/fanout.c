@@ -246,6 +246,7 @@ static int run_frame(const uint8_t *body, size_t len, int rpc, int64_t *seq, int
         if (rpc == HUB_RPC_STATUS && ev->node->update) {
             StatusResp r = UPSQUAD__WORKFLOW__V1__STREAM_RUN_STATUS_RESPONSE__INIT;
             r.update = ev->node->update;
+            r.run_seq = ev->seq; /* the resume point a client sends back (docs: resume) */
             *out = rpc_frame_encode(&r.base);
         }
     } else if (ev->event_case == UPSQUAD__INTERNAL__V1__RUN_EVENT__EVENT_RUN && ev->run) {
@@ -254,6 +255,7 @@ static int run_frame(const uint8_t *body, size_t len, int rpc, int64_t *seq, int
         if (rpc == HUB_RPC_LOGS) {
             LogsResp r = UPSQUAD__WORKFLOW__V1__STREAM_RUN_LOGS_RESPONSE__INIT;
             r.line = ev->log;
+            r.run_seq = ev->seq;
             *out = rpc_frame_encode(&r.base);
         }
     }

@@ -144,8 +144,8 @@ class StreamHub(unittest.TestCase):
         cls.channels = {}
 
     @classmethod
-    def start(cls):
-        srv = T.Server("stream-hub", env={
+    def start(cls, **extra):
+        env = {
             "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": cls.dsn, "UPSQUAD_NATS_URL": NATS,
             "UPSQUAD_MIGRATIONS_DIR": MIGRATIONS, "UPSQUAD_LOG_LEVEL": "warn",
             "UPSQUAD_HUB_PROJECTION_DURABLE": "hub-it-%s-events" % TAG,
@@ -153,7 +153,9 @@ class StreamHub(unittest.TestCase):
             "UPSQUAD_HUB_PROJECTION_FROM": "new",
             "UPSQUAD_RPC_STREAM_QUEUE": str(QUEUE), "UPSQUAD_HUB_STALL_LIMIT": "%dms" % STALL_MS,
             "UPSQUAD_RPC_MAX_STREAMS": "4096", "UPSQUAD_RPC_STREAM_WORKERS": "16",
-            "UPSQUAD_SHUTDOWN_GRACE": "2s", "UPSQUAD_HUB_NEW_RUN_GRACE": "1s"})
+            "UPSQUAD_SHUTDOWN_GRACE": "2s", "UPSQUAD_HUB_NEW_RUN_GRACE": "1s"}
+        env.update(extra)
+        srv = T.Server("stream-hub", env=env)
         cls.servers.append(srv)
         return srv
 
@@ -373,6 +375,67 @@ class StreamHub(unittest.TestCase):
         time.sleep(0.2)
         r2.cancel()
         self.assertEqual([m.line.message for m in r2.msgs], ["line %d" % s for s in range(16, 23)])
+
+    def test_resume_from_the_seq_read_on_the_stream_after_a_replica_dies(self):
+        # Every StreamRunStatus/StreamRunLogs frame carries the run seq (run_seq, an Upsquad
+        # extension of the response wrapper). A client reads some frames from replica C, C is
+        # killed (SIGKILL: no orderly end), events are published meanwhile, and the client
+        # reconnects to B with the last run_seq it read: it gets exactly the rest, once each.
+        org = uid()
+        run = self.new_run(org)
+
+        def publish(lo, hi):
+            for s in range(lo, hi + 1):
+                if s % 3 == 0:
+                    self.pub("log", org=org, run=run, seq=s, message="line %d" % s)
+                else:  # one node per event: the status snapshot (a fold) keeps them all
+                    self.pub("node", org=org, run=run, seq=s, node_id="n%d" % s,
+                             status="running", run_status="running", elapsed_ms=s)
+        publish(2, 30)  # history: the snapshots
+        self.projected(run, 30)
+        # C projects through durables of its own: messages it fetched and never acked must not
+        # hold A's and B's shared durables up for the ack wait
+        c = self.start(UPSQUAD_HUB_PROJECTION_DURABLE="hub-it-%s-c-events" % TAG,
+                       UPSQUAD_HUB_TRANSCRIPT_DURABLE="hub-it-%s-c-io" % TAG)
+        try:
+            st = self.read(c, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
+            lg = self.read(c, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org)
+            t = threading.Thread(target=publish, args=(31, 90))
+            t.start()
+            wait_until(lambda: st.msgs and st.msgs[-1].run_seq >= 45 and lg.msgs and
+                       lg.msgs[-1].run_seq >= 45, 15, "live frames from replica C")
+            c.signal(signal.SIGKILL)
+            c.wait(10)
+            st.join(10)
+            lg.join(10)
+            self.assertNotEqual(st.code, grpc.StatusCode.OK)
+            t.join()
+        finally:
+            c.stop()
+            self.__class__.servers.remove(c)
+            self.channels.pop(c.addr, None)
+        self.projected(run, 90)
+        last_st, last_lg = st.msgs[-1].run_seq, lg.msgs[-1].run_seq
+        self.assertLess(last_st, 89, "the client saw everything: nothing left to resume")
+        st2 = self.read(self.b, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org,
+                        extra=(("x-upsquad-resume-seq", str(last_st)),))
+        lg2 = self.read(self.b, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org,
+                        extra=(("x-upsquad-resume-seq", str(last_lg)),))
+        publish(91, 100)  # live after the resume
+        self.pub("run", org=org, run=run, seq=101, status="completed", nodes_total=3,
+                 nodes_done=3)
+        st2.join(15)
+        self.assertEqual(st2.code, grpc.StatusCode.OK, st2.details)
+        wait_until(lambda: lg2.msgs and lg2.msgs[-1].run_seq >= 99, 10, "the resumed log lines")
+        time.sleep(0.2)
+        lg2.cancel()
+        status = [m.run_seq for m in st.msgs + st2.msgs]
+        logs = [m.run_seq for m in lg.msgs + lg2.msgs]
+        self.assertEqual(status, [s for s in range(2, 101) if s % 3], "status: lost or repeated")
+        self.assertEqual(logs, [s for s in range(2, 101) if s % 3 == 0], "logs: lost or repeated")
+        # the seq is the event's own: it agrees with the payload the publisher put in it
+        self.assertTrue(all(m.update.elapsed_ms == m.run_seq for m in st.msgs + st2.msgs))
+        self.assertTrue(all(m.line.message == "line %d" % m.run_seq for m in lg.msgs + lg2.msgs))
 
     # ---- node I/O: clearance floors, snapshot de-duplication ----
     def test_node_io_clearance_floor_live_and_in_transcripts(self):
