@@ -752,6 +752,154 @@ class StreamHub(unittest.TestCase):
         self.assertEqual(inset, {r2})
         self.assertLess(len(r.msgs), 1204)  # frames were dropped, not queued without bound
 
+    # ---- lifetime: subscribe, cancel, stall, end of run and shutdown racing each other ----
+    def test_churn_subscribers_cancel_while_frames_flow_the_run_ends_and_the_hub_stops(self):
+        # Many subscribers of one run (all three run-scoped streams) connect and go away in every
+        # way while frames flow: cancelled at once (racing the handler's snapshot and the
+        # detach), after a few frames, or never reading (their queues fill: drops, repairs,
+        # gaps, the stall limit's abort); the run ends meanwhile (status streams finish), and the
+        # replica is stopped (SIGTERM) with streams open. Run under the ASan build (BUILD=
+        # build-asan) this is the subscriber lifetime's stress test: the replica must exit 0
+        # with nothing on stderr from a sanitizer, and no subscriber may be left behind.
+        org = uid()
+        run = self.new_run(org)
+        c = self.start(UPSQUAD_HUB_PROJECTION_DURABLE="hub-it-%s-churn-events" % TAG,
+                       UPSQUAD_HUB_TRANSCRIPT_DURABLE="hub-it-%s-churn-io" % TAG,
+                       UPSQUAD_RPC_STREAM_QUEUE="8", UPSQUAD_HUB_STALL_LIMIT="300ms",
+                       UPSQUAD_HUB_REPAIR_BATCH="4")
+        toks = Publisher()
+        stop = threading.Event()
+        seq = [1]
+        errors = []
+
+        events_done = threading.Event()
+
+        def run_events():
+            while not stop.is_set() and not events_done.is_set():
+                seq[0] += 1
+                s = seq[0]
+                if s % 2:
+                    self.pub("log", org=org, run=run, seq=s, message="line %d" % s)
+                else:
+                    self.pub("node", org=org, run=run, seq=s, node_id="n%d" % (s % 7),
+                             status="running", run_status="running", elapsed_ms=s)
+        ch = [grpc.insecure_channel(c.addr) for _ in range(3)]
+        stubs = []
+        for i, (m, req) in enumerate((
+                ("StreamRunStatus", W.StreamRunStatusRequest(run_id=run)),
+                ("StreamRunLogs", W.StreamRunLogsRequest(run_id=run)),
+                ("StreamNodeIO", W.StreamNodeIORequest(run_id=run)))):
+            rq, rs = METHODS[m]
+            stubs.append((ch[i].unary_stream(SVC + m, request_serializer=rq.SerializeToString,
+                                             response_deserializer=rs.FromString), req))
+        md = self.md(org)
+        held = []  # streams nobody reads, cancelled later or left open for the shutdown
+        held_mu = threading.Lock()
+        opened = []
+
+        def churn(k):
+            rnd = __import__("random").Random(k)
+            n = 0
+            while not stop.is_set():
+                stub, req = stubs[n % 3]
+                n += 1
+                opened.append(1)
+                call = stub(req, metadata=md, timeout=30)
+                way = rnd.randrange(4)
+                try:
+                    if way == 0:
+                        time.sleep(rnd.random() * 0.005)
+                        call.cancel()
+                    elif way == 1:  # a few frames, for at most a moment
+                        timer = threading.Timer(0.05 + rnd.random() * 0.4, call.cancel)
+                        timer.start()
+                        want = rnd.randrange(1, 20)
+                        for i, _ in enumerate(call):
+                            if i >= want:
+                                break
+                        timer.cancel()
+                        call.cancel()
+                    else:
+                        with held_mu:
+                            held.append(call)
+                            if len(held) > 60:
+                                held.pop(rnd.randrange(len(held))).cancel()
+                        time.sleep(0.01)
+                except grpc.RpcError as e:
+                    if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.OK,
+                                        grpc.StatusCode.RESOURCE_EXHAUSTED):
+                        errors.append("%s: %s" % (e.code(), e.details()))
+        pubs = [threading.Thread(target=run_events)]
+        workers = [threading.Thread(target=churn, args=(k,)) for k in range(6)]
+        try:
+            for t in pubs + workers:
+                t.start()
+            toks("tokens", org=org, run=run, node="coder", session="s1", **{"from": 1},
+                 count=1500, size=512, rate=600)
+            # the run ends while subscribers keep coming: status streams finish
+            events_done.set()
+            pubs[0].join(30)
+            end = seq[0] + 1
+            self.pub("run", org=org, run=run, seq=end, status="completed", nodes_total=7,
+                     nodes_done=7)
+            toks("tokens", org=org, run=run, node="coder", session="s1", **{"from": 1501},
+                 count=600, size=512, rate=600)
+            stop.set()
+            for t in pubs + workers:
+                t.join(30)
+            self.assertEqual(errors, [])
+            self.assertGreater(len(opened), 100, "too little churn to mean anything")
+            print("churn: %d streams opened" % len(opened), file=sys.stderr)
+            if c.proc.poll() is not None:
+                self.fail("the replica died: %s" % c.proc.stderr.read()[-3000:])
+            # a subscriber after all that is served (the fold and the end: the run is over)
+            wait_until(lambda: psql(self.admin, "SELECT count(*) FROM stream_hub.run_events "
+                                    "WHERE run_id = '%s'" % run) == str(end), 15,
+                       "every event of the run in the projection")
+            r = self.read(c, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
+            r.join(15)
+            self.assertEqual(r.code, grpc.StatusCode.OK, r.details)
+            self.assertEqual(len(r.msgs), 7)
+            for call in held:
+                call.cancel()
+
+            def subscribers():
+                return sum(c.metric("stream_hub_subscribers", 'rpc="%s"' % m)
+                           for m in ("StreamRunStatus", "StreamRunLogs", "StreamNodeIO"))
+            try:
+                wait_until(lambda: subscribers() == 0, 20, "every subscriber gone")
+            except AssertionError:
+                if os.environ.get("HUB_TEST_PAUSE"):
+                    print("leak: pid %d" % c.proc.pid, file=sys.stderr, flush=True)
+                    time.sleep(int(os.environ["HUB_TEST_PAUSE"]))
+                self.fail("subscribers left on the replica: %s, streams %s" % (
+                    [c.metric("stream_hub_subscribers", 'rpc="%s"' % m)
+                     for m in ("StreamRunStatus", "StreamRunLogs", "StreamNodeIO")],
+                    c.metric("rpc_server_inflight_calls")))
+            # streams open at the shutdown, some read, some not
+            keep = [stubs[i % 3][0](stubs[i % 3][1], metadata=md, timeout=30) for i in range(30)]
+            wait_until(lambda: subscribers() >= 20, 10, "subscribers for the shutdown")
+            toks("tokens", org=org, run=run, node="coder", session="s1", **{"from": 2101},
+                 count=100, size=512, rate=0)
+            c.signal(signal.SIGTERM)
+            rc = c.wait(30)
+            err = c.proc.stderr.read()
+            for bad in ("AddressSanitizer", "LeakSanitizer", "ThreadSanitizer", "runtime error",
+                        "double free"):
+                self.assertNotIn(bad, err)
+            self.assertEqual(rc, 0, err[-3000:])
+            for call in keep:
+                call.cancel()
+        finally:
+            stop.set()
+            for t in pubs + workers:
+                t.join(30)
+            toks.close()
+            for x in ch:
+                x.close()
+            c.stop()
+            self.__class__.servers.remove(c)
+
     # ---- restart and shutdown ----
     def test_zz_replica_restart_loses_nothing_and_shutdown_ends_streams_unavailable(self):
         org = uid()
