@@ -847,6 +847,8 @@ class StreamHub(unittest.TestCase):
             stop.set()
             for t in pubs + workers:
                 t.join(30)
+            if errors and c.proc.poll() is not None:
+                self.fail("the replica died: %s" % c.proc.stderr.read()[-6000:])
             self.assertEqual(errors, [])
             self.assertGreater(len(opened), 100, "too little churn to mean anything")
             print("churn: %d streams opened" % len(opened), file=sys.stderr)
