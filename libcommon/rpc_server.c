@@ -582,7 +582,7 @@ static int stream_enqueue(rpc_server *s, rpc_call *c) {
 
 static void stream_dispatch(rpc_call *c) {
     rpc_server *s = c->srv;
-    if (rpc__stream_init(c, s->o.stream_queue) != 0) {
+    if (!c->is_stream && rpc__stream_init(c, s->o.stream_queue) != 0) {
         /* without a queue the call can only be dropped; the core answers the client */
         log_error("rpc.stream", "out of memory creating a stream");
         grpc_call_cancel_with_status(c->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory",
@@ -737,6 +737,11 @@ static void on_request(rpc__listener *l, int ok) {
     listener_arm(l);
 
     if (l->m->m.kind == RPC_SERVER_STREAM) {
+        /* The stream state exists before the close batch can complete: a client that cancels at
+         * once may be seen by a completion-queue thread before stream_dispatch runs, and a close
+         * that found no stream state was lost (never closed, on_close never ran: a detached
+         * stream's owner and the call leaked). stream_dispatch retries a failed init. */
+        (void)rpc__stream_init(c, s->o.stream_queue);
         /* RECV_CLOSE_ON_SERVER first: its completion is the only reliable news that the client
          * went away, the deadline passed or the connection broke while the handler, on another
          * thread, is still writing. */

@@ -18,7 +18,13 @@
 #   FRAMES frames of the throughput runs (default 200)    SIZE  token_text bytes (default 256)
 #   HUB_ENV VAR=value settings of the hub (default UPSQUAD_RPC_UNARY_THREADS=2, as deployed:
 #          k8s/stream-hub.yaml)
-# The baseline runs with 1 and 2 completion-queue threads (its one knob); the faster counts.
+#   ROUNDS throughput rounds (default 3)
+# The throughput figures are interleaved rounds (each round: the hub, the baseline with 1 and
+# with 2 completion-queue threads, in an order that rotates from round to round, so a burst of
+# load from the machine's other users hits every side alike); each side's figure is its median
+# over the rounds, the baseline is the better of its two medians (its one knob at its best),
+# and the ratio is the hub's median over it. Every round's own ratio is printed too, with the
+# load average around it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -26,6 +32,7 @@ BIN="$BUILD/bin"
 SUBS=${SUBS:-1000}
 FRAMES=${FRAMES:-200}
 SIZE=${SIZE:-256}
+ROUNDS=${ROUNDS:-3}
 
 if [[ -z "${UPSQUAD_PG_DSN_STREAM_HUB:-}" || -z "${UPSQUAD_NATS_URL:-}" || -z "${UPSQUAD_PG_ADMIN_DSN:-}" ]]; then
     echo "stream-hub bench: SKIP (the runtime's UPSQUAD_PG_DSN_STREAM_HUB, UPSQUAD_PG_ADMIN_DSN and UPSQUAD_NATS_URL are required)"
@@ -142,32 +149,56 @@ publish() { # publish COUNT RATE SIZE
     SEQ=$((SEQ + $1))
 }
 
-echo "stream-hub bench: $SUBS subscribers of one run, $FRAMES frames of $SIZE bytes"
-# 1 + 4: throughput and idle memory through the hub
+echo "stream-hub bench: $SUBS subscribers of one run, $FRAMES frames of $SIZE bytes, $ROUNDS rounds"
+loadavg() { cut -d' ' -f1 /proc/loadavg; }
+# 4: idle memory (the hub's before its first round, the bare server's in its first round)
 sleep 0.5
 rss0=$(rss_kb "$HUB_PID")
-client "$HUB_ADDR" "$FRAMES"
-sleep 0.5
-rss1=$(rss_kb "$HUB_PID")
-publish "$FRAMES" 0 "$SIZE"
-client_result
-HUB_T=$RESULT
-
-BARE_T=
-BARE_THREADS=1
-for th in 1 2; do
-    start_bare "$FRAMES" 0 "$th"
+rss1=
+brss0=
+brss1=
+# one throughput measurement each; appends "side rate delivered expected" to $TMP/rounds
+hub_round() {
+    client "$HUB_ADDR" "$FRAMES"
+    sleep 0.5
+    [[ -n "$rss1" ]] || rss1=$(rss_kb "$HUB_PID")
+    publish "$FRAMES" 0 "$SIZE"
+    client_result
+    echo "hub $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected)" >>"$TMP/rounds"
+}
+bare_round() { # THREADS
+    start_bare "$FRAMES" 0 "$1"
     sleep 0.3
+    local r0 r1
     r0=$(rss_kb "$BARE_PID")
     client "$BARE_ADDR" "$FRAMES"
     sleep 0.2
     r1=$(rss_kb "$BARE_PID")
+    [[ -n "$brss0" ]] || { brss0=$r0; brss1=$r1; }
     client_result
     kill "$BARE_PID"; wait "$BARE_PID" 2>/dev/null || true
-    if [[ -z "$BARE_T" ]] || (( $(json "$RESULT" rate | cut -d. -f1) > $(json "$BARE_T" rate | cut -d. -f1) )); then
-        BARE_T=$RESULT BARE_THREADS=$th brss0=$r0 brss1=$r1
-    fi
+    echo "bare$1 $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected)" >>"$TMP/rounds"
+}
+: >"$TMP/rounds"
+for r in $(seq "$ROUNDS"); do
+    echo "round $r load $(loadavg)" >>"$TMP/rounds"
+    case $((r % 3)) in
+    1) hub_round; bare_round 1; bare_round 2 ;;
+    2) bare_round 1; bare_round 2; hub_round ;;
+    0) bare_round 2; hub_round; bare_round 1 ;;
+    esac
 done
+echo "end load $(loadavg)" >>"$TMP/rounds"
+BARE_THREADS=$("$PY" - "$TMP/rounds" <<'EOF'
+import statistics, sys
+r = {}
+for line in open(sys.argv[1]):
+    k, v = line.split()[:2]
+    if k.startswith("bare"):
+        r.setdefault(k, []).append(float(v))
+print(max(r, key=lambda k: statistics.median(r[k]))[4:])
+EOF
+)
 
 # 3: latency at a paced rate (20 frames/s to every subscriber)
 LAT_FRAMES=60
@@ -191,23 +222,43 @@ publish "$STALL_FRAMES" 25 2048
 client_result
 HUB_S=$RESULT
 
-echo "  hub:        $HUB_T"
-echo "  bare:       $BARE_T"
 echo "  hub paced:  $HUB_L"
 echo "  bare paced: $BARE_L"
 echo "  stalled:    $HUB_S"
-"$PY" - "$HUB_T" "$BARE_T" "$HUB_L" "$BARE_L" "$HUB_S" "$rss0" "$rss1" "$brss0" "$brss1" "$SUBS" "$BARE_THREADS" <<'EOF'
-import json, sys
-ht, bt, hl, bl, hs = (json.loads(a) for a in sys.argv[1:6])
-rss0, rss1, brss0, brss1, subs, threads = (int(a) for a in sys.argv[6:12])
-ratio = ht["rate"] / bt["rate"] if bt["rate"] else 0
+sed 's/^/  /' "$TMP/rounds"
+"$PY" - "$TMP/rounds" "$HUB_L" "$BARE_L" "$HUB_S" "$rss0" "$rss1" "$brss0" "$brss1" "$SUBS" "$BARE_THREADS" <<'EOF'
+import json, statistics, sys
+rounds, per, loads, cur = {}, [], [], {}
+for line in open(sys.argv[1]):
+    w = line.split()
+    if w[0] in ("round", "end"):
+        loads.append(float(w[-1]))
+        if cur:
+            per.append(cur)
+        cur = {}
+        continue
+    rounds.setdefault(w[0], []).append((float(w[1]), int(w[2]), int(w[3])))
+    cur[w[0]] = float(w[1])
+hl, bl, hs = (json.loads(a) for a in sys.argv[2:5])
+rss0, rss1, brss0, brss1, subs, threads = (int(a) for a in sys.argv[5:11])
+med = {k: statistics.median(r for r, _, _ in v) for k, v in rounds.items()}
+base = med["bare%d" % threads]
+ratio = med["hub"] / base if base else 0
+lossless = all(d == e for _, d, e in rounds["hub"])
+each = [p["hub"] / max(p["bare1"], p["bare2"]) for p in per]
 loss = 1 - hs["delivered"] / hs["expected"] if hs["expected"] else 1
 print("baseline: %d bare libcommon streams (libcommon rpc_server with %d completion-queue "
-      "thread(s), the faster of 1 and 2; in-process producer pushing each frame encoded once, "
-      "lossless), same client and frames: %.0f frames/s delivered" % (subs, threads, bt["rate"]))
-print("hub: %.0f frames/s delivered to %d subscribers (%d of %d frames, min %d per stream): "
-      "ratio %.2f (target >= 0.8)" % (ht["rate"], subs, ht["delivered"], ht["expected"],
-                                        ht["min_per_stream"], ratio))
+      "thread(s), the better median of 1 and 2; in-process producer pushing each frame encoded "
+      "once, lossless), same client and frames: median %.0f frames/s delivered over %d rounds "
+      "(1 thread: %s; 2 threads: %s)" % (subs, threads, base, len(per),
+      " ".join("%.0f" % r for r, _, _ in rounds["bare1"]),
+      " ".join("%.0f" % r for r, _, _ in rounds["bare2"])))
+print("hub: median %.0f frames/s delivered to %d subscribers (rounds: %s; every frame to every "
+      "subscriber: %s): ratio %.2f (target >= 0.8); per round (hub / the round's better "
+      "baseline): %s; load average %s"
+      % (med["hub"], subs, " ".join("%.0f" % r for r, _, _ in rounds["hub"]),
+         "yes" if lossless else "NO", ratio, " ".join("%.2f" % e for e in each),
+         " -> ".join("%.1f" % l for l in loads)))
 print("stalled: one subscriber stops reading: the others lost %.2f%% (target < 5%%), the "
       "stalled one got %d frames, %d gaps" % (100 * loss, hs["stalled_live"], hs["gaps"]))
 print("latency publish->client at 20 frames/s x %d: hub p50 %.2f ms p99 %.2f ms; bare p50 "

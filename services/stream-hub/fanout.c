@@ -204,9 +204,8 @@ static void stalled(hub_sub *s) {
     if (!s->stalled_since) s->stalled_since = now_ms();
 }
 
-/* One frame to one subscriber; counts it. */
-static int push(hub_sub *s, rpc_frame *f) {
-    int rc = rpc_stream_push(s->call, f);
+/* The outcome of one push, counted; topic->mu held (it guards the subscriber's state). */
+static int pushed(hub_sub *s, int rc) {
     if (rc == RPC_OK) {
         metric_inc(s->h->m_delivered);
         s->stalled_since = 0;
@@ -216,6 +215,21 @@ static int push(hub_sub *s, rpc_frame *f) {
     } else {
         s->state = SS_DONE;
     }
+    return rc;
+}
+
+/* One frame to one subscriber; topic->mu held. */
+static int push(hub_sub *s, rpc_frame *f) {
+    return pushed(s, rpc_stream_push(s->call, f));
+}
+
+/* The same from the maintenance thread feeding a subscriber from the store, without topic->mu:
+ * the state the outcome may set is written under it (found by the churn test under TSan). */
+static int push_unlocked(hub_sub *s, rpc_frame *f) {
+    int rc = rpc_stream_push(s->call, f);
+    pthread_mutex_lock(&s->t->mu);
+    pushed(s, rc);
+    pthread_mutex_unlock(&s->t->mu);
     return rc;
 }
 
@@ -246,6 +260,7 @@ static int run_frame(const uint8_t *body, size_t len, int rpc, int64_t *seq, int
         if (rpc == HUB_RPC_STATUS && ev->node->update) {
             StatusResp r = UPSQUAD__WORKFLOW__V1__STREAM_RUN_STATUS_RESPONSE__INIT;
             r.update = ev->node->update;
+            r.run_seq = ev->seq; /* the resume point a client sends back (docs: resume) */
             *out = rpc_frame_encode(&r.base);
         }
     } else if (ev->event_case == UPSQUAD__INTERNAL__V1__RUN_EVENT__EVENT_RUN && ev->run) {
@@ -254,6 +269,7 @@ static int run_frame(const uint8_t *body, size_t len, int rpc, int64_t *seq, int
         if (rpc == HUB_RPC_LOGS) {
             LogsResp r = UPSQUAD__WORKFLOW__V1__STREAM_RUN_LOGS_RESPONSE__INIT;
             r.line = ev->log;
+            r.run_seq = ev->seq;
             *out = rpc_frame_encode(&r.base);
         }
     }
@@ -300,7 +316,7 @@ static void catch_up(hub_sub *s) {
             s->hole_since = 0;
             if (run_frame(b.v[i].body, b.v[i].len, s->rpc, &seq, &term, &f) != 0) continue;
             if (f) {
-                int rc = push(s, f);
+                int rc = push_unlocked(s, f);
                 rpc_frame_unref(f);
                 if (rc != RPC_OK) {
                     hs_blobs_free(&b);
@@ -310,7 +326,9 @@ static void catch_up(hub_sub *s) {
             s->last_seq = b.v[i].seq;
             if (term && s->rpc == HUB_RPC_STATUS) {
                 hs_blobs_free(&b);
+                pthread_mutex_lock(&s->t->mu);
                 end_ok(s);
+                pthread_mutex_unlock(&s->t->mu);
                 return;
             }
         }
@@ -801,7 +819,7 @@ static int snapshot_visible(hub_sub *s, int resync) {
             rc = send_msg(s->call, &v.base);
         } else {
             rpc_frame *f = rpc_frame_encode(&v.base);
-            rc = f && push(s, f) == RPC_OK ? 0 : -1;
+            rc = f && push_unlocked(s, f) == RPC_OK ? 0 : -1;
             rpc_frame_unref(f);
         }
     }
@@ -812,7 +830,7 @@ static int snapshot_visible(hub_sub *s, int resync) {
         l.run_id = v->key;
         l.leaving = 1;
         rpc_frame *f = rpc_frame_encode(&l.base);
-        rc = f && push(s, f) == RPC_OK ? 0 : -1;
+        rc = f && push_unlocked(s, f) == RPC_OK ? 0 : -1;
         rpc_frame_unref(f);
     }
     for (seen *v = s->seen; v; v = v->next)

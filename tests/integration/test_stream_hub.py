@@ -144,8 +144,8 @@ class StreamHub(unittest.TestCase):
         cls.channels = {}
 
     @classmethod
-    def start(cls):
-        srv = T.Server("stream-hub", env={
+    def start(cls, **extra):
+        env = {
             "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": cls.dsn, "UPSQUAD_NATS_URL": NATS,
             "UPSQUAD_MIGRATIONS_DIR": MIGRATIONS, "UPSQUAD_LOG_LEVEL": "warn",
             "UPSQUAD_HUB_PROJECTION_DURABLE": "hub-it-%s-events" % TAG,
@@ -153,7 +153,9 @@ class StreamHub(unittest.TestCase):
             "UPSQUAD_HUB_PROJECTION_FROM": "new",
             "UPSQUAD_RPC_STREAM_QUEUE": str(QUEUE), "UPSQUAD_HUB_STALL_LIMIT": "%dms" % STALL_MS,
             "UPSQUAD_RPC_MAX_STREAMS": "4096", "UPSQUAD_RPC_STREAM_WORKERS": "16",
-            "UPSQUAD_SHUTDOWN_GRACE": "2s", "UPSQUAD_HUB_NEW_RUN_GRACE": "1s"})
+            "UPSQUAD_SHUTDOWN_GRACE": "2s", "UPSQUAD_HUB_NEW_RUN_GRACE": "1s"}
+        env.update(extra)
+        srv = T.Server("stream-hub", env=env)
         cls.servers.append(srv)
         return srv
 
@@ -373,6 +375,67 @@ class StreamHub(unittest.TestCase):
         time.sleep(0.2)
         r2.cancel()
         self.assertEqual([m.line.message for m in r2.msgs], ["line %d" % s for s in range(16, 23)])
+
+    def test_resume_from_the_seq_read_on_the_stream_after_a_replica_dies(self):
+        # Every StreamRunStatus/StreamRunLogs frame carries the run seq (run_seq, an Upsquad
+        # extension of the response wrapper). A client reads some frames from replica C, C is
+        # killed (SIGKILL: no orderly end), events are published meanwhile, and the client
+        # reconnects to B with the last run_seq it read: it gets exactly the rest, once each.
+        org = uid()
+        run = self.new_run(org)
+
+        def publish(lo, hi):
+            for s in range(lo, hi + 1):
+                if s % 3 == 0:
+                    self.pub("log", org=org, run=run, seq=s, message="line %d" % s)
+                else:  # one node per event: the status snapshot (a fold) keeps them all
+                    self.pub("node", org=org, run=run, seq=s, node_id="n%d" % s,
+                             status="running", run_status="running", elapsed_ms=s)
+        publish(2, 30)  # history: the snapshots
+        self.projected(run, 30)
+        # C projects through durables of its own: messages it fetched and never acked must not
+        # hold A's and B's shared durables up for the ack wait
+        c = self.start(UPSQUAD_HUB_PROJECTION_DURABLE="hub-it-%s-c-events" % TAG,
+                       UPSQUAD_HUB_TRANSCRIPT_DURABLE="hub-it-%s-c-io" % TAG)
+        try:
+            st = self.read(c, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
+            lg = self.read(c, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org)
+            t = threading.Thread(target=publish, args=(31, 600))
+            t.start()
+            wait_until(lambda: st.msgs and st.msgs[-1].run_seq >= 45 and lg.msgs and
+                       lg.msgs[-1].run_seq >= 45, 15, "live frames from replica C")
+            c.signal(signal.SIGKILL)
+            c.wait(10)
+            st.join(10)
+            lg.join(10)
+            self.assertNotEqual(st.code, grpc.StatusCode.OK)
+            t.join()
+        finally:
+            c.stop()
+            self.__class__.servers.remove(c)
+            self.channels.pop(c.addr, None)
+        self.projected(run, 600)
+        last_st, last_lg = st.msgs[-1].run_seq, lg.msgs[-1].run_seq
+        self.assertLess(last_st, 599, "the client saw everything: nothing left to resume")
+        st2 = self.read(self.b, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org,
+                        extra=(("x-upsquad-resume-seq", str(last_st)),))
+        lg2 = self.read(self.b, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org,
+                        extra=(("x-upsquad-resume-seq", str(last_lg)),))
+        publish(601, 610)  # live after the resume
+        self.pub("run", org=org, run=run, seq=611, status="completed", nodes_total=3,
+                 nodes_done=3)
+        st2.join(15)
+        self.assertEqual(st2.code, grpc.StatusCode.OK, st2.details)
+        wait_until(lambda: lg2.msgs and lg2.msgs[-1].run_seq >= 609, 10, "the resumed log lines")
+        time.sleep(0.2)
+        lg2.cancel()
+        status = [m.run_seq for m in st.msgs + st2.msgs]
+        logs = [m.run_seq for m in lg.msgs + lg2.msgs]
+        self.assertEqual(status, [s for s in range(2, 611) if s % 3], "status: lost or repeated")
+        self.assertEqual(logs, [s for s in range(2, 611) if s % 3 == 0], "logs: lost or repeated")
+        # the seq is the event's own: it agrees with the payload the publisher put in it
+        self.assertTrue(all(m.update.elapsed_ms == m.run_seq for m in st.msgs + st2.msgs))
+        self.assertTrue(all(m.line.message == "line %d" % m.run_seq for m in lg.msgs + lg2.msgs))
 
     # ---- node I/O: clearance floors, snapshot de-duplication ----
     def test_node_io_clearance_floor_live_and_in_transcripts(self):
@@ -688,6 +751,156 @@ class StreamHub(unittest.TestCase):
                 inset.add(m.run_id)
         self.assertEqual(inset, {r2})
         self.assertLess(len(r.msgs), 1204)  # frames were dropped, not queued without bound
+
+    # ---- lifetime: subscribe, cancel, stall, end of run and shutdown racing each other ----
+    def test_churn_subscribers_cancel_while_frames_flow_the_run_ends_and_the_hub_stops(self):
+        # Many subscribers of one run (all three run-scoped streams) connect and go away in every
+        # way while frames flow: cancelled at once (racing the handler's snapshot and the
+        # detach), after a few frames, or never reading (their queues fill: drops, repairs,
+        # gaps, the stall limit's abort); the run ends meanwhile (status streams finish), and the
+        # replica is stopped (SIGTERM) with streams open. Run under the ASan build (BUILD=
+        # build-asan) this is the subscriber lifetime's stress test: the replica must exit 0
+        # with nothing on stderr from a sanitizer, and no subscriber may be left behind.
+        org = uid()
+        run = self.new_run(org)
+        c = self.start(UPSQUAD_HUB_PROJECTION_DURABLE="hub-it-%s-churn-events" % TAG,
+                       UPSQUAD_HUB_TRANSCRIPT_DURABLE="hub-it-%s-churn-io" % TAG,
+                       UPSQUAD_RPC_STREAM_QUEUE="8", UPSQUAD_HUB_STALL_LIMIT="300ms",
+                       UPSQUAD_HUB_REPAIR_BATCH="4")
+        toks = Publisher()
+        stop = threading.Event()
+        seq = [1]
+        errors = []
+
+        events_done = threading.Event()
+
+        def run_events():
+            while not stop.is_set() and not events_done.is_set():
+                seq[0] += 1
+                s = seq[0]
+                if s % 2:
+                    self.pub("log", org=org, run=run, seq=s, message="line %d" % s)
+                else:
+                    self.pub("node", org=org, run=run, seq=s, node_id="n%d" % (s % 7),
+                             status="running", run_status="running", elapsed_ms=s)
+        ch = [grpc.insecure_channel(c.addr) for _ in range(3)]
+        stubs = []
+        for i, (m, req) in enumerate((
+                ("StreamRunStatus", W.StreamRunStatusRequest(run_id=run)),
+                ("StreamRunLogs", W.StreamRunLogsRequest(run_id=run)),
+                ("StreamNodeIO", W.StreamNodeIORequest(run_id=run)))):
+            rq, rs = METHODS[m]
+            stubs.append((ch[i].unary_stream(SVC + m, request_serializer=rq.SerializeToString,
+                                             response_deserializer=rs.FromString), req))
+        md = self.md(org)
+        held = []  # streams nobody reads, cancelled later or left open for the shutdown
+        held_mu = threading.Lock()
+        opened = []
+
+        def churn(k):
+            rnd = __import__("random").Random(k)
+            n = 0
+            while not stop.is_set():
+                stub, req = stubs[n % 3]
+                n += 1
+                opened.append(1)
+                call = stub(req, metadata=md, timeout=30)
+                way = rnd.randrange(4)
+                try:
+                    if way == 0:
+                        time.sleep(rnd.random() * 0.005)
+                        call.cancel()
+                    elif way == 1:  # a few frames, for at most a moment
+                        timer = threading.Timer(0.05 + rnd.random() * 0.4, call.cancel)
+                        timer.start()
+                        want = rnd.randrange(1, 20)
+                        for i, _ in enumerate(call):
+                            if i >= want:
+                                break
+                        timer.cancel()
+                        call.cancel()
+                    else:
+                        with held_mu:
+                            held.append(call)
+                            if len(held) > 60:
+                                held.pop(rnd.randrange(len(held))).cancel()
+                        time.sleep(0.01)
+                except grpc.RpcError as e:
+                    if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.OK,
+                                        grpc.StatusCode.RESOURCE_EXHAUSTED):
+                        errors.append("%s: %s" % (e.code(), e.details()))
+        pubs = [threading.Thread(target=run_events)]
+        workers = [threading.Thread(target=churn, args=(k,)) for k in range(6)]
+        try:
+            for t in pubs + workers:
+                t.start()
+            toks("tokens", org=org, run=run, node="coder", session="s1", **{"from": 1},
+                 count=1500, size=512, rate=600)
+            # the run ends while subscribers keep coming: status streams finish
+            events_done.set()
+            pubs[0].join(30)
+            end = seq[0] + 1
+            self.pub("run", org=org, run=run, seq=end, status="completed", nodes_total=7,
+                     nodes_done=7)
+            toks("tokens", org=org, run=run, node="coder", session="s1", **{"from": 1501},
+                 count=600, size=512, rate=600)
+            stop.set()
+            for t in pubs + workers:
+                t.join(30)
+            if errors and c.proc.poll() is not None:
+                self.fail("the replica died: %s" % c.proc.stderr.read()[-6000:])
+            self.assertEqual(errors, [])
+            self.assertGreater(len(opened), 100, "too little churn to mean anything")
+            print("churn: %d streams opened" % len(opened), file=sys.stderr)
+            if c.proc.poll() is not None:
+                self.fail("the replica died: %s" % c.proc.stderr.read()[-3000:])
+            # a subscriber after all that is served (the fold and the end: the run is over)
+            wait_until(lambda: psql(self.admin, "SELECT count(*) FROM stream_hub.run_events "
+                                    "WHERE run_id = '%s'" % run) == str(end), 15,
+                       "every event of the run in the projection")
+            r = self.read(c, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
+            r.join(15)
+            self.assertEqual(r.code, grpc.StatusCode.OK, r.details)
+            self.assertEqual(len(r.msgs), 7)
+            for call in held:
+                call.cancel()
+
+            def subscribers():
+                return sum(c.metric("stream_hub_subscribers", 'rpc="%s"' % m)
+                           for m in ("StreamRunStatus", "StreamRunLogs", "StreamNodeIO"))
+            try:
+                wait_until(lambda: subscribers() == 0, 20, "every subscriber gone")
+            except AssertionError:
+                if os.environ.get("HUB_TEST_PAUSE"):
+                    print("leak: pid %d" % c.proc.pid, file=sys.stderr, flush=True)
+                    time.sleep(int(os.environ["HUB_TEST_PAUSE"]))
+                self.fail("subscribers left on the replica: %s, streams %s" % (
+                    [c.metric("stream_hub_subscribers", 'rpc="%s"' % m)
+                     for m in ("StreamRunStatus", "StreamRunLogs", "StreamNodeIO")],
+                    c.metric("rpc_server_inflight_calls")))
+            # streams open at the shutdown, some read, some not
+            keep = [stubs[i % 3][0](stubs[i % 3][1], metadata=md, timeout=30) for i in range(30)]
+            wait_until(lambda: subscribers() >= 20, 10, "subscribers for the shutdown")
+            toks("tokens", org=org, run=run, node="coder", session="s1", **{"from": 2101},
+                 count=100, size=512, rate=0)
+            c.signal(signal.SIGTERM)
+            rc = c.wait(30)
+            err = c.proc.stderr.read()
+            for bad in ("AddressSanitizer", "LeakSanitizer", "ThreadSanitizer", "runtime error",
+                        "double free"):
+                self.assertNotIn(bad, err)
+            self.assertEqual(rc, 0, err[-3000:])
+            for call in keep:
+                call.cancel()
+        finally:
+            stop.set()
+            for t in pubs + workers:
+                t.join(30)
+            toks.close()
+            for x in ch:
+                x.close()
+            c.stop()
+            self.__class__.servers.remove(c)
 
     # ---- restart and shutdown ----
     def test_zz_replica_restart_loses_nothing_and_shutdown_ends_streams_unavailable(self):
