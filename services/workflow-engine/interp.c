@@ -259,10 +259,17 @@ static void complete_act(tick *t, act *a, cJSON *output) {
 
 /* ---- loading ---- */
 
+static int load_acts_from(tick *t, PGresult *r);
+
 static int load_acts(tick *t) {
     PGresult *r = NULL;
     int rc = st_actions_load(t->tx, t->run->id, &r, t->err, sizeof t->err);
     if (rc) return rc;
+    return load_acts_from(t, r);
+}
+
+/* The run's actions from st_actions_load's rows (IA_*); takes ownership of r (cleared). */
+static int load_acts_from(tick *t, PGresult *r) {
     for (int i = 0; i < PQntuples(r); i++) {
         act *a = new_act(t, st_s(r, i, IA_STEP), st_s(r, i, IA_TYPE), st_s(r, i, IA_LAP),
                          (int)st_i(r, i, IA_ITERATION), st_s(r, i, IA_STATUS));
@@ -1002,15 +1009,21 @@ static int run_tick(wf_engine *e, const char *run_id, const char *org, int64_t g
     db_tx *tx = NULL;
     wf_run run = {0};
     tick t;
+    PGresult *run_row = NULL, *acts = NULL;
     int found = 0, held = 0, out = TICK_LOST;
     memset(&t, 0, sizeof t);
     *n_jobs = 0;
     *wake_ms = 0;
-    /* lock order, everywhere: the run row, then its queue row, then its actions */
-    if (st_begin(e->pool, org, NULL, &tx, err, sizeof err) ||
-        wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err) ||
-        st_queue_fence(tx, run_id, e->instance, e->cfg->lease_ms, &held, err, sizeof err) || !held)
+    /* lock order, everywhere: the run row, then its queue row, then its actions. Pipelined
+     * (db.h): the tick's writes and its COMMIT go out together; every one of them is checked
+     * by the commit, and nothing is acted on before the commit returned DB_OK. */
+    if (st_begin_ex(e->pool, org, NULL, DB_TX_PIPELINE, &tx, err, sizeof err) ||
+        st_tick_head(tx, run_id, e->instance, e->cfg->lease_ms, &run_row, &held, &acts, err,
+                     sizeof err))
         goto done;
+    wf_run_take(tx, run_row, &run, &found);
+    run_row = NULL;
+    if (!held) goto done;
     if (!found || wf_run_terminal(run.status)) {
         if (!st_queue_delete(tx, run_id, err, sizeof err) && !db_tx_commit(tx, err, sizeof err))
             out = TICK_FINISHED;
@@ -1019,7 +1032,9 @@ static int run_tick(wf_engine *e, const char *run_id, const char *org, int64_t g
     }
     tick_init(&t, e, &run);
     t.paused = !strcmp(run.status, "paused");
-    if ((t.rc = load_acts(&t))) goto done;
+    t.rc = load_acts_from(&t, acts);
+    acts = NULL;
+    if (t.rc) goto done;
     apply_outcomes(&t, done, results, n_done);
     if (!strcmp(run.status, "pending") &&
         (t.rc = wf_run_transition(&run, "running", "", t.err, sizeof t.err)))
@@ -1063,6 +1078,7 @@ static int run_tick(wf_engine *e, const char *run_id, const char *org, int64_t g
     out = *n_jobs ? TICK_JOBS : TICK_IDLE;
 done:
     if (t.rc) log_error("run.tick", "run=%s: %s (%s)", run_id, t.err, db_sqlstate());
+    PQclear(acts);
     db_tx_rollback(tx);
     if (t.state) tick_free(&t);
     wf_run_free(&run);
@@ -1150,7 +1166,7 @@ static void release(wf_engine *e, const char *run_id, const char *org, int64_t g
                     int64_t wake_ms) {
     char err[512];
     db_tx *tx = NULL;
-    if (st_begin(e->pool, org, NULL, &tx, err, sizeof err) ||
+    if (st_begin_ex(e->pool, org, NULL, DB_TX_PIPELINE, &tx, err, sizeof err) ||
         st_queue_release(tx, run_id, e->instance, gen, wake_ms, err, sizeof err) ||
         db_tx_commit(tx, err, sizeof err))
         log_warn("run.release", "run=%s: %s", run_id, err);
@@ -1235,7 +1251,7 @@ void *wf_interp_thread(void *arg) {
         db_tx *tx = NULL;
         PGresult *r = NULL;
         int claimed = 0;
-        if (st_begin_service(e->pool, &tx, err, sizeof err) == DB_OK &&
+        if (st_begin_service_ex(e->pool, DB_TX_PIPELINE, &tx, err, sizeof err) == DB_OK &&
             st_queue_claim(tx, e->instance, e->cfg->lease_ms, 1, &r, err, sizeof err) == DB_OK &&
             db_tx_commit(tx, err, sizeof err) == DB_OK) {
             tx = NULL;
@@ -1361,7 +1377,7 @@ void *wf_relay_thread(void *arg) {
         char ids[8192];
         size_t o = 0;
         ids[o++] = '{';
-        if (st_begin_service(e->pool, &tx, err, sizeof err) == DB_OK &&
+        if (st_begin_service_ex(e->pool, DB_TX_PIPELINE, &tx, err, sizeof err) == DB_OK &&
             st_outbox_fetch(tx, (int)e->cfg->relay_batch, &locked, &r, err, sizeof err) == DB_OK &&
             locked) {
             for (int i = 0; i < PQntuples(r); i++) {

@@ -27,6 +27,12 @@ int wf_run_load(db_tx *tx, const char *run_id, int lock, wf_run *r, int *found, 
     *found = 0;
     int rc = st_run_load(tx, run_id, lock, &res, err, errlen);
     if (rc != DB_OK) return rc;
+    return wf_run_take(tx, res, r, found);
+}
+
+int wf_run_take(db_tx *tx, PGresult *res, wf_run *r, int *found) {
+    memset(r, 0, sizeof *r);
+    *found = 0;
     if (PQntuples(res) == 0) goto done;
     r->tx = tx;
     cp(r->id, sizeof r->id, st_s(res, 0, RL_ID));

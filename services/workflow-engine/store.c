@@ -61,7 +61,11 @@ int st_begin_ex(db_pool *p, const char *org_id, const char *member_id, int flags
 }
 
 int st_begin_service(db_pool *p, db_tx **out, char *err, size_t errlen) {
-    int rc = db_tx_begin(p, NULL, out, err, errlen);
+    return st_begin_service_ex(p, 0, out, err, errlen);
+}
+
+int st_begin_service_ex(db_pool *p, int flags, db_tx **out, char *err, size_t errlen) {
+    int rc = db_tx_begin_ex(p, NULL, flags, out, err, errlen);
     if (rc != DB_OK) return rc;
     rc = ex(*out, "SELECT set_config('app.service', 'on', true)", 0, NULL, NULL, err, errlen);
     if (rc != DB_OK) {
@@ -316,27 +320,16 @@ int st_run_insert(db_tx *tx, const char *id, const char *org, const char *wf,
     return rc != DB_OK ? rc : st_queue_insert(tx, id, org, err, errlen);
 }
 
+#define RL_SELECT                                                                                  \
+    "SELECT r.id, r.org_id, r.workflow_id, r.triggered_by, r.status, r.context::text, "            \
+    "r.definition::text, r.display_name, r.event_seq, r.cost_usd, " MS("r.started_at") ", " MS(    \
+        "r.completed_at") ", w.name, w.team_id, w.visibility, w.created_by, "                      \
+                          "w.data_classification FROM " S "runs r JOIN " S                         \
+                          "workflows w ON w.id = r.workflow_id WHERE r.id = $1::uuid"
+
 int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *err, size_t errlen) {
     const char *p[] = {run_id};
-    return ex(
-        tx,
-        lock ? "SELECT r.id, r.org_id, r.workflow_id, r.triggered_by, r.status, "
-               "r.context::text, r.definition::text, r.display_name, r.event_seq, "
-               "r.cost_usd, " MS("r.started_at") ", " MS(
-                   "r.completed_at") ", w.name, "
-                                     "w.team_id, w.visibility, w.created_by, w.data_classification "
-                                     "FROM " S "runs r JOIN " S
-                                     "workflows w ON w.id = r.workflow_id "
-                                     "WHERE r.id = $1::uuid FOR UPDATE OF r"
-             : "SELECT r.id, r.org_id, r.workflow_id, r.triggered_by, r.status, "
-               "r.context::text, r.definition::text, r.display_name, r.event_seq, "
-               "r.cost_usd, " MS("r.started_at") ", " MS(
-                   "r.completed_at") ", w.name, "
-                                     "w.team_id, w.visibility, w.created_by, w.data_classification "
-                                     "FROM " S "runs r JOIN " S
-                                     "workflows w ON w.id = r.workflow_id "
-                                     "WHERE r.id = $1::uuid",
-        1, p, out, err, errlen);
+    return ex(tx, lock ? RL_SELECT " FOR UPDATE OF r" : RL_SELECT, 1, p, out, err, errlen);
 }
 
 #define RUN_SELECT                                                                                 \
@@ -651,17 +644,18 @@ int st_queue_claim(db_tx *tx, const char *owner, int64_t lease_ms, int limit, PG
               3, p, out, err, errlen);
 }
 
+#define FENCE_SQL                                                                                  \
+    "UPDATE " S "run_queue SET lease_until = clock_timestamp() + $3::bigint * "                    \
+    "interval '1 millisecond' WHERE run_id = $1::uuid AND lease_owner = $2 "                       \
+    "AND lease_until > clock_timestamp() RETURNING 1"
+
 int st_queue_fence(db_tx *tx, const char *run, const char *owner, int64_t lease_ms, int *held,
                    char *err, size_t errlen) {
     char l[32];
     i64s(l, sizeof l, lease_ms);
     const char *p[] = {run, owner, l};
     PGresult *r = NULL;
-    int rc = ex(tx,
-                "UPDATE " S "run_queue SET lease_until = clock_timestamp() + $3::bigint * "
-                "interval '1 millisecond' WHERE run_id = $1::uuid AND lease_owner = $2 "
-                "AND lease_until > clock_timestamp() RETURNING 1",
-                3, p, &r, err, errlen);
+    int rc = ex(tx, FENCE_SQL, 3, p, &r, err, errlen);
     if (rc == DB_OK) *held = PQntuples(r) > 0;
     PQclear(r);
     return rc;
@@ -848,4 +842,35 @@ int st_action_brief(db_tx *tx, const char *action_id, PGresult **out, char *err,
     const char *p[] = {action_id};
     return ex(tx, "SELECT run_id, status FROM " S "actions WHERE id = $1::uuid", 1, p, out, err,
               errlen);
+}
+
+/* ---- a tick's reads in one round trip ---- */
+
+int st_tick_head(db_tx *tx, const char *run, const char *owner, int64_t lease_ms,
+                 PGresult **run_row, int *held, PGresult **acts, char *err, size_t errlen) {
+    PGconn *c = db_tx_conn(tx);
+    PGresult *fence = NULL;
+    char l[32];
+    i64s(l, sizeof l, lease_ms);
+    const char *pr[] = {run};
+    const char *pf[] = {run, owner, l};
+    *run_row = *acts = NULL;
+    *held = 0;
+    if (!db_pipe_active(c)) { /* not pipelined: the same three statements one by one */
+        int rc = st_run_load(tx, run, 1, run_row, err, errlen);
+        if (rc == DB_OK) rc = st_queue_fence(tx, run, owner, lease_ms, held, err, errlen);
+        if (rc == DB_OK) rc = st_actions_load(tx, run, acts, err, errlen);
+        return rc;
+    }
+    /* sent in the lock order of every tick: the run row, its queue row, then its actions */
+    int rc =
+        db_pipe_send(c, RL_SELECT " FOR UPDATE OF r", 1, pr, NULL, NULL, 0, run_row, err, errlen);
+    if (rc == DB_OK) rc = db_pipe_send(c, FENCE_SQL, 3, pf, NULL, NULL, 0, &fence, err, errlen);
+    if (rc == DB_OK)
+        rc = db_pipe_send(c, IA_SELECT "WHERE run_id = $1::uuid ORDER BY created_at, id", 1, pr,
+                          NULL, NULL, 0, acts, err, errlen);
+    if (rc == DB_OK) rc = db_pipe_flush(c, err, errlen);
+    if (rc == DB_OK) *held = PQntuples(fence) > 0;
+    PQclear(fence);
+    return rc;
 }
