@@ -1239,7 +1239,10 @@ static void idle_wait(wf_engine *e, long long ms) {
         ts.tv_nsec -= 1000000000L;
     }
     pthread_mutex_lock(&e->mu);
-    if (!e->kick && !e->stop) pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+    /* the cv is shared with the relay: its kicks (every commit) must not send each idle
+     * thread to claim in a transaction of its own; only a run kick or the poll interval do */
+    while (!e->kick && !e->stop && pthread_cond_timedwait(&e->cv, &e->mu, &ts) != ETIMEDOUT) {
+    }
     e->kick = 0;
     pthread_mutex_unlock(&e->mu);
 }
@@ -1255,6 +1258,13 @@ void *wf_interp_thread(void *arg) {
             st_queue_claim(tx, e->instance, e->cfg->lease_ms, 1, &r, err, sizeof err) == DB_OK &&
             db_tx_commit(tx, err, sizeof err) == DB_OK) {
             tx = NULL;
+            if (PQntuples(r) > 0) { /* more may be due: one more idle thread looks (a chain
+                                     * that ends with the first claim finding nothing) */
+                pthread_mutex_lock(&e->mu);
+                e->kick = 1;
+                pthread_cond_broadcast(&e->cv);
+                pthread_mutex_unlock(&e->mu);
+            }
             for (int i = 0; i < PQntuples(r); i++) {
                 claimed++;
                 char run_id[37], org[37];
@@ -1417,7 +1427,9 @@ void *wf_relay_thread(void *arg) {
                 ts.tv_nsec -= 1000000000L;
             }
             pthread_mutex_lock(&e->mu);
-            if (!e->stop && !e->relay_kick) pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            while (!e->stop && !e->relay_kick &&
+                   pthread_cond_timedwait(&e->cv, &e->mu, &ts) != ETIMEDOUT) {
+            } /* the cv is shared: an interpreter kick alone is no reason for a round */
             e->relay_kick = 0;
             pthread_mutex_unlock(&e->mu);
         }
