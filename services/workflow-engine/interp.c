@@ -1605,8 +1605,9 @@ void *wf_scheduler_thread(void *arg) {
                 ts.tv_sec++;
                 ts.tv_nsec -= 1000000000L;
             }
-            pthread_mutex_lock(&e->mu);
-            if (!e->stop) pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            pthread_mutex_lock(&e->mu); /* shared cv: only stop or the interval end this */
+            while (!e->stop && pthread_cond_timedwait(&e->cv, &e->mu, &ts) != ETIMEDOUT) {
+            }
             pthread_mutex_unlock(&e->mu);
         }
     }

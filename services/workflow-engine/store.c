@@ -365,6 +365,19 @@ int st_run_row(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t 
     return ex(tx, RUN_SELECT "WHERE r.id = $1::uuid", 1, p, out, err, errlen);
 }
 
+int st_run_counts(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen) {
+    const char *p[] = {run_id};
+    /* the same counts as RUN_SELECT's, without its joins and governance lookups: a run's
+     * status change in a tick plans and runs this cheaply */
+    return ex(tx,
+              "SELECT count(a.id), count(a.id) FILTER (WHERE a.status IN ('approved', "
+              "'completed', 'skipped', 'rejected', 'failed')), r.cost_usd, " MS(
+                  "r.started_at") ", " MS("r.completed_at") " FROM " S "runs r LEFT JOIN " S
+                                                            "actions a ON a.run_id = r.id "
+                                                            "WHERE r.id = $1::uuid GROUP BY r.id",
+              1, p, out, err, errlen);
+}
+
 int st_run_page(db_tx *tx, const char *wf, const char *member, const char *teams,
                 const char *statuses, const char *after_us, const char *after_id, int limit,
                 PGresult **out, char *err, size_t errlen) {

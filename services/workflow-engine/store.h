@@ -161,6 +161,9 @@ enum {
     RUN_NCOLS
 };
 int st_run_row(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen);
+/* What a run status event needs: one row of RC_* columns. */
+enum { RC_TOTAL, RC_DONE, RC_COST, RC_STARTED_AT, RC_COMPLETED_AT };
+int st_run_counts(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen);
 /* Keyset page (started_at DESC, id DESC) after cursor (after_us, after_id; after_id NULL: from
  * the newest). wf NULL: across workflows, limited to the member's visible ones (teams: Postgres
  * array text). statuses: array text or NULL for all. Returns limit + 1 rows at most. */
