@@ -157,7 +157,8 @@ int db_pipe_send(PGconn *c, const char *sql, int nparams, const char *const *val
 }
 
 int db_pipe_flush(PGconn *c, char *err, size_t errlen) {
-    if (!db_pipe_active(c)) return db__pipe_fail(err, errlen, DB_EINVAL, "db_pipe_flush: no pipeline");
+    if (!db_pipe_active(c))
+        return db__pipe_fail(err, errlen, DB_EINVAL, "db_pipe_flush: no pipeline");
     int n = db__p.n, i = 0, rc = DB_OK;
     db__p.n = 0;
     if (n == 0) return DB_OK;
@@ -177,7 +178,8 @@ int db_pipe_flush(PGconn *c, char *err, size_t errlen) {
             break;
         }
         if (i < n && db__p.prep[i]) { /* a Parse: counts once it succeeded, whatever follows */
-            if (st == PGRES_COMMAND_OK) db__prep_add(c, db__p.prep[i]);
+            if (st == PGRES_COMMAND_OK)
+                db__prep_add(c, db__p.prep[i]);
             else if (st != PGRES_PIPELINE_ABORTED && rc == DB_OK)
                 rc = db__status_of(res, c, err, errlen);
             i++;
@@ -211,9 +213,9 @@ int db_pipe_end(PGconn *c, char *err, size_t errlen) {
     db__p.c = NULL;
     db__p.n = 0;
     if (PQexitPipelineMode(c) != 1 && rc == DB_OK)
-        rc = PQstatus(c) != CONNECTION_OK ? db__status_of(NULL, c, err, errlen)
-                                          : db__pipe_fail(err, errlen, DB_ERR,
-                                                          "db_pipe_end: connection still busy");
+        rc = PQstatus(c) != CONNECTION_OK
+                 ? db__status_of(NULL, c, err, errlen)
+                 : db__pipe_fail(err, errlen, DB_ERR, "db_pipe_end: connection still busy");
     return rc;
 }
 

@@ -164,9 +164,8 @@ static void test_explicit_batch(void **state) {
     assert_int_equal(db_pipe_begin(c, err, sizeof err), DB_OK);
     assert_int_equal(db_pipe_begin(c, err, sizeof err), DB_OK); /* idempotent on the same */
     const char *p[] = {"41"};
-    assert_int_equal(db_pipe_send(c, "SELECT $1::int + 1", 1, p, NULL, NULL, 0, &a, err,
-                                  sizeof err),
-                     DB_OK);
+    assert_int_equal(
+        db_pipe_send(c, "SELECT $1::int + 1", 1, p, NULL, NULL, 0, &a, err, sizeof err), DB_OK);
     assert_int_equal(db_pipe_send(c, "SELECT 'x'", 0, NULL, NULL, NULL, 0, NULL, err, sizeof err),
                      DB_OK);
     assert_int_equal(db_pipe_send(c, "SELECT 'two'", 0, NULL, NULL, NULL, 0, &b, err, sizeof err),
