@@ -716,22 +716,36 @@ int st_events_put(db_tx *tx, const char *org, const char *run, int64_t seq, cons
 }
 
 int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err, size_t errlen) {
-    PGresult *r = NULL;
+    PGresult *r = NULL, *rows = NULL;
+    PGconn *c = db_tx_conn(tx);
+    char l[16];
+    snprintf(l, sizeof l, "%d", limit);
+    const char *p[] = {l};
+    const int fmts[] = {0};
     *out = NULL;
+    *locked = 0;
     /* One relay at a time keeps each run's events in outbox (seq) order on the bus. */
-    int rc = ex(tx, "SELECT pg_try_advisory_xact_lock(hashtext('workflow_engine.outbox_relay'))", 0,
-                NULL, &r, err, errlen);
+    const char *lock = "SELECT pg_try_advisory_xact_lock(hashtext('workflow_engine.outbox_relay'))";
+    const char *fetch = "SELECT id, subject, msg_id, payload FROM " S "outbox ORDER BY id "
+                        "LIMIT $1::int";
+    if (db_pipe_active(c)) { /* both behind one sync; the rows count only under the lock */
+        int rc = db_pipe_send(c, lock, 0, NULL, NULL, NULL, 0, &r, err, errlen);
+        if (rc == DB_OK) rc = db_pipe_send(c, fetch, 1, p, NULL, fmts, 1, &rows, err, errlen);
+        if (rc == DB_OK) rc = db_pipe_flush(c, err, errlen);
+        if (rc == DB_OK && (*locked = st_b(r, 0, 0))) {
+            *out = rows;
+            rows = NULL;
+        }
+        PQclear(r);
+        PQclear(rows);
+        return rc;
+    }
+    int rc = ex(tx, lock, 0, NULL, &r, err, errlen);
     if (rc != DB_OK) return rc;
     *locked = st_b(r, 0, 0);
     PQclear(r);
     if (!*locked) return DB_OK;
-    char l[16];
-    snprintf(l, sizeof l, "%d", limit);
-    const char *p[] = {l};
-    return db_exec_bin(db_tx_conn(tx),
-                       "SELECT id, subject, msg_id, payload FROM " S "outbox ORDER BY id "
-                       "LIMIT $1::int",
-                       1, p, NULL, NULL, 1, out, err, errlen);
+    return db_exec_bin(c, fetch, 1, p, NULL, NULL, 1, out, err, errlen);
 }
 
 int st_outbox_delete(db_tx *tx, const char *ids, char *err, size_t errlen) {
