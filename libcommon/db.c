@@ -160,6 +160,9 @@ int db_exec_bin(PGconn *c, const char *sql, int nparams, const char *const *valu
         db__msg(err, errlen, "", "deadline exceeded before the statement ran");
         return DB_EDEADLINE;
     }
+    if (db_pipe_active(c)) /* DB_TX_PIPELINE: sent now, waited for at the next read */
+        return db__pipe_exec(c, sql, nparams, values, lengths, formats, result_format, out_res, err,
+                             errlen);
     PGresult *res =
         PQexecParams(c, sql, nparams, NULL, values, lengths, formats, result_format ? 1 : 0);
     int rc = db__status_of(res, c, err, errlen);
@@ -177,6 +180,12 @@ int db_exec(PGconn *c, const char *sql, int nparams, const char *const *params, 
 }
 
 /* ---- pool ---- */
+
+/* Closes a connection the pool had handed out: its prepared statements go with it. */
+static void db__finish(PGconn *c) {
+    db__pipe_conn_closed(c);
+    PQfinish(c);
+}
 
 void db_pool_opts_default(db_pool_opts *o) {
     memset(o, 0, sizeof *o);
@@ -294,7 +303,7 @@ void db_pool_close(db_pool *p) {
             leaked++;
             continue; /* still used by someone: closing it under them would crash them */
         }
-        if (p->slots[i].conn) PQfinish(p->slots[i].conn);
+        if (p->slots[i].conn) db__finish(p->slots[i].conn);
     }
     if (leaked) log_error("db.pool.close", "%d connection(s) still in use were not closed", leaked);
     pthread_cond_destroy(&p->cv);
@@ -370,7 +379,7 @@ int db__acquire(db_pool *p, int timeout_ms, PGconn **out, char *err, size_t errl
 
     if (c && !db__conn_alive(c)) {
         log_warn("db.conn.dead", "replacing a pooled connection that the server closed");
-        PQfinish(c);
+        db__finish(c);
         c = NULL;
     }
     if (!c) c = db__connect(p, err, errlen);
@@ -413,7 +422,7 @@ static PGconn *db__settle(PGconn *c) {
         goto drop; /* a query still running or unknown state */
     }
 drop:
-    PQfinish(c);
+    db__finish(c);
     return NULL;
 }
 
@@ -426,6 +435,7 @@ void db_release(db_pool *p, PGconn *c) {
         log_error("db.release.foreign", "connection does not belong to this pool");
         return;
     }
+    if (db_pipe_active(c)) db_pipe_end(c, NULL, 0); /* drain; settle rolls back */
     PGconn *keep = db__settle(c);
     pthread_mutex_lock(&p->mu);
     p->slots[i].conn = keep;
@@ -436,6 +446,7 @@ void db_release(db_pool *p, PGconn *c) {
 
 void db__discard(db_pool *p, PGconn *c) {
     if (!p || !c) return;
+    db__pipe_forget(c);
     pthread_mutex_lock(&p->mu);
     int i = db__slot_of(p, c);
     if (i >= 0) {
@@ -444,7 +455,7 @@ void db__discard(db_pool *p, PGconn *c) {
         pthread_cond_signal(&p->cv);
     }
     pthread_mutex_unlock(&p->mu);
-    if (i >= 0) PQfinish(c);
+    if (i >= 0) db__finish(c);
 }
 
 /* Replaces the claimed connection *c with a fresh one (same slot). */
@@ -454,7 +465,8 @@ static int db__reconnect(db_pool *p, PGconn **c, char *err, size_t errlen) {
     if (i >= 0) p->slots[i].conn = NULL;
     pthread_mutex_unlock(&p->mu);
     if (i < 0) return DB_EINVAL;
-    PQfinish(*c);
+    db__pipe_forget(*c);
+    db__finish(*c);
     *c = db__connect(p, err, errlen);
     pthread_mutex_lock(&p->mu);
     p->slots[i].conn = *c;
@@ -498,6 +510,16 @@ static int db__begin(db_pool *p, PGconn *c, const char *begin, char *err, size_t
         snprintf(sql, sizeof sql, "%s; SET LOCAL statement_timeout = %lld", begin, (long long)left);
         begin = sql;
     }
+    if (db_pipe_active(c)) { /* one statement per send: split what was joined above */
+        char one[160];
+        snprintf(one, sizeof one, "%s", begin);
+        char *semi = strchr(one, ';');
+        if (semi) *semi = '\0';
+        int rc = db_pipe_send(c, one, 0, NULL, NULL, NULL, 0, NULL, err, errlen);
+        if (rc == DB_OK && semi)
+            rc = db_pipe_send(c, semi + 2, 0, NULL, NULL, NULL, 0, NULL, err, errlen);
+        return rc;
+    }
     PGresult *res = PQexec(c, begin);
     int rc = db__status_of(res, c, err, errlen);
     PQclear(res);
@@ -507,7 +529,7 @@ static int db__begin(db_pool *p, PGconn *c, const char *begin, char *err, size_t
 int db_tx_begin_ex(db_pool *p, const char *org_id, int flags, db_tx **out, char *err,
                    size_t errlen) {
     *out = NULL;
-    const char *begin = db__begin_sql(flags);
+    const char *begin = db__begin_sql(flags & ~DB_TX_PIPELINE);
     if (!p || !begin || (org_id && !*org_id)) {
         db__set_state("");
         db__msg(err, errlen, "", !begin ? "db_tx_begin: bad flags" : "db_tx_begin: empty org_id");
@@ -531,11 +553,13 @@ int db_tx_begin_ex(db_pool *p, const char *org_id, int flags, db_tx **out, char 
         db__set_state("");
         return rc;
     }
-    rc = db__begin(p, c, begin, err, errlen);
+    if (flags & DB_TX_PIPELINE) rc = db_pipe_begin(c, err, errlen);
+    if (rc == DB_OK) rc = db__begin(p, c, begin, err, errlen);
     if (rc == DB_ECONN) { /* died since the liveness check: nothing ran yet, retry once */
         rc = db__reconnect(p, &c, err, errlen);
         if (rc != DB_OK) return rc; /* the slot was freed */
-        rc = db__begin(p, c, begin, err, errlen);
+        if (flags & DB_TX_PIPELINE) rc = db_pipe_begin(c, err, errlen);
+        if (rc == DB_OK) rc = db__begin(p, c, begin, err, errlen);
     }
     if (rc == DB_OK && org_id) {
         const char *params[] = {org_id};
@@ -570,10 +594,18 @@ int db_tx_commit(db_tx *tx, char *err, size_t errlen) {
         db__msg(err, errlen, "", "db_tx_commit: no transaction");
         return DB_EINVAL;
     }
-    PGresult *res = PQexec(tx->c, "COMMIT");
-    int rc = db__status_of(res, tx->c, err, errlen);
+    PGresult *res = NULL;
+    int rc;
+    if (db_pipe_active(tx->c)) { /* COMMIT behind the deferred writes: one round trip */
+        rc = db_pipe_send(tx->c, "COMMIT", 0, NULL, NULL, NULL, 0, &res, err, errlen);
+        int end = db_pipe_end(tx->c, err, errlen);
+        if (rc == DB_OK) rc = end;
+    } else {
+        res = PQexec(tx->c, "COMMIT");
+        rc = db__status_of(res, tx->c, err, errlen);
+    }
     /* COMMIT of a transaction that saw an error succeeds as "ROLLBACK". */
-    if (rc == DB_OK && strcmp(PQcmdStatus(res), "COMMIT") != 0) {
+    if (rc == DB_OK && res && strcmp(PQcmdStatus(res), "COMMIT") != 0) {
         db__set_state("25P02");
         db__msg(err, errlen, "", "transaction rolled back: a statement in it had failed");
         rc = DB_ERR;

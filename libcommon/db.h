@@ -111,6 +111,7 @@ enum {
     DB_TX_REPEATABLE_READ = 1 << 0,
     DB_TX_SERIALIZABLE = 1 << 1,
     DB_TX_READ_ONLY = 1 << 2,
+    DB_TX_PIPELINE = 1 << 3, /* the transaction's statements are pipelined ("Pipelining") */
 };
 
 /* Acquires a connection (the pool's acquire timeout), BEGINs and scopes the transaction to
@@ -167,11 +168,50 @@ int db_conninfo_as(const char *base, const char *user, const char *password, cha
 int db_migrate(db_pool *p, const char *schema, const char *dir, int *applied, char *err,
                size_t errlen);
 
+/* Pipelining
+ *   A transaction begun with DB_TX_PIPELINE puts its connection in libpq's pipeline mode:
+ *   BEGIN, the tenant scope and every later statement run with out_res NULL (a write whose
+ *   result nobody reads) are sent without waiting; a statement that wants its result
+ *   (out_res non-NULL) sends a sync with it and waits for everything sent so far; COMMIT is
+ *   sent behind the writes, so a tick of N writes costs one round trip instead of N + 2.
+ *   Nothing is weakened: Postgres runs the statements in send order in the one transaction,
+ *   and a deferred write that fails aborts the rest, so its error is returned by the next
+ *   read or by db_tx_commit (which then rolls back) — a caller acts only on a commit that
+ *   returned DB_OK, as before. What moves is where an error is reported: by a later call of
+ *   the same transaction, not the write's own db_exec (which returned DB_OK on sending).
+ *   Callers that branch on a write's own status (DB_EUNIQUE of an INSERT ... to take another
+ *   path) must not use DB_TX_PIPELINE.
+ *
+ *   The db_pipe_* calls are the same machinery for a caller batching reads: send several
+ *   statements with a result slot each, flush once, read them all. One pipeline per thread at
+ *   a time; at most DB_PIPE_MAX statements wait for a sync (the next send syncs first). */
+#define DB_PIPE_MAX 256
+/* Enters pipeline mode on c (idle, borrowed). DB_EINVAL when this thread has another open. */
+int db_pipe_begin(PGconn *c, char *err, size_t errlen);
+/* 1 when c is this thread's pipelined connection. */
+int db_pipe_active(const PGconn *c);
+/* Queues one statement (arguments as db_exec_bin). slot NULL: the result is checked at the
+ * flush and dropped; else *slot receives it at the flush (caller PQclears), NULL until then. */
+int db_pipe_send(PGconn *c, const char *sql, int nparams, const char *const *values,
+                 const int *lengths, const int *formats, int result_format, PGresult **slot,
+                 char *err, size_t errlen);
+/* Sends a sync and reads every queued statement's result. Returns the first failure (err,
+ * db_sqlstate() as db_exec); on failure every slot of the batch is NULL (all or nothing). */
+int db_pipe_flush(PGconn *c, char *err, size_t errlen);
+/* Flushes and leaves pipeline mode. A no-op on a connection not pipelined. */
+int db_pipe_end(PGconn *c, char *err, size_t errlen);
+
 /* Internal, shared by db.c and db_migrate.c. */
 int db__status_of(PGresult *res, PGconn *c, char *err, size_t errlen);
 int db__ident_ok(const char *s);
 int db__acquire(db_pool *p, int timeout_ms, PGconn **out, char *err, size_t errlen);
 /* Closes a claimed connection instead of pooling it; its slot reconnects on a later acquire. */
 void db__discard(db_pool *p, PGconn *c);
+/* db_pipe.c: db_exec_bin on a pipelined connection; forgetting one that is being closed. */
+int db__pipe_exec(PGconn *c, const char *sql, int nparams, const char *const *values,
+                  const int *lengths, const int *formats, int result_format, PGresult **out_res,
+                  char *err, size_t errlen);
+void db__pipe_forget(PGconn *c);
+void db__pipe_conn_closed(PGconn *c);
 
 #endif

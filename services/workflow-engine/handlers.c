@@ -566,7 +566,9 @@ static int get_status(rpc_call *call, const ProtobufCMessage *req, ProtobufCMess
     wf_run run = {0};
     int rc = wfr_caller(call, &id);
     if (rc || (rc = wfr_need_id(call, "run_id", rq->run_id))) return rc;
-    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
+    /* the hot read (clients poll it): pipelined, so its reads are prepared statements */
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT | DB_TX_PIPELINE, &tx, err,
+                          sizeof err))) {
         rc = wfr_db_fail(call, rc, err);
         goto done;
     }

@@ -282,10 +282,17 @@ static void complete_act(tick *t, act *a, cJSON *output) {
 
 /* ---- loading ---- */
 
+static int load_acts_from(tick *t, PGresult *r);
+
 static int load_acts(tick *t) {
     PGresult *r = NULL;
     int rc = st_actions_load(t->tx, t->run->id, &r, t->err, sizeof t->err);
     if (rc) return rc;
+    return load_acts_from(t, r);
+}
+
+/* The run's actions from st_actions_load's rows (IA_*); takes ownership of r (cleared). */
+static int load_acts_from(tick *t, PGresult *r) {
     for (int i = 0; i < PQntuples(r); i++) {
         act *a = new_act(t, st_s(r, i, IA_STEP), st_s(r, i, IA_TYPE), st_s(r, i, IA_LAP),
                          (int)st_i(r, i, IA_ITERATION), st_s(r, i, IA_STATUS));
@@ -1143,15 +1150,21 @@ static int run_tick(wf_engine *e, const char *run_id, const char *org, int64_t g
     db_tx *tx = NULL;
     wf_run run = {0};
     tick t;
+    PGresult *run_row = NULL, *acts = NULL;
     int found = 0, held = 0, out = TICK_LOST;
     memset(&t, 0, sizeof t);
     *n_jobs = 0;
     *wake_ms = 0;
-    /* lock order, everywhere: the run row, then its queue row, then its actions */
-    if (st_begin(e->pool, org, NULL, &tx, err, sizeof err) ||
-        wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err) ||
-        st_queue_fence(tx, run_id, e->instance, e->cfg->lease_ms, &held, err, sizeof err) || !held)
+    /* lock order, everywhere: the run row, then its queue row, then its actions. Pipelined
+     * (db.h): the tick's writes and its COMMIT go out together; every one of them is checked
+     * by the commit, and nothing is acted on before the commit returned DB_OK. */
+    if (st_begin_ex(e->pool, org, NULL, DB_TX_PIPELINE, &tx, err, sizeof err) ||
+        st_tick_head(tx, run_id, e->instance, e->cfg->lease_ms, &run_row, &held, &acts, err,
+                     sizeof err))
         goto done;
+    wf_run_take(tx, run_row, &run, &found);
+    run_row = NULL;
+    if (!held) goto done;
     if (!found || wf_run_terminal(run.status)) {
         if (!st_queue_delete(tx, run_id, err, sizeof err) && !db_tx_commit(tx, err, sizeof err))
             out = TICK_FINISHED;
@@ -1160,7 +1173,9 @@ static int run_tick(wf_engine *e, const char *run_id, const char *org, int64_t g
     }
     tick_init(&t, e, &run);
     t.paused = !strcmp(run.status, "paused");
-    if ((t.rc = load_acts(&t))) goto done;
+    t.rc = load_acts_from(&t, acts);
+    acts = NULL;
+    if (t.rc) goto done;
     apply_outcomes(&t, done, results, n_done);
     if (!strcmp(run.status, "pending") &&
         (t.rc = wf_run_transition(&run, "running", "", t.err, sizeof t.err)))
@@ -1204,6 +1219,7 @@ static int run_tick(wf_engine *e, const char *run_id, const char *org, int64_t g
     out = *n_jobs ? TICK_JOBS : TICK_IDLE;
 done:
     if (t.rc) log_error("run.tick", "run=%s: %s (%s)", run_id, t.err, db_sqlstate());
+    PQclear(acts);
     db_tx_rollback(tx);
     if (t.state) tick_free(&t);
     wf_run_free(&run);
@@ -1291,7 +1307,7 @@ static void release(wf_engine *e, const char *run_id, const char *org, int64_t g
                     int64_t wake_ms) {
     char err[512];
     db_tx *tx = NULL;
-    if (st_begin(e->pool, org, NULL, &tx, err, sizeof err) ||
+    if (st_begin_ex(e->pool, org, NULL, DB_TX_PIPELINE, &tx, err, sizeof err) ||
         st_queue_release(tx, run_id, e->instance, gen, wake_ms, err, sizeof err) ||
         db_tx_commit(tx, err, sizeof err))
         log_warn("run.release", "run=%s: %s", run_id, err);
@@ -1364,7 +1380,10 @@ static void idle_wait(wf_engine *e, long long ms) {
         ts.tv_nsec -= 1000000000L;
     }
     pthread_mutex_lock(&e->mu);
-    if (!e->kick && !e->stop) pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+    /* the cv is shared with the relay: its kicks (every commit) must not send each idle
+     * thread to claim in a transaction of its own; only a run kick or the poll interval do */
+    while (!e->kick && !e->stop && pthread_cond_timedwait(&e->cv, &e->mu, &ts) != ETIMEDOUT) {
+    }
     e->kick = 0;
     pthread_mutex_unlock(&e->mu);
 }
@@ -1376,10 +1395,17 @@ void *wf_interp_thread(void *arg) {
         db_tx *tx = NULL;
         PGresult *r = NULL;
         int claimed = 0;
-        if (st_begin_service(e->pool, &tx, err, sizeof err) == DB_OK &&
+        if (st_begin_service_ex(e->pool, DB_TX_PIPELINE, &tx, err, sizeof err) == DB_OK &&
             st_queue_claim(tx, e->instance, e->cfg->lease_ms, 1, &r, err, sizeof err) == DB_OK &&
             db_tx_commit(tx, err, sizeof err) == DB_OK) {
             tx = NULL;
+            if (PQntuples(r) > 0) { /* more may be due: one more idle thread looks (a chain
+                                     * that ends with the first claim finding nothing) */
+                pthread_mutex_lock(&e->mu);
+                e->kick = 1;
+                pthread_cond_broadcast(&e->cv);
+                pthread_mutex_unlock(&e->mu);
+            }
             for (int i = 0; i < PQntuples(r); i++) {
                 claimed++;
                 char run_id[37], org[37];
@@ -1543,7 +1569,7 @@ void *wf_relay_thread(void *arg) {
         char ids[8192];
         size_t o = 0;
         ids[o++] = '{';
-        if (st_begin_service(e->pool, &tx, err, sizeof err) == DB_OK &&
+        if (st_begin_service_ex(e->pool, DB_TX_PIPELINE, &tx, err, sizeof err) == DB_OK &&
             st_outbox_fetch(tx, (int)e->cfg->relay_batch, &locked, &r, err, sizeof err) == DB_OK &&
             locked) {
             for (int i = 0; i < PQntuples(r); i++) {
@@ -1583,7 +1609,9 @@ void *wf_relay_thread(void *arg) {
                 ts.tv_nsec -= 1000000000L;
             }
             pthread_mutex_lock(&e->mu);
-            if (!e->stop && !e->relay_kick) pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            while (!e->stop && !e->relay_kick &&
+                   pthread_cond_timedwait(&e->cv, &e->mu, &ts) != ETIMEDOUT) {
+            } /* the cv is shared: an interpreter kick alone is no reason for a round */
             e->relay_kick = 0;
             pthread_mutex_unlock(&e->mu);
         }
@@ -1759,8 +1787,9 @@ void *wf_scheduler_thread(void *arg) {
                 ts.tv_sec++;
                 ts.tv_nsec -= 1000000000L;
             }
-            pthread_mutex_lock(&e->mu);
-            if (!e->stop) pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            pthread_mutex_lock(&e->mu); /* shared cv: only stop or the interval end this */
+            while (!e->stop && pthread_cond_timedwait(&e->cv, &e->mu, &ts) != ETIMEDOUT) {
+            }
             pthread_mutex_unlock(&e->mu);
         }
     }

@@ -27,6 +27,12 @@ int wf_run_load(db_tx *tx, const char *run_id, int lock, wf_run *r, int *found, 
     *found = 0;
     int rc = st_run_load(tx, run_id, lock, &res, err, errlen);
     if (rc != DB_OK) return rc;
+    return wf_run_take(tx, res, r, found);
+}
+
+int wf_run_take(db_tx *tx, PGresult *res, wf_run *r, int *found) {
+    memset(r, 0, sizeof *r);
+    *found = 0;
     if (PQntuples(res) == 0) goto done;
     r->tx = tx;
     cp(r->id, sizeof r->id, st_s(res, 0, RL_ID));
@@ -229,19 +235,19 @@ int wf_run_transition(wf_run *r, const char *status, const char *reason, char *e
     int rc = st_run_set_status(r->tx, r->id, status, reason, err, errlen);
     if (rc != DB_OK) return rc;
     cp(r->status, sizeof r->status, status);
-    rc = st_run_row(r->tx, r->id, &row, err, errlen);
+    rc = st_run_counts(r->tx, r->id, &row, err, errlen);
     if (rc != DB_OK) return rc;
     upsquad__internal__v1__run_event__init(&ev);
     upsquad__internal__v1__run_transition__init(&rt);
     rt.status = r->status;
     rt.previous_status = prev;
-    rt.nodes_total = (int32_t)st_i(row, 0, RUN_TOTAL);
-    rt.nodes_done = (int32_t)st_i(row, 0, RUN_DONE);
-    rt.cost_usd = st_d(row, 0, RUN_COST);
-    pbjson_ts_from_ms(&started, st_i(row, 0, RUN_STARTED_AT));
+    rt.nodes_total = (int32_t)st_i(row, 0, RC_TOTAL);
+    rt.nodes_done = (int32_t)st_i(row, 0, RC_DONE);
+    rt.cost_usd = st_d(row, 0, RC_COST);
+    pbjson_ts_from_ms(&started, st_i(row, 0, RC_STARTED_AT));
     rt.started_at = &started;
-    if (!st_null(row, 0, RUN_COMPLETED_AT)) {
-        pbjson_ts_from_ms(&completed, st_i(row, 0, RUN_COMPLETED_AT));
+    if (!st_null(row, 0, RC_COMPLETED_AT)) {
+        pbjson_ts_from_ms(&completed, st_i(row, 0, RC_COMPLETED_AT));
         rt.completed_at = &completed;
     }
     rt.reason = (char *)(reason ? reason : "");

@@ -61,7 +61,11 @@ int st_begin_ex(db_pool *p, const char *org_id, const char *member_id, int flags
 }
 
 int st_begin_service(db_pool *p, db_tx **out, char *err, size_t errlen) {
-    int rc = db_tx_begin(p, NULL, out, err, errlen);
+    return st_begin_service_ex(p, 0, out, err, errlen);
+}
+
+int st_begin_service_ex(db_pool *p, int flags, db_tx **out, char *err, size_t errlen) {
+    int rc = db_tx_begin_ex(p, NULL, flags, out, err, errlen);
     if (rc != DB_OK) return rc;
     rc = ex(*out, "SELECT set_config('app.service', 'on', true)", 0, NULL, NULL, err, errlen);
     if (rc != DB_OK) {
@@ -316,27 +320,16 @@ int st_run_insert(db_tx *tx, const char *id, const char *org, const char *wf,
     return rc != DB_OK ? rc : st_queue_insert(tx, id, org, err, errlen);
 }
 
+#define RL_SELECT                                                                                  \
+    "SELECT r.id, r.org_id, r.workflow_id, r.triggered_by, r.status, r.context::text, "            \
+    "r.definition::text, r.display_name, r.event_seq, r.cost_usd, " MS("r.started_at") ", " MS(    \
+        "r.completed_at") ", w.name, w.team_id, w.visibility, w.created_by, "                      \
+                          "w.data_classification FROM " S "runs r JOIN " S                         \
+                          "workflows w ON w.id = r.workflow_id WHERE r.id = $1::uuid"
+
 int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *err, size_t errlen) {
     const char *p[] = {run_id};
-    return ex(
-        tx,
-        lock ? "SELECT r.id, r.org_id, r.workflow_id, r.triggered_by, r.status, "
-               "r.context::text, r.definition::text, r.display_name, r.event_seq, "
-               "r.cost_usd, " MS("r.started_at") ", " MS(
-                   "r.completed_at") ", w.name, "
-                                     "w.team_id, w.visibility, w.created_by, w.data_classification "
-                                     "FROM " S "runs r JOIN " S
-                                     "workflows w ON w.id = r.workflow_id "
-                                     "WHERE r.id = $1::uuid FOR UPDATE OF r"
-             : "SELECT r.id, r.org_id, r.workflow_id, r.triggered_by, r.status, "
-               "r.context::text, r.definition::text, r.display_name, r.event_seq, "
-               "r.cost_usd, " MS("r.started_at") ", " MS(
-                   "r.completed_at") ", w.name, "
-                                     "w.team_id, w.visibility, w.created_by, w.data_classification "
-                                     "FROM " S "runs r JOIN " S
-                                     "workflows w ON w.id = r.workflow_id "
-                                     "WHERE r.id = $1::uuid",
-        1, p, out, err, errlen);
+    return ex(tx, lock ? RL_SELECT " FOR UPDATE OF r" : RL_SELECT, 1, p, out, err, errlen);
 }
 
 #define RUN_SELECT                                                                                 \
@@ -370,6 +363,19 @@ int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *e
 int st_run_row(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen) {
     const char *p[] = {run_id};
     return ex(tx, RUN_SELECT "WHERE r.id = $1::uuid", 1, p, out, err, errlen);
+}
+
+int st_run_counts(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen) {
+    const char *p[] = {run_id};
+    /* the same counts as RUN_SELECT's, without its joins and governance lookups: a run's
+     * status change in a tick plans and runs this cheaply */
+    return ex(tx,
+              "SELECT count(a.id), count(a.id) FILTER (WHERE a.status IN ('approved', "
+              "'completed', 'skipped', 'rejected', 'failed')), r.cost_usd, " MS(
+                  "r.started_at") ", " MS("r.completed_at") " FROM " S "runs r LEFT JOIN " S
+                                                            "actions a ON a.run_id = r.id "
+                                                            "WHERE r.id = $1::uuid GROUP BY r.id",
+              1, p, out, err, errlen);
 }
 
 int st_run_page(db_tx *tx, const char *wf, const char *member, const char *teams,
@@ -651,17 +657,18 @@ int st_queue_claim(db_tx *tx, const char *owner, int64_t lease_ms, int limit, PG
               3, p, out, err, errlen);
 }
 
+#define FENCE_SQL                                                                                  \
+    "UPDATE " S "run_queue SET lease_until = clock_timestamp() + $3::bigint * "                    \
+    "interval '1 millisecond' WHERE run_id = $1::uuid AND lease_owner = $2 "                       \
+    "AND lease_until > clock_timestamp() RETURNING 1"
+
 int st_queue_fence(db_tx *tx, const char *run, const char *owner, int64_t lease_ms, int *held,
                    char *err, size_t errlen) {
     char l[32];
     i64s(l, sizeof l, lease_ms);
     const char *p[] = {run, owner, l};
     PGresult *r = NULL;
-    int rc = ex(tx,
-                "UPDATE " S "run_queue SET lease_until = clock_timestamp() + $3::bigint * "
-                "interval '1 millisecond' WHERE run_id = $1::uuid AND lease_owner = $2 "
-                "AND lease_until > clock_timestamp() RETURNING 1",
-                3, p, &r, err, errlen);
+    int rc = ex(tx, FENCE_SQL, 3, p, &r, err, errlen);
     if (rc == DB_OK) *held = PQntuples(r) > 0;
     PQclear(r);
     return rc;
@@ -709,22 +716,36 @@ int st_events_put(db_tx *tx, const char *org, const char *run, int64_t seq, cons
 }
 
 int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err, size_t errlen) {
-    PGresult *r = NULL;
+    PGresult *r = NULL, *rows = NULL;
+    PGconn *c = db_tx_conn(tx);
+    char l[16];
+    snprintf(l, sizeof l, "%d", limit);
+    const char *p[] = {l};
+    const int fmts[] = {0};
     *out = NULL;
+    *locked = 0;
     /* One relay at a time keeps each run's events in outbox (seq) order on the bus. */
-    int rc = ex(tx, "SELECT pg_try_advisory_xact_lock(hashtext('workflow_engine.outbox_relay'))", 0,
-                NULL, &r, err, errlen);
+    const char *lock = "SELECT pg_try_advisory_xact_lock(hashtext('workflow_engine.outbox_relay'))";
+    const char *fetch = "SELECT id, subject, msg_id, payload FROM " S "outbox ORDER BY id "
+                        "LIMIT $1::int";
+    if (db_pipe_active(c)) { /* both behind one sync; the rows count only under the lock */
+        int rc = db_pipe_send(c, lock, 0, NULL, NULL, NULL, 0, &r, err, errlen);
+        if (rc == DB_OK) rc = db_pipe_send(c, fetch, 1, p, NULL, fmts, 1, &rows, err, errlen);
+        if (rc == DB_OK) rc = db_pipe_flush(c, err, errlen);
+        if (rc == DB_OK && (*locked = st_b(r, 0, 0))) {
+            *out = rows;
+            rows = NULL;
+        }
+        PQclear(r);
+        PQclear(rows);
+        return rc;
+    }
+    int rc = ex(tx, lock, 0, NULL, &r, err, errlen);
     if (rc != DB_OK) return rc;
     *locked = st_b(r, 0, 0);
     PQclear(r);
     if (!*locked) return DB_OK;
-    char l[16];
-    snprintf(l, sizeof l, "%d", limit);
-    const char *p[] = {l};
-    return db_exec_bin(db_tx_conn(tx),
-                       "SELECT id, subject, msg_id, payload FROM " S "outbox ORDER BY id "
-                       "LIMIT $1::int",
-                       1, p, NULL, NULL, 1, out, err, errlen);
+    return db_exec_bin(c, fetch, 1, p, NULL, NULL, 1, out, err, errlen);
 }
 
 int st_outbox_delete(db_tx *tx, const char *ids, char *err, size_t errlen) {
@@ -943,4 +964,35 @@ int st_agent_ask_clear(db_tx *tx, const char *action_id, char *err, size_t errle
               "UPDATE " S "agent_steps SET checkpoint = NULL, answer = NULL "
               "WHERE action_id = $1::uuid AND (checkpoint IS NOT NULL OR answer IS NOT NULL)",
               1, p, NULL, err, errlen);
+}
+
+/* ---- a tick's reads in one round trip ---- */
+
+int st_tick_head(db_tx *tx, const char *run, const char *owner, int64_t lease_ms,
+                 PGresult **run_row, int *held, PGresult **acts, char *err, size_t errlen) {
+    PGconn *c = db_tx_conn(tx);
+    PGresult *fence = NULL;
+    char l[32];
+    i64s(l, sizeof l, lease_ms);
+    const char *pr[] = {run};
+    const char *pf[] = {run, owner, l};
+    *run_row = *acts = NULL;
+    *held = 0;
+    if (!db_pipe_active(c)) { /* not pipelined: the same three statements one by one */
+        int rc = st_run_load(tx, run, 1, run_row, err, errlen);
+        if (rc == DB_OK) rc = st_queue_fence(tx, run, owner, lease_ms, held, err, errlen);
+        if (rc == DB_OK) rc = st_actions_load(tx, run, acts, err, errlen);
+        return rc;
+    }
+    /* sent in the lock order of every tick: the run row, its queue row, then its actions */
+    int rc =
+        db_pipe_send(c, RL_SELECT " FOR UPDATE OF r", 1, pr, NULL, NULL, 0, run_row, err, errlen);
+    if (rc == DB_OK) rc = db_pipe_send(c, FENCE_SQL, 3, pf, NULL, NULL, 0, &fence, err, errlen);
+    if (rc == DB_OK)
+        rc = db_pipe_send(c, IA_SELECT "WHERE run_id = $1::uuid ORDER BY created_at, id", 1, pr,
+                          NULL, NULL, 0, acts, err, errlen);
+    if (rc == DB_OK) rc = db_pipe_flush(c, err, errlen);
+    if (rc == DB_OK) *held = PQntuples(fence) > 0;
+    PQclear(fence);
+    return rc;
 }

@@ -25,6 +25,8 @@ int st_begin_ex(db_pool *p, const char *org_id, const char *member_id, int flags
                 char *err, size_t errlen);
 #define ST_SNAPSHOT (DB_TX_REPEATABLE_READ | DB_TX_READ_ONLY)
 int st_begin_service(db_pool *p, db_tx **out, char *err, size_t errlen);
+/* The same with DB_TX_* flags (DB_TX_PIPELINE: the engine's own loops, see db.h). */
+int st_begin_service_ex(db_pool *p, int flags, db_tx **out, char *err, size_t errlen);
 /* Switches an open service transaction to one org (for work found by a service scan). */
 int st_scope_org(db_tx *tx, const char *org_id, char *err, size_t errlen);
 
@@ -129,6 +131,11 @@ enum {
     RL_NCOLS
 };
 int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *err, size_t errlen);
+/* A tick's three reads behind one sync when the transaction is pipelined (DB_TX_PIPELINE),
+ * one by one otherwise: the run locked (st_run_load, RL_*), the lease fenced (st_queue_fence:
+ * *held), the run's actions (st_actions_load, IA_*). *run_row and *acts: caller PQclears. */
+int st_tick_head(db_tx *tx, const char *run, const char *owner, int64_t lease_ms,
+                 PGresult **run_row, int *held, PGresult **acts, char *err, size_t errlen);
 /* WorkflowRun rows (RUN_* columns), node counts populated. */
 enum {
     RUN_ID,
@@ -154,6 +161,9 @@ enum {
     RUN_NCOLS
 };
 int st_run_row(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen);
+/* What a run status event needs: one row of RC_* columns. */
+enum { RC_TOTAL, RC_DONE, RC_COST, RC_STARTED_AT, RC_COMPLETED_AT };
+int st_run_counts(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen);
 /* Keyset page (started_at DESC, id DESC) after cursor (after_us, after_id; after_id NULL: from
  * the newest). wf NULL: across workflows, limited to the member's visible ones (teams: Postgres
  * array text). statuses: array text or NULL for all. Returns limit + 1 rows at most. */
