@@ -112,7 +112,7 @@ field() { sed -E "s/.*\"$2\":([0-9.]+).*/\1/" <<<"$1"; }
 snap() {
     local pid=$1
     echo "$(sed 's/.*) //' /proc/"$pid"/task/*/stat 2>/dev/null | awk '{t += $12 + $13} END {print t + 0}')" \
-        "$(awk '{w += $2} END {print w + 0}' /proc/"$pid"/task/*/schedstat 2>/dev/null)" \
+        "$(awk '{ns += $2} END {print ns + 0}' /proc/"$pid"/task/*/schedstat 2>/dev/null)" \
         "$(date +%s%N)"
 }
 HZ=$(getconf CLK_TCK)
