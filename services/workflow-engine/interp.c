@@ -1430,7 +1430,10 @@ void *wf_interp_thread(void *arg) {
  * both), `allow_text` (true unless the agent said false). The checkpoint never goes here. */
 static void ask_spec(cJSON *o, const Upsquad__Runtime__V1__InputRequired *ir) {
     cJSON_AddStringToObject(o, "tool_call_id", ir->tool_call_id);
-    char *txt = strndup((const char *)ir->question_spec.data, ir->question_spec.len);
+    /* an agent that posed no spec sends empty bytes (data NULL): the prompt is text-only */
+    char *txt = ir->question_spec.len
+                    ? strndup((const char *)ir->question_spec.data, ir->question_spec.len)
+                    : NULL;
     cJSON *q = txt ? cJSON_Parse(txt) : NULL, *opts = cJSON_CreateArray();
     const cJSON *it;
     free(txt);
