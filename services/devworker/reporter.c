@@ -10,10 +10,11 @@
  *     ALREADY_EXISTS (another hash holds that iteration) means another worker ran an earlier
  *     turn of the session: turns land on any worker (no session affinity) and each counts a
  *     session's iterations from what it saw, so the second worker's numbers collide with the
- *     first's. The checkpoint goes again with the next key (at most CK_RENUMBER_MAX times):
- *     keys are chosen when a checkpoint is sent, never below the last key sent for the session
- *     plus one, so a session's checkpoints keep their order however many were queued behind
- *     the colliding one, and the session's next iterations continue above them. A re-keyed
+ *     first's. The session's keys shift up by one and the checkpoint goes again (at most
+ *     CK_RENUMBER_MAX times): a key is the iteration plus the session's shift, so a session's
+ *     checkpoints keep their relative order however many were queued behind the colliding
+ *     one, its next iterations continue above them, and concurrent steps of one session that
+ *     reserved distinct iterations keep distinct keys whatever order they are sent in. A re-keyed
  *     JSON state's "loop_iteration" follows (and the hash with it). Any other status
  *     (INVALID_ARGUMENT, NOT_FOUND) is final: logged, counted, dropped.
  *   - Unreachable orchestrator: the worker keeps serving; retries back off from 200 ms,
@@ -263,7 +264,7 @@ static int send_checkpoint(reporter *r, dw_ckpt *c, char *why, size_t whylen) {
     rpc_status st = {0};
     char *tok = mint(r, c->tenant);
     int code;
-    int32_t key = dw_session_ck_key(w, c->session_id, c->loop_iteration);
+    int32_t key = dw_session_ck_key(w, c->session_id, c->iteration);
     if (key != c->loop_iteration) {
         int32_t was = c->loop_iteration;
         if (rekey(c, key) != 0) {
@@ -291,7 +292,6 @@ static int send_checkpoint(reporter *r, dw_ckpt *c, char *why, size_t whylen) {
     if (code != RPC_OK)
         snprintf(why, whylen, "Checkpoint: status %d %s", code, st.message ? st.message : "");
     rpc_status_clear(&st);
-    if (!transient(code)) dw_session_ck_sent(w, c->session_id, c->loop_iteration);
     if (code == RPC_OK) {
         metric_inc(w->m_ck_ok);
         free(c->bytes);
@@ -303,6 +303,7 @@ static int send_checkpoint(reporter *r, dw_ckpt *c, char *why, size_t whylen) {
         return -1;
     }
     if (code == RPC_ALREADY_EXISTS && c->renumbered < CK_RENUMBER_MAX) {
+        dw_session_ck_taken(w, c->session_id, c->iteration, c->loop_iteration);
         c->renumbered++;
         put_back(w, c); /* next in line, with the next key */
         return 0;

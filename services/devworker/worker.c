@@ -135,16 +135,15 @@ int32_t dw_session_reserve_iter(dw_worker *w, const char *id) {
 int32_t dw_session_ck_key(dw_worker *w, const char *id, int32_t iter) {
     pthread_mutex_lock(&w->mu);
     dw_session *s = get_locked(w, id);
-    int32_t key = iter < s->ck_next ? s->ck_next : iter;
+    int32_t key = iter + s->ck_shift;
     pthread_mutex_unlock(&w->mu);
     return key;
 }
 
-void dw_session_ck_sent(dw_worker *w, const char *id, int32_t key) {
+void dw_session_ck_taken(dw_worker *w, const char *id, int32_t iter, int32_t key) {
     pthread_mutex_lock(&w->mu);
     dw_session *s = get_locked(w, id);
-    if (s->ck_next <= key) s->ck_next = key + 1;
-    if (s->next_iter <= key) s->next_iter = key + 1;
+    if (s->ck_shift < key - iter + 1) s->ck_shift = key - iter + 1;
     pthread_mutex_unlock(&w->mu);
 }
 
@@ -155,7 +154,7 @@ void dw_session_init(dw_worker *w, const char *id, const char *tenant, const cha
     dw_copy_id(s->tenant, tenant);
     dw_copy_id(s->model, model);
     s->next_iter = next;
-    s->ck_next = next; /* a resumed step re-sends its iterations: the replay path */
+    s->ck_shift = 0; /* a resumed step re-sends its iterations: the replay path */
     s->last_used = ++w->clock;
     pthread_mutex_unlock(&w->mu);
 }
@@ -306,6 +305,7 @@ void dw_checkpoint_enqueue(dw_worker *w, const char *session_id, const char *ten
     dw_copy_id(c->session_id, session_id);
     dw_copy_id(c->tenant, tenant);
     c->loop_iteration = iter;
+    c->iteration = iter;
     c->renumbered = 0;
     c->bytes = copy;
     c->len = len;

@@ -51,7 +51,7 @@ typedef struct dw_session {
     char tenant[DW_ID_MAX];
     char model[DW_ID_MAX];
     int32_t next_iter; /* loop_iteration of the next checkpoint */
-    int32_t ck_next;   /* the lowest key the next checkpoint sent may carry (reporter) */
+    int32_t ck_shift;  /* added to an iteration to key its checkpoint (reporter: collisions) */
     uint8_t *state;    /* latest checkpoint blob (prefix + body), owned; NULL: none */
     size_t state_len;
     char state_hash[65];
@@ -74,7 +74,8 @@ typedef struct dw_step_ref {
 typedef struct dw_ckpt {
     char session_id[DW_ID_MAX];
     char tenant[DW_ID_MAX];
-    int32_t loop_iteration;
+    int32_t loop_iteration; /* the key it goes (went) out with */
+    int32_t iteration;      /* the iteration the step reserved */
     uint8_t *bytes;
     size_t len;
     char sha256[65];
@@ -128,12 +129,12 @@ int32_t dw_session_touch(dw_worker *w, const char *id, const char *tenant, const
 /* Reserves the session's next loop iteration (two steps of one session in flight on this
  * worker never use the same number). */
 int32_t dw_session_reserve_iter(dw_worker *w, const char *id);
-/* The key the checkpoint of iteration `iter` goes out with: iter, or the session's lowest
- * key still free when an earlier checkpoint was re-keyed past it (keys stay in queue order). */
+/* The key the checkpoint of iteration `iter` goes out with: iter plus the session's shift (0
+ * until another worker's checkpoint was found holding a key). */
 int32_t dw_session_ck_key(dw_worker *w, const char *id, int32_t iter);
-/* After a checkpoint went out as `key` (accepted or taken): later ones go above it, and so do
- * the session's next iterations. */
-void dw_session_ck_sent(dw_worker *w, const char *id, int32_t key);
+/* Iteration `iter` went out as `key` and another worker holds that key: the session's shift
+ * grows so this and every later iteration go above it, in the same order. */
+void dw_session_ck_taken(dw_worker *w, const char *id, int32_t iter, int32_t key);
 /* Records the blob as the session's latest state (copied) and advances next_iter past iter. */
 void dw_session_set_state(dw_worker *w, const char *id, int32_t iter, const uint8_t *blob,
                           size_t len, const char *hash);
