@@ -377,6 +377,22 @@ static void bus__sub_free(bus_sub *s) {
     free(s);
 }
 
+/* A subscription record before nats.c knows it (caller frees with bus__sub_free); NULL out of
+ * memory, with err set. */
+static bus_sub *sub_new(bus *b, bus_msg_cb cb, void *ud, char *err, size_t errlen) {
+    bus_sub *s = calloc(1, sizeof *s);
+    if (!s) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    s->b = b;
+    s->cb = cb;
+    s->ud = ud;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    return s;
+}
+
 int bus_subscribe(bus *b, const char *subject, const char *queue_group, bus_msg_cb cb, void *ud,
                   bus_sub **out, char *err, size_t errlen) {
     *out = NULL;
@@ -384,16 +400,8 @@ int bus_subscribe(bus *b, const char *subject, const char *queue_group, bus_msg_
         snprintf(err, errlen, "bus_subscribe: bad subject, queue group or callback");
         return BUS_EINVAL;
     }
-    bus_sub *s = calloc(1, sizeof *s);
-    if (!s) {
-        snprintf(err, errlen, "out of memory");
-        return BUS_ENOMEM;
-    }
-    s->b = b;
-    s->cb = cb;
-    s->ud = ud;
-    pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
+    bus_sub *s = sub_new(b, cb, ud, err, errlen);
+    if (!s) return BUS_ENOMEM;
     natsStatus st;
     if (queue_group)
         st = natsConnection_QueueSubscribe(&s->sub, b->nc, subject, queue_group, bus__on_msg, s);
@@ -437,16 +445,8 @@ int bus_js_subscribe_ordered(bus *b, const char *stream, const char *subject, bu
         snprintf(err, errlen, "bus_js_subscribe_ordered: bad stream, subject or callback");
         return BUS_EINVAL;
     }
-    bus_sub *s = calloc(1, sizeof *s);
-    if (!s) {
-        snprintf(err, errlen, "out of memory");
-        return BUS_ENOMEM;
-    }
-    s->b = b;
-    s->cb = cb;
-    s->ud = ud;
-    pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
+    bus_sub *s = sub_new(b, cb, ud, err, errlen);
+    if (!s) return BUS_ENOMEM;
     jsSubOptions so;
     jsErrCode jerr = 0;
     jsSubOptions_Init(&so);
