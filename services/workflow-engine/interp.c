@@ -343,6 +343,18 @@ static void add_tool_job(tick *t, act *a, const char *tool, const char *action, 
     j->args = a->input ? cJSON_PrintUnformatted(a->input) : strdup("{}");
 }
 
+/* Writes m (encoded) to the outbox in the tick's transaction: published after the commit, with
+ * msg_id as the JetStream de-duplication id. */
+static int outbox_msg(tick *t, const char *subject, const char *msg_id, const ProtobufCMessage *m) {
+    size_t len = protobuf_c_message_get_packed_size(m);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (!buf) return DB_ENOMEM;
+    protobuf_c_message_pack(m, buf);
+    int rc = st_outbox_put(t->tx, t->run->org, subject, msg_id, buf, len, t->err, sizeof t->err);
+    free(buf);
+    return rc;
+}
+
 static int dispatch_agent(tick *t, act *a, const cJSON *sd) {
     Upsquad__Internal__V1__AgentStepDispatch d;
     Google__Protobuf__Struct *input = NULL;
@@ -394,12 +406,7 @@ static int dispatch_agent(tick *t, act *a, const cJSON *sd) {
         aur.answer_tool_result.len = strlen(a->resume->answer);
         d.ask_user_resume = &aur;
     }
-    size_t len = protobuf_c_message_get_packed_size(&d.base);
-    uint8_t *buf = malloc(len ? len : 1);
-    protobuf_c_message_pack(&d.base, buf);
-    int rc = st_outbox_put(t->tx, t->run->org, SUBJ_AGENT_STEP_DISPATCH, a->key, buf, len, t->err,
-                           sizeof t->err);
-    free(buf);
+    int rc = outbox_msg(t, SUBJ_AGENT_STEP_DISPATCH, a->key, &d.base);
     free(ef);
     free(efp);
     if (input) pbjson_struct_free(input);
@@ -427,16 +434,21 @@ static int cancel_agent(tick *t, act *a, const char *reason) {
     c.cancelled_at = &now;
     snprintf(subject, sizeof subject, "%s.%s.%s", SUBJ_AGENT_STEP_CANCEL, t->run->org, t->run->id);
     snprintf(msg_id, sizeof msg_id, "cancel:%s", a->key);
-    size_t len = protobuf_c_message_get_packed_size(&c.base);
-    uint8_t *buf = malloc(len ? len : 1);
-    if (!buf) return DB_ENOMEM;
-    protobuf_c_message_pack(&c.base, buf);
-    int rc = st_outbox_put(t->tx, t->run->org, subject, msg_id, buf, len, t->err, sizeof t->err);
-    free(buf);
-    return rc;
+    return outbox_msg(t, subject, msg_id, &c.base);
 }
 
 /* ---- starting steps ---- */
+
+/* Arms the attempt's timeout (the step's timeout_minutes, else UPSQUAD_WF_AGENT_TIMEOUT),
+ * commits its transition and dispatches it. */
+static int send_agent(tick *t, act *a, const cJSON *sd) {
+    int tm = num(sd, "timeout_minutes", 0);
+    a->deadline_ms = t->now + (tm > 0 ? (int64_t)tm * 60000 : t->e->cfg->agent_timeout_ms);
+    wake_at(t, a->deadline_ms);
+    if (save(t, a)) return SCOPE_BUSY;
+    t->rc = dispatch_agent(t, a, sd);
+    return SCOPE_BUSY;
+}
 
 static int start_agent(tick *t, act *a, const cJSON *sd) {
     char e2[300];
@@ -460,12 +472,7 @@ static int start_agent(tick *t, act *a, const cJSON *sd) {
     set_status(a, "in_progress");
     a->started = 1;
     a->clear_result = 1;
-    int tm = num(sd, "timeout_minutes", 0);
-    a->deadline_ms = t->now + (tm > 0 ? (int64_t)tm * 60000 : t->e->cfg->agent_timeout_ms);
-    wake_at(t, a->deadline_ms);
-    if (save(t, a)) return SCOPE_BUSY;
-    t->rc = dispatch_agent(t, a, sd);
-    return SCOPE_BUSY;
+    return send_agent(t, a, sd);
 }
 
 static int start_tool(tick *t, act *a, const cJSON *sd) {
@@ -754,12 +761,7 @@ static int redispatch_agent(tick *t, act *a, const cJSON *sd) {
     }
     a->resume = rs;
     a->next_poll_ms = 0;
-    int tm = num(sd, "timeout_minutes", 0);
-    a->deadline_ms = t->now + (tm > 0 ? (int64_t)tm * 60000 : t->e->cfg->agent_timeout_ms);
-    wake_at(t, a->deadline_ms);
-    if (save(t, a)) return SCOPE_BUSY;
-    t->rc = dispatch_agent(t, a, sd);
-    return SCOPE_BUSY;
+    return send_agent(t, a, sd);
 }
 
 /* A retryable failure (the worker's ErrorEvent.retryable, a worker that could not be reached)

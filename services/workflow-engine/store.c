@@ -879,6 +879,12 @@ void st_agent_state_clear(st_agent_state *s) {
     memset(s, 0, sizeof *s);
 }
 
+/* An int4 column of a binary-format result (network byte order). */
+static int bin_int4(const PGresult *r, int row, int col) {
+    const unsigned char *v = (const unsigned char *)PQgetvalue(r, row, col);
+    return (int)((uint32_t)v[0] << 24 | (uint32_t)v[1] << 16 | (uint32_t)v[2] << 8 | v[3]);
+}
+
 int st_agent_state_get(db_tx *tx, const char *action_id, st_agent_state *out, char *err,
                        size_t errlen) {
     PGresult *r = NULL;
@@ -890,10 +896,8 @@ int st_agent_state_get(db_tx *tx, const char *action_id, st_agent_state *out, ch
                          "agent_steps WHERE action_id = $1::uuid",
                          1, p, NULL, NULL, 1, &r, err, errlen);
     if (rc != DB_OK || PQntuples(r) == 0) goto done;
-    const unsigned char *v = (const unsigned char *)PQgetvalue(r, 0, 0);
-    out->retries = (int)((uint32_t)v[0] << 24 | (uint32_t)v[1] << 16 | (uint32_t)v[2] << 8 | v[3]);
-    v = (const unsigned char *)PQgetvalue(r, 0, 1);
-    out->resumes = (int)((uint32_t)v[0] << 24 | (uint32_t)v[1] << 16 | (uint32_t)v[2] << 8 | v[3]);
+    out->retries = bin_int4(r, 0, 0);
+    out->resumes = bin_int4(r, 0, 1);
     int n = PQgetlength(r, 0, 2);
     if (n >= (int)sizeof out->tool_call_id) n = (int)sizeof out->tool_call_id - 1;
     memcpy(out->tool_call_id, PQgetvalue(r, 0, 2), (size_t)n);

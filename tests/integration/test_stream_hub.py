@@ -784,14 +784,14 @@ class StreamHub(unittest.TestCase):
                     self.pub("node", org=org, run=run, seq=s, node_id="n%d" % (s % 7),
                              status="running", run_status="running", elapsed_ms=s)
         ch = [grpc.insecure_channel(c.addr) for _ in range(3)]
-        stubs = []
+        openers = []
         for i, (m, req) in enumerate((
                 ("StreamRunStatus", W.StreamRunStatusRequest(run_id=run)),
                 ("StreamRunLogs", W.StreamRunLogsRequest(run_id=run)),
                 ("StreamNodeIO", W.StreamNodeIORequest(run_id=run)))):
             rq, rs = METHODS[m]
-            stubs.append((ch[i].unary_stream(SVC + m, request_serializer=rq.SerializeToString,
-                                             response_deserializer=rs.FromString), req))
+            openers.append((ch[i].unary_stream(SVC + m, request_serializer=rq.SerializeToString,
+                                               response_deserializer=rs.FromString), req))
         md = self.md(org)
         held = []  # streams nobody reads, cancelled later or left open for the shutdown
         held_mu = threading.Lock()
@@ -801,10 +801,10 @@ class StreamHub(unittest.TestCase):
             rnd = __import__("random").Random(k)
             n = 0
             while not stop.is_set():
-                stub, req = stubs[n % 3]
+                opener, req = openers[n % 3]
                 n += 1
                 opened.append(1)
-                call = stub(req, metadata=md, timeout=30)
+                call = opener(req, metadata=md, timeout=30)
                 way = rnd.randrange(4)
                 try:
                     if way == 0:
@@ -879,7 +879,7 @@ class StreamHub(unittest.TestCase):
                      for m in ("StreamRunStatus", "StreamRunLogs", "StreamNodeIO")],
                     c.metric("rpc_server_inflight_calls")))
             # streams open at the shutdown, some read, some not
-            keep = [stubs[i % 3][0](stubs[i % 3][1], metadata=md, timeout=30) for i in range(30)]
+            keep = [openers[i % 3][0](openers[i % 3][1], metadata=md, timeout=30) for i in range(30)]
             wait_until(lambda: subscribers() >= 20, 10, "subscribers for the shutdown")
             toks("tokens", org=org, run=run, node="coder", session="s1", **{"from": 2101},
                  count=100, size=512, rate=0)
