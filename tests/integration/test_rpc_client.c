@@ -261,7 +261,8 @@ static void test_round_robin(void **state) {
     }
     usleep(100 * 1000); /* the warm-up's last counts land (see below) */
     double a0 = test_metric(srv.metrics_port, series), b0 = test_metric(other.metrics_port, series);
-    for (int i = 0; i < 20; i++) rr_call(rr);
+    for (int i = 0; i < 20; i++)
+        rr_call(rr);
     /* A server counts a call when its reply batch completes, which may be just after the
      * client has read the reply: wait (bounded) for the last counts. */
     double a = 0, b = 0;
