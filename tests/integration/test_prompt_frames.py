@@ -163,6 +163,21 @@ class PromptFrames(unittest.TestCase):
         wait_until(r.ready, 15, "snapshot_done")
         return r
 
+    def late_prompts(self, run, clearance, node="", expect=True, timeout=10):
+        """The prompt frames a subscriber gets right after snapshot_done, subscribing again until
+        the hub's projection agrees with `expect` (it captures from the bus asynchronously)."""
+        end = time.time() + timeout
+        while True:
+            r = self.subscribe(run, clearance, node)
+            time.sleep(0.3)
+            r.cancel()
+            kinds = [m.WhichOneof("frame") for m in r.msgs]
+            got = r.prompts()
+            # replayed prompts come right after the marker, before any other live frame
+            self.assertEqual(kinds[kinds.index("snapshot_done") + 1:][:len(got)], ["live"] * len(got))
+            if bool(got) == expect or time.time() > end:
+                return got
+
     def parked(self, run, step):
         end = time.time() + 15
         while time.time() < end:
@@ -240,6 +255,15 @@ class PromptFrames(unittest.TestCase):
         # below clearance 4 the frame is byte-identical: user_prompt is structural
         self.assertEqual(lo.prompts()[0].SerializeToString(), hi.prompts()[0].SerializeToString())
         self.assertEqual(other.prompts(), [])
+        # a subscriber that comes while the prompt is open gets it right after snapshot_done
+        late = self.late_prompts(run, 2)
+        self.assertEqual([f.SerializeToString() for f in late], [hi.prompts()[0].SerializeToString()])
+        self.assertEqual(self.late_prompts(run, 5, node="ask", expect=True)[0].user_prompt.prompt_id,
+                         a.approval_id)
+        self.assertEqual(self.late_prompts(run, 5, node="a", expect=False), [])
+        # once answered, the prompt is no longer replayed
+        self.assertTrue(self.wf("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=a.approval_id, text="yes")).recorded)
+        self.assertEqual(self.late_prompts(run, 5, expect=False), [])
 
     def test_2_gates_have_no_prompt_frame(self):
         """An approval gate and a question gate park the run without a frame; the user_input
@@ -292,6 +316,8 @@ class PromptFrames(unittest.TestCase):
         # below clearance 4 the token frames are structural (no text), the prompt is whole
         lo_live = [m.live for m in lo.msgs if m.HasField("live")]
         self.assertEqual([f.WhichOneof("event") for f in lo_live], [None, None, "user_prompt", None])
+        # a later subscriber of the agent's node gets the open ask too
+        self.assertEqual([f.user_prompt.prompt_id for f in self.late_prompts(run, 3, node="a")], [a.approval_id])
 
 
 if __name__ == "__main__":
