@@ -48,6 +48,7 @@ typedef struct act {
     double cost;
     char blocked[64], approval[37], agent_id[64];
     st_agent_state *resume; /* the next dispatch resumes a frozen ask (AskUserResume); owned */
+    const char *park_kind;  /* an agent that parked itself this tick: its row's kind (static) */
     /* pending writes */
     int is_new, dirty, clear_result, started, finished;
     double add_cost;
@@ -134,6 +135,8 @@ static void state_put(tick *t, act *a) {
 }
 
 static const char *gov_kind(const act *a) {
+    /* an agent's ask_user is a user_prompt (needs_input), its interrupt an approval */
+    if (a->park_kind) return a->park_kind;
     if (!strcmp(a->type, "question")) return "question_gate";
     if (!strcmp(a->type, "user_input")) return "user_prompt";
     return "approval_gate";
@@ -899,6 +902,7 @@ static int apply_agent_result(tick *t, act *a, const cJSON *sd) {
         snprintf(a->blocked, sizeof a->blocked, "%s", a->approval);
         set_status(a, "awaiting_approval");
         const char *kind = !strcmp(outcome, "input_required") ? "user_prompt" : "approval_gate";
+        a->park_kind = kind;
         if (!save(t, a)) {
             char *sj = cJSON_PrintUnformatted(spec);
             t->rc = st_governance_insert(t->tx, a->approval, t->run->org, t->run->id, a->id, kind,
