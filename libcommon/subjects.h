@@ -12,6 +12,8 @@
  *  wf.status.<org>.<run>          workflow-engine -> hub       RunEvent; WF_EVENTS
  *  wf.log.<org>.<run>             workflow-engine -> hub       RunEvent; WF_EVENTS
  *  wfio.<org>.<run>               orchestrator -> stream-hub   NodeIOEvent; WFIO
+ *  wfio.<org>.<run>               workflow-engine -> hub       NodeIOEvent, user_prompt frame
+ *                                                              (outbox; session = prompt id)
  *  session.event.<org>.<session>  orchestrator -> replicas     core NATS (live relay)
  *  tool.invoke.<tool>             workflow-engine -> provider  ToolInvokeRequest; core req/reply
  *  tool.announce                  providers -> engine          ToolAnnounce; core NATS

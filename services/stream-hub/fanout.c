@@ -593,7 +593,7 @@ static int topic_join(hub *h, hub_sub *s, int kind, const char *org, const char 
         t->h = h;
         t->kind = kind;
         snprintf(t->key, sizeof t->key, "%s", key);
-        snprintf(t->org, sizeof t->org, "%s", org);
+        snprintf(t->org, sizeof t->org, "%.*s", (int)sizeof t->org - 1, org); /* a UUID */
         snprintf(t->run, sizeof t->run, "%s", run ? run : "");
         pthread_mutex_init(&t->mu, NULL);
         bus_msg_cb cb;
@@ -733,6 +733,72 @@ static int snapshot_run(hub_sub *s, int64_t *upto, int *terminal) {
     return 0;
 }
 
+/* The prompt ids the run's nodes are parked on now (needs_input in each node's newest
+ * transition of the fold); *ids: caller frees each and the array. */
+static size_t open_prompt_ids(const hs_blobs *fold, char ***ids) {
+    size_t n = 0;
+    *ids = calloc(fold->n ? fold->n : 1, sizeof **ids);
+    for (size_t i = 0; *ids && i < fold->n; i++) {
+        if (fold->v[i].kind != 'n') continue;
+        RunEvent *ev =
+            upsquad__internal__v1__run_event__unpack(NULL, fold->v[i].len, fold->v[i].body);
+        if (ev && ev->event_case == UPSQUAD__INTERNAL__V1__RUN_EVENT__EVENT_NODE && ev->node &&
+            ev->node->needs_input && ev->node->prompt_id && ev->node->prompt_id[0] &&
+            ((*ids)[n] = strdup(ev->node->prompt_id)) != NULL)
+            n++;
+        if (ev) upsquad__internal__v1__run_event__free_unpacked(ev, NULL);
+    }
+    return n;
+}
+
+/* A subscriber that comes after a user_prompt opened still gets its "answer needed" frame
+ * (spec: NodeIOFrame.user_prompt, delivered at every clearance so the card can render): each
+ * captured prompt frame whose prompt the node is still parked on goes out as a live frame
+ * right after snapshot_done (the snapshot arm carries transcript events only), its
+ * (session_id, seq) marked seen so the same frame held during the snapshot is not sent twice.
+ * The frame is structural (no clearance floor applies). A store error costs only this replay:
+ * logged, and the stream goes on (GetRunPrompt on the node's blocked_by has the prompt). */
+static int snapshot_prompts(hub_sub *s) {
+    hub *h = s->h;
+    char err[256], **open = NULL;
+    hs_blobs pf = {0}, fold = {0};
+    hs_run run;
+    int found = 0, rc = 0;
+    size_t nopen = 0;
+    if (hs_prompt_frames(h->pool, s->t->org, s->t->run, s->node, (int)h->cfg->transcript_max, &pf,
+                         err, sizeof err) != DB_OK ||
+        (pf.n && hs_node_fold(h->pool, s->t->org, s->t->run, &fold, &run, &found, err,
+                              sizeof err) != DB_OK)) {
+        log_warn("hub.snapshot", "open prompts of run %s: %s", s->t->run, err);
+        goto done;
+    }
+    if (pf.n) nopen = open_prompt_ids(&fold, &open);
+    for (size_t i = 0; i < pf.n && rc == 0; i++) {
+        Upsquad__Workflow__V1__NodeIOFrame *f =
+            upsquad__workflow__v1__node_ioframe__unpack(NULL, pf.v[i].len, pf.v[i].body);
+        int is_open = 0;
+        for (size_t k = 0; f && f->user_prompt && k < nopen && !is_open; k++)
+            is_open = strcmp(open[k], f->user_prompt->prompt_id) == 0;
+        if (is_open) {
+            seen *sn = seen_get(&s->seen, f->session_id, 1);
+            if (sn && f->seq > sn->seq) sn->seq = f->seq;
+            if (sn) sn->in_set = 1;
+            IOResp r = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__INIT;
+            r.frame_case = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__FRAME_LIVE;
+            r.live = f;
+            rc = send_msg(s->call, &r.base);
+        }
+        if (f) upsquad__workflow__v1__node_ioframe__free_unpacked(f, NULL);
+    }
+done:
+    for (size_t k = 0; k < nopen; k++)
+        free(open[k]);
+    free(open);
+    hs_blobs_free(&pf);
+    hs_blobs_free(&fold);
+    return rc;
+}
+
 static int snapshot_io(hub_sub *s) {
     hub *h = s->h;
     char err[256];
@@ -762,7 +828,8 @@ static int snapshot_io(hub_sub *s) {
     IOResp done = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__INIT;
     done.frame_case = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__FRAME_SNAPSHOT_DONE;
     done.snapshot_done = 1;
-    return send_msg(s->call, &done.base);
+    if (send_msg(s->call, &done.base) != 0) return -1;
+    return snapshot_prompts(s);
 }
 
 static void vis_row(VisEvent *v, const hs_run *r, int is_snapshot) {

@@ -2,11 +2,11 @@
  *
  * Two pull consumers (names from the configuration, defaults in libcommon/subjects.h), bound
  * by every replica, which share the work: run events (WF_EVENTS, wf.>) and node I/O (WFIO,
- * wfio.>; only events that complete a transcript entry are stored). A message is acked after
- * its row is committed; a failed write is not acked and comes back after the ack wait, so a
- * crash or a Postgres outage loses nothing. Writes are idempotent by sequence (store.c), so a
- * redelivery, or two replicas racing, change nothing. An undecodable message is terminated
- * (never redelivered) and counted. */
+ * wfio.>; only events that complete a transcript entry are stored, and the engine's
+ * user_prompt frames). A message is acked after its row is committed; a failed write is not
+ * acked and comes back after the ack wait, so a crash or a Postgres outage loses nothing. Writes
+ * are idempotent by sequence (store.c), so a redelivery, or two replicas racing, change nothing. An
+ * undecodable message is terminated (never redelivered) and counted. */
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -93,6 +93,33 @@ static int project_run_event(hub *h, const uint8_t *data, size_t len) {
     return rc == DB_OK ? 0 : (rc == DB_EPRIVILEGE || rc == DB_ECHECK ? 1 : -1);
 }
 
+/* A user_prompt frame (the engine's, one per prompt it opens) is kept for the StreamNodeIO
+ * snapshot of a subscriber that comes while the prompt is open (fanout.c). */
+static int project_prompt(hub *h, const NodeIOEvent *ev, char *err, size_t errlen) {
+    const Upsquad__Workflow__V1__NodeIOFrame *fr = ev->frame;
+    if (!fr || fr->event_case != UPSQUAD__WORKFLOW__V1__NODE_IOFRAME__EVENT_USER_PROMPT ||
+        !fr->user_prompt || !fr->user_prompt->prompt_id || !fr->user_prompt->prompt_id[0])
+        return DB_OK;
+    size_t n = upsquad__workflow__v1__node_ioframe__get_packed_size(fr);
+    uint8_t *buf = malloc(n ? n : 1);
+    if (!buf) return DB_ENOMEM;
+    upsquad__workflow__v1__node_ioframe__pack(fr, buf);
+    hs_prompt_frame p = {
+        .org_id = ev->org_id,
+        .run_id = ev->run_id,
+        .prompt_id = fr->user_prompt->prompt_id,
+        .step_name = fr->node_id,
+        .action_id = ev->action_id,
+        .iteration = fr->iteration,
+        .body = buf,
+        .len = n,
+    };
+    int rc = hs_put_prompt_frame(h->pool, &p, err, errlen);
+    free(buf);
+    if (rc != DB_OK) log_warn("hub.project", "prompt frame of run %s: %s", ev->run_id, err);
+    return rc;
+}
+
 static int project_io_event(hub *h, const uint8_t *data, size_t len) {
     char err[512];
     NodeIOEvent *ev = upsquad__internal__v1__node_ioevent__unpack(NULL, len, data);
@@ -131,6 +158,7 @@ static int project_io_event(hub *h, const uint8_t *data, size_t len) {
         else
             metric_inc(h->m_projected[PR_TRANSCRIPT]);
     }
+    if (rc == DB_OK) rc = project_prompt(h, ev, err, sizeof err);
     upsquad__internal__v1__node_ioevent__free_unpacked(ev, NULL);
     return rc == DB_OK ? 0 : (rc == DB_EPRIVILEGE || rc == DB_ECHECK ? 1 : -1);
 }

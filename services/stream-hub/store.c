@@ -146,6 +146,28 @@ int hs_put_transcript(db_pool *p, const hs_transcript_event *e, char *err, size_
     return db_tx_commit(tx, err, errlen);
 }
 
+static const char SQL_PUT_PROMPT_FRAME[] =
+    "INSERT INTO prompt_frames (org_id, run_id, prompt_id, step_name, action_id, iteration, body) "
+    "VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (run_id, prompt_id) DO NOTHING";
+
+int hs_put_prompt_frame(db_pool *p, const hs_prompt_frame *e, char *err, size_t errlen) {
+    db_tx *tx = NULL;
+    char iter[16];
+    int rc = db_tx_begin(p, e->org_id, &tx, err, errlen);
+    if (rc != DB_OK) return rc;
+    snprintf(iter, sizeof iter, "%d", e->iteration);
+    const char *v[7] = {e->org_id,       e->run_id, e->prompt_id,         s(e->step_name),
+                        s(e->action_id), iter,      (const char *)e->body};
+    int lens[7] = {0, 0, 0, 0, 0, 0, (int)e->len};
+    int fmts[7] = {0, 0, 0, 0, 0, 0, 1};
+    rc = db_exec_bin(db_tx_conn(tx), SQL_PUT_PROMPT_FRAME, 7, v, lens, fmts, 0, NULL, err, errlen);
+    if (rc != DB_OK) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return db_tx_commit(tx, err, errlen);
+}
+
 /* ---- reads ---- */
 
 static const char SQL_GET_RUN[] =
@@ -315,6 +337,21 @@ int hs_transcript(db_pool *p, const char *org, const char *run_id, const char *n
     static const char sql[] = "SELECT seq, 't', body FROM session_events WHERE run_id = $1 "
                               " AND ($2 = '' OR step_name = $2 OR action_id = $2) "
                               "ORDER BY session_id, seq, created_at LIMIT $3";
+    char l[16];
+    out->v = NULL;
+    out->n = 0;
+    if (!ids_uuid_valid(run_id)) return DB_OK;
+    snprintf(l, sizeof l, "%d", limit);
+    const char *v[3] = {run_id, node ? node : "", l};
+    return read_blobs(p, org, sql, 3, v, out, NULL, NULL, err, errlen);
+}
+
+int hs_prompt_frames(db_pool *p, const char *org, const char *run_id, const char *node, int limit,
+                     hs_blobs *out, char *err, size_t errlen) {
+    static const char sql[] =
+        "SELECT 0, 'p', body FROM (SELECT body, created_at, prompt_id FROM prompt_frames "
+        " WHERE run_id = $1 AND ($2 = '' OR step_name = $2 OR action_id = $2) "
+        " ORDER BY created_at DESC, prompt_id LIMIT $3) x ORDER BY created_at, prompt_id";
     char l[16];
     out->v = NULL;
     out->n = 0;

@@ -1,4 +1,5 @@
-/* stream_hub's store: every SQL statement of the service (migrations/001_projection.sql).
+/* stream_hub's store: every SQL statement of the service (migrations/001_projection.sql,
+ * 002_prompt_frames.sql).
  *
  * Every function runs in a transaction bound to one org (db_tx_begin), so row-level security
  * confines it to that tenant even if a query forgot a predicate. Writes are idempotent by
@@ -15,7 +16,8 @@
 /* One stored event: a run event (seq = the run's sequence) or a transcript event. */
 typedef struct hs_blob {
     int64_t seq;
-    char kind; /* 'n' node, 'r' run, 'l' log; 't' transcript; 'u' the snapshot's upto mark */
+    char kind; /* 'n' node, 'r' run, 'l' log; 't' transcript; 'p' prompt frame; 'u' the
+                  snapshot's upto mark */
     uint8_t *body;
     size_t len;
 } hs_blob;
@@ -67,6 +69,16 @@ typedef struct hs_transcript_event {
 
 int hs_put_transcript(db_pool *p, const hs_transcript_event *e, char *err, size_t errlen);
 
+/* A captured user_prompt frame (migrations/002_prompt_frames.sql); strings borrowed. */
+typedef struct hs_prompt_frame {
+    const char *org_id, *run_id, *prompt_id, *step_name, *action_id;
+    int iteration;
+    const uint8_t *body; /* the NodeIOFrame as published */
+    size_t len;
+} hs_prompt_frame;
+
+int hs_put_prompt_frame(db_pool *p, const hs_prompt_frame *e, char *err, size_t errlen);
+
 /* ---- reads ---- */
 /* *found 0 when the run is unknown to this org (or belongs to another). */
 int hs_get_run(db_pool *p, const char *org, const char *run_id, hs_run *out, int *found, char *err,
@@ -87,6 +99,10 @@ int hs_log_tail(db_pool *p, const char *org, const char *run_id, int tail, hs_bl
  * ordered by (session_id, seq, created_at), at most limit. seq carries the event's seq. */
 int hs_transcript(db_pool *p, const char *org, const char *run_id, const char *node, int limit,
                   hs_blobs *out, char *err, size_t errlen);
+/* The captured user_prompt frames of a run (kind 'p', body a NodeIOFrame), of one node (step
+ * name or action id; NULL/"" = every node), the newest `limit` of them, oldest first. */
+int hs_prompt_frames(db_pool *p, const char *org, const char *run_id, const char *node, int limit,
+                     hs_blobs *out, char *err, size_t errlen);
 /* How many of the given runs the projection holds at a lower seq than given (or not at all):
  * nonzero means the store has not caught up with what was seen live. */
 int hs_runs_behind(db_pool *p, const char *org, const char *const *run_ids, const int64_t *seqs,

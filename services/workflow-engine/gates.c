@@ -944,12 +944,17 @@ static int get_approval(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     }
 
 int wf_gates_register(rpc_server *srv, wf_engine *e) {
-    if (e->bus) { /* the decisions' stream; the relay publishes approval.decided.<org> into it */
+    if (e->bus) {
+        /* the decisions' stream (the relay publishes approval.decided.<org> into it) and the
+         * node I/O stream (a prompt's live frame, wfio.<org>.<run>): the relay keeps the outbox
+         * in order, so a publish into a missing stream would hold up every later row */
         char err[256];
-        const char *subjects[] = {STREAM_APPROVALS_SUBJECTS};
+        const char *subjects[] = {STREAM_APPROVALS_SUBJECTS}, *io[] = {STREAM_WFIO_SUBJECTS};
         if (bus_js_stream_ensure(e->bus, STREAM_APPROVALS, subjects, 1, BUS_RETENTION_LIMITS,
-                                 STREAM_APPROVALS_MAX_AGE_S, NULL, err, sizeof err) != BUS_OK) {
-            log_error("gates.stream", "cannot ensure stream %s: %s", STREAM_APPROVALS, err);
+                                 STREAM_APPROVALS_MAX_AGE_S, NULL, err, sizeof err) != BUS_OK ||
+            bus_js_stream_ensure(e->bus, STREAM_WFIO, io, 1, BUS_RETENTION_LIMITS,
+                                 STREAM_WFIO_MAX_AGE_S, NULL, err, sizeof err) != BUS_OK) {
+            log_error("gates.stream", "cannot ensure the gates' streams: %s", err);
             return RPC_INTERNAL;
         }
     }

@@ -25,6 +25,7 @@
 #include "store.h"
 #include "subjects.h"
 #include "upsquad/internal/v1/agent_step.pb-c.h"
+#include "upsquad/internal/v1/node_io.pb-c.h"
 #include "upsquad/internal/v1/tool.pb-c.h"
 #include "wf_expr.h"
 
@@ -47,6 +48,7 @@ typedef struct act {
     double cost;
     char blocked[64], approval[37], agent_id[64];
     st_agent_state *resume; /* the next dispatch resumes a frozen ask (AskUserResume); owned */
+    const char *park_kind;  /* an agent that parked itself this tick: its row's kind (static) */
     /* pending writes */
     int is_new, dirty, clear_result, started, finished;
     double add_cost;
@@ -133,6 +135,8 @@ static void state_put(tick *t, act *a) {
 }
 
 static const char *gov_kind(const act *a) {
+    /* an agent's ask_user is a user_prompt (needs_input), its interrupt an approval */
+    if (a->park_kind) return a->park_kind;
     if (!strcmp(a->type, "question")) return "question_gate";
     if (!strcmp(a->type, "user_input")) return "user_prompt";
     return "approval_gate";
@@ -153,6 +157,13 @@ static const char *last_agent_step(const tick *t) {
         if (!strcmp(t->acts[i]->type, "agent_action") && !strcmp(t->acts[i]->status, "completed"))
             return t->acts[i]->step;
     return NULL;
+}
+
+/* The asking step's agent_role (spec: asked_by_role), the one attribution the node status
+ * event, the live prompt frame and GetRunPrompt (from the row's spec.asked_by) all report;
+ * NULL when the action is not attributed. */
+static const char *asked_role(tick *t, const char *asked) {
+    return asked ? str(step_def(t, asked), "agent_role") : NULL;
 }
 
 /* Writes the action (insert or update) and its transition event. */
@@ -208,7 +219,7 @@ static int save(tick *t, act *a) {
                      a->started_ms ? t->now - a->started_ms : 0,
                      a->cost,
                      kind,
-                     asked ? str(step_def(t, asked), "agent_role") : NULL};
+                     asked_role(t, asked)};
     if (rc == DB_OK) rc = wf_emit_node(t->run, &ev, t->err, sizeof t->err);
     metric_inc(t->e->m_transitions);
     free(in);
@@ -353,6 +364,42 @@ static int outbox_msg(tick *t, const char *subject, const char *msg_id, const Pr
     int rc = st_outbox_put(t->tx, t->run->org, subject, msg_id, buf, len, t->err, sizeof t->err);
     free(buf);
     return rc;
+}
+
+/* The live "answer needed" frame of a user_prompt this tick opened (spec: NodeIOFrame
+ * .user_prompt, structural, delivered at every clearance): a NodeIOEvent on wfio.<org>.<run>,
+ * written to the outbox in the transaction that inserts the governance row, so it is
+ * published exactly when the prompt exists. spec is the row's spec (borrowed): the question
+ * and asked_by GetRunPrompt serves from the same row. The frame's session_id is the prompt id
+ * and its seq 1: a (session_id, seq) key of its own, so the hub's de-dup and gap detection
+ * never mix it with the orchestrator's frames of the step's attempts
+ * (proto/upsquad/internal/v1/node_io.proto). */
+static int prompt_frame(tick *t, const act *a, const cJSON *spec) {
+    Upsquad__Internal__V1__NodeIOEvent ev = UPSQUAD__INTERNAL__V1__NODE_IOEVENT__INIT;
+    Upsquad__Workflow__V1__NodeIOFrame fr = UPSQUAD__WORKFLOW__V1__NODE_IOFRAME__INIT;
+    Upsquad__Workflow__V1__UserPromptFrame up = UPSQUAD__WORKFLOW__V1__USER_PROMPT_FRAME__INIT;
+    char subject[160], msg_id[80];
+    const char *q = str(spec, "question"), *asked = str(spec, "asked_by");
+    const char *role = asked_role(t, asked);
+    up.prompt_id = (char *)a->approval;
+    up.question = (char *)(q ? q : "");
+    up.asked_by_step = (char *)(asked ? asked : "");
+    up.asked_by_role = (char *)(role ? role : "");
+    fr.node_id = a->step;
+    fr.session_id = (char *)a->approval;
+    fr.seq = 1;
+    fr.iteration = a->iteration;
+    fr.event_case = UPSQUAD__WORKFLOW__V1__NODE_IOFRAME__EVENT_USER_PROMPT;
+    fr.user_prompt = &up;
+    ev.org_id = t->run->org;
+    ev.run_id = t->run->id;
+    ev.action_id = (char *)a->id;
+    ev.frame = &fr;
+    ev.step_name = a->step;
+    ev.iteration = a->iteration;
+    snprintf(subject, sizeof subject, "%s.%s.%s", SUBJ_WFIO, t->run->org, t->run->id);
+    snprintf(msg_id, sizeof msg_id, "prompt:%s", a->approval);
+    return outbox_msg(t, subject, msg_id, &ev.base);
 }
 
 static int dispatch_agent(tick *t, act *a, const cJSON *sd) {
@@ -532,6 +579,9 @@ static int start_gate(tick *t, act *a, const cJSON *sd) {
     t->rc = st_governance_insert(t->tx, a->approval, t->run->org, t->run->id, a->id, kind,
                                  num(sd, "required_clearance", 0), sj, t->err, sizeof t->err);
     free(sj);
+    /* a question_gate (clearance-gated, answered through RecordDecision) and an approval gate
+     * have no live prompt frame: the spec's frame is the user_prompt's */
+    if (!t->rc && !strcmp(kind, "user_prompt")) t->rc = prompt_frame(t, a, spec);
     char line[300];
     snprintf(line, sizeof line, "step %s is waiting for a person (%s)", a->step, kind);
     if (!t->rc) t->rc = wf_emit_log(t->run, a->id, "INFO", line, t->err, sizeof t->err);
@@ -844,15 +894,21 @@ static int apply_agent_result(tick *t, act *a, const cJSON *sd) {
                (!strcmp(outcome, "input_required") || !strcmp(outcome, "interrupt_required"))) {
         /* parked: the governance row is what the next issue answers */
         cJSON *spec = cJSON_Duplicate(r, 1);
+        /* the agent asks for itself (spec: asked_by_step): recorded on the row so GetRunPrompt
+         * and the live frame attribute it as the node status event does */
+        cJSON_DeleteItemFromObjectCaseSensitive(spec, "asked_by");
+        cJSON_AddStringToObject(spec, "asked_by", asked_by_step(a));
         ids_uuid_v4(a->approval);
         snprintf(a->blocked, sizeof a->blocked, "%s", a->approval);
         set_status(a, "awaiting_approval");
         const char *kind = !strcmp(outcome, "input_required") ? "user_prompt" : "approval_gate";
+        a->park_kind = kind;
         if (!save(t, a)) {
             char *sj = cJSON_PrintUnformatted(spec);
             t->rc = st_governance_insert(t->tx, a->approval, t->run->org, t->run->id, a->id, kind,
                                          0, sj, t->err, sizeof t->err);
             free(sj);
+            if (!t->rc && !strcmp(kind, "user_prompt")) t->rc = prompt_frame(t, a, spec);
         }
         cJSON_Delete(spec);
     } else if (cJSON_IsTrue(item(r, "retryable")) && retry_agent(t, a, r)) {
