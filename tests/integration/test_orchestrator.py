@@ -644,6 +644,19 @@ class Orch(unittest.TestCase):
             r = [r for r in self.requests_of(sid) if r.user_message == msg][0]
             self.assertEqual([(t.role, t.text) for t in r.prior_turns][-2:], [(1, prev), (2, "echo: " + prev)])
 
+    def test_tenant_must_be_a_uuid(self):
+        # a token whose org_id names no tenant is refused, never "try again"
+        t = T.mint(SECRET, sub=self.user, org="acme")
+        for fn in (lambda: self.create(token=t),
+                   lambda: self.get(str(uuid.uuid4()), token=t),
+                   lambda: self.unary("ListSessions", L.ListSessionsRequest(), L.ListSessionsResponse, token=t),
+                   lambda: self.unary("TerminateSession", L.TerminateLifecycleSessionRequest(session_id=str(uuid.uuid4())),
+                                      L.TerminateLifecycleSessionResponse, token=t),
+                   lambda: self.send("hello", token=t)):
+            c, d = self.code(fn)
+            self.assertEqual(c, grpc.StatusCode.UNAUTHENTICATED, d)
+            self.assertIn("org_id", d)
+
     # ---- upsquad-agents ----
     def test_upsquad_agents(self):
         org = str(uuid.uuid4())
