@@ -44,6 +44,15 @@ static int uuid_field(rpc_call *call, const char *name, const char *v, int requi
     return RPC_OK;
 }
 
+/* The caller's tenant: the token's org_id, which must name one (a UUID). A token without
+ * one is a bad token (UNAUTHENTICATED), not a reason to try again. */
+static int caller(rpc_call *call, const auth_identity **id) {
+    *id = rpc_identity(call);
+    if (!*id || !ids_uuid_valid((*id)->org_id))
+        return rpc_error(call, RPC_UNAUTHENTICATED, "the token's org_id is not a tenant UUID");
+    return RPC_OK;
+}
+
 static int mode_field(rpc_call *call, int mode) {
     if (mode < 0 || mode > 3)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "execution_mode: unknown value %d", mode);
@@ -81,10 +90,10 @@ static int create_session(rpc_call *call, const ProtobufCMessage *req, ProtobufC
     orch *o = ud;
     const CreateSessionRequest *rq = (const CreateSessionRequest *)req;
     CreateSessionResponse *out = (CreateSessionResponse *)resp;
-    const auth_identity *id = rpc_identity(call);
+    const auth_identity *id;
     char sid[37], hash[65], msg[768];
     int rc;
-    if ((rc = uuid_field(call, "agent_id", rq->agent_id, 1)) ||
+    if ((rc = caller(call, &id)) || (rc = uuid_field(call, "agent_id", rq->agent_id, 1)) ||
         (rc = mode_field(call, rq->execution_mode)))
         return rc;
     if (strlen(rq->model_override) > 96)
@@ -112,12 +121,12 @@ static int get_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
                        void *ud) {
     orch *o = ud;
     const GetSessionRequest *rq = (const GetSessionRequest *)req;
+    const auth_identity *id;
     orch_session s;
     char err[512];
-    int rc = uuid_field(call, "session_id", rq->session_id, 1);
-    if (rc) return rc;
-    rc = orch_store_session_get(o->pool, rpc_identity(call)->org_id, rq->session_id, 0, &s, err,
-                                sizeof err);
+    int rc = caller(call, &id);
+    if (rc || (rc = uuid_field(call, "session_id", rq->session_id, 1))) return rc;
+    rc = orch_store_session_get(o->pool, id->org_id, rq->session_id, 0, &s, err, sizeof err);
     if (rc == ORCH_ENOTFOUND)
         return rpc_error(call, RPC_NOT_FOUND, "session_id: no session %s", rq->session_id);
     if (rc != DB_OK) return store_error(call, "reading the session", err);
@@ -169,9 +178,10 @@ static int list_sessions(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     const ListSessionsRequest *rq = (const ListSessionsRequest *)req;
     ListSessionsResponse *out = (ListSessionsResponse *)resp;
     orch_list_query q = {.agent_status = -1};
+    const auth_identity *id;
     char after[37] = "", err[512];
-    int rc = uuid_field(call, "agent_id", rq->agent_id, 0);
-    if (rc) return rc;
+    int rc = caller(call, &id);
+    if (rc || (rc = uuid_field(call, "agent_id", rq->agent_id, 0))) return rc;
     if (parse_filter(rq->status_filter, &q.state, &q.agent_status))
         return rpc_error(call, RPC_INVALID_ARGUMENT,
                          "status_filter: unknown status \"%.64s\" (one of initializing, active, "
@@ -190,8 +200,8 @@ static int list_sessions(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     size_t n = 0;
     int more = 0;
     int64_t total = 0;
-    rc = orch_store_session_list(o->pool, rpc_identity(call)->org_id, &q, &rows, &n, &more, &total,
-                                 err, sizeof err);
+    rc =
+        orch_store_session_list(o->pool, id->org_id, &q, &rows, &n, &more, &total, err, sizeof err);
     if (rc != DB_OK) return store_error(call, "listing sessions", err);
     out->sessions = rpc_alloc(call, (n ? n : 1) * sizeof *out->sessions);
     for (size_t i = 0; i < n && out->sessions; i++) {
@@ -242,11 +252,12 @@ static int terminate_session(rpc_call *call, const ProtobufCMessage *req, Protob
     orch *o = ud;
     const TerminateRequest *rq = (const TerminateRequest *)req;
     TerminateResponse *out = (TerminateResponse *)resp;
-    const char *org = rpc_identity(call)->org_id;
+    const auth_identity *id;
     char state[16] = "", err[512];
     int was = 0;
-    int rc = uuid_field(call, "session_id", rq->session_id, 1);
-    if (rc) return rc;
+    int rc = caller(call, &id);
+    if (rc || (rc = uuid_field(call, "session_id", rq->session_id, 1))) return rc;
+    const char *org = id->org_id;
     if (strlen(rq->reason) > 1024)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "reason: longer than 1024 bytes");
     rc = orch_store_session_terminate(o->pool, org, rq->session_id,
@@ -383,7 +394,7 @@ static void send_error(rpc_call *call, const char *code, const char *message, in
 static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     orch *o = ud;
     const SendMessageRequest *rq = (const SendMessageRequest *)req;
-    const auth_identity *id = rpc_identity(call);
+    const auth_identity *id;
     char sid[37], hash[65], msg[768], err[512], parent[37] = "", state[16] = "";
     orch_session s = {0};
     orch_turn *turns = NULL;
@@ -393,7 +404,7 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     ExecuteStepRequest *ereq = NULL;
     orch_turn_result res = {0};
     int rc;
-    if ((rc = uuid_field(call, "session_id", rq->session_id, 0)) ||
+    if ((rc = caller(call, &id)) || (rc = uuid_field(call, "session_id", rq->session_id, 0)) ||
         (rc = uuid_field(call, "agent_id", rq->agent_id, !rq->session_id[0])) ||
         (rc = mode_field(call, rq->execution_mode)))
         return rc;

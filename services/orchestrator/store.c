@@ -31,6 +31,19 @@ static int tx_end(db_tx *tx, int rc, char *err, size_t errlen) {
     return rc;
 }
 
+/* Locks the session row FOR UPDATE, the first lock of every transaction that both writes
+ * the row and inserts rows referencing it, so such transactions queue instead of deadlocking.
+ * ORCH_ENOTFOUND when the row is not visible. */
+static int lock_session(PGconn *c, const char *session_id, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    int rc = db_exec(c, "SELECT 1 FROM sessions WHERE session_id = $1::uuid FOR UPDATE", 1,
+                     &session_id, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 0)
+        rc = util_errf(err, errlen, ORCH_ENOTFOUND, "no session %s", session_id);
+    PQclear(r);
+    return rc;
+}
+
 /* ---- audit ---- */
 
 /* The chain: hash = sha256(prev_hash | seq | action_id | action_type | parent | detail::text),
@@ -588,6 +601,10 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
     snprintf(outt, sizeof outt, "%lld", (long long)e->output_tokens);
     snprintf(cost, sizeof cost, "%.9f", e->cost_usd);
     TX_BEGIN(org);
+    /* the session row first, FOR UPDATE: the audit append below locks it so, and taking it
+     * there after this UPDATE would wait on a checkpoint's key-share lock while that
+     * checkpoint waits on this UPDATE (a deadlock; orch_store_checkpoint locks it first too) */
+    rc = lock_session(c, session_id, err, errlen);
     const char *v[] = {session_id,
                        status,
                        loops,
@@ -596,19 +613,20 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
                        cost,
                        e->ok ? "" : (e->error_msg ? e->error_msg : ""),
                        e->worker ? e->worker : ""};
-    rc = db_exec(c,
-                 /* loop_count only grows to a count: the turn's iterations on top of the
-                  * count it began with, or what the checkpoints already showed (they race
-                  * the turn's end: orch_store_checkpoint), whichever is more */
-                 "UPDATE sessions SET agent_status = $2::int,"
-                 " loop_count = greatest(loop_count, $3::int),"
-                 " input_tokens = input_tokens + $4::bigint,"
-                 " output_tokens = output_tokens + $5::bigint,"
-                 " cost_usd = cost_usd + $6::float8,"
-                 " last_error = CASE WHEN $7 = '' THEN last_error ELSE left($7, 1024) END,"
-                 " worker = $8"
-                 " WHERE session_id = $1::uuid RETURNING turns, agent_id",
-                 8, v, &r, err, errlen);
+    if (rc == DB_OK)
+        rc = db_exec(c,
+                     /* loop_count only grows to a count: the turn's iterations on top of the
+                      * count it began with, or what the checkpoints already showed (they race
+                      * the turn's end: orch_store_checkpoint), whichever is more */
+                     "UPDATE sessions SET agent_status = $2::int,"
+                     " loop_count = greatest(loop_count, $3::int),"
+                     " input_tokens = input_tokens + $4::bigint,"
+                     " output_tokens = output_tokens + $5::bigint,"
+                     " cost_usd = cost_usd + $6::float8,"
+                     " last_error = CASE WHEN $7 = '' THEN last_error ELSE left($7, 1024) END,"
+                     " worker = $8"
+                     " WHERE session_id = $1::uuid RETURNING turns, agent_id",
+                     8, v, &r, err, errlen);
     if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
     char agent[37] = "";
     int turns = 0;
@@ -718,11 +736,16 @@ int orch_store_checkpoint(db_pool *p, const char *session_id, int loop_iteration
     TX_BEGIN(org);
     const char *v[] = {session_id, iter, ver, (const char *)state, sha256_hex};
     int lens[] = {0, 0, 0, (int)len, 0}, fmt[] = {0, 0, 0, 1, 0};
-    rc = db_exec_bin(c,
-                     "INSERT INTO checkpoints (session_id, loop_iteration, org_id, schema_version,"
-                     " state, sha256) VALUES ($1, $2, current_org(), $3, $4, $5)"
-                     " ON CONFLICT (session_id, loop_iteration) DO NOTHING RETURNING 1",
-                     5, v, lens, fmt, 0, &r, err, errlen);
+    /* the session row first (see orch_store_turn_end): the insert's foreign key would take a
+     * key-share lock that the UPDATE of sessions below must then upgrade, racing a turn's end */
+    rc = lock_session(c, session_id, err, errlen);
+    if (rc == DB_OK)
+        rc = db_exec_bin(
+            c,
+            "INSERT INTO checkpoints (session_id, loop_iteration, org_id, schema_version,"
+            " state, sha256) VALUES ($1, $2, current_org(), $3, $4, $5)"
+            " ON CONFLICT (session_id, loop_iteration) DO NOTHING RETURNING 1",
+            5, v, lens, fmt, 0, &r, err, errlen);
     int inserted = rc == DB_OK && PQntuples(r) == 1;
     PQclear(r);
     r = NULL;

@@ -97,7 +97,10 @@ Upsquad__Workflow__V1__WorkflowAction *wfr_action_msg(rpc_call *call, const PGre
     a->created_at = wfr_ts(call, r, row, AC_CREATED_AT);
     a->approval_id = wfr_s(call, r, row, AC_APPROVAL);
     a->cost_usd = st_d(r, row, AC_COST);
-    a->elapsed_ms = st_i(r, row, AC_ELAPSED);
+    /* time spent, never negative: an action started in the reading transaction itself (the
+     * next action an ApproveAction starts) has started_at after that transaction's now() */
+    int64_t elapsed = st_i(r, row, AC_ELAPSED);
+    a->elapsed_ms = elapsed > 0 ? elapsed : 0;
     a->blocked_by = rpc_strdup(
         call, wf_project_blocked_by(st_s(r, row, AC_STATUS), st_s(r, row, AC_BLOCKED_BY)));
     a->iteration = (int32_t)st_i(r, row, AC_ITERATION);

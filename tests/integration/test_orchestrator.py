@@ -601,6 +601,62 @@ class Orch(unittest.TestCase):
             self.assertEqual(its, "5,6,7,8,9")
         self.assertEqual(self.get(sid).loop_count, 10)  # iterations 0..9: ten completed
 
+    def test_turn_end_races_checkpoints(self):
+        """A worker checkpoints while the turn it serves ends (the devworker does, from its
+        reporter thread): both commit, neither is lost to a deadlock. GetSession then shows the
+        finished turn (COMPLETE) and the next turn's prior_turns carry its answer."""
+        sid = self.create().session_id
+        stop, failures, done = threading.Event(), [], [0]
+
+        def hammer():
+            it = 0
+            while not stop.is_set():
+                b = struct.pack(">I", 1) + b"ck-%d" % it
+                try:
+                    self.rt("Checkpoint", R.CheckpointRequest(session_id=sid, bytes=b, loop_iteration=it,
+                                                              bytes_sha256=hashlib.sha256(b).hexdigest()),
+                            R.CheckpointResponse)
+                    done[0] += 1
+                except grpc.RpcError as e:
+                    failures.append((e.code(), e.details()))
+                it += 1
+
+        th = threading.Thread(target=hammer)
+        th.start()
+        bad, msgs = [], []
+        try:
+            for i in range(20):
+                msg = "race %d %s" % (i, uuid.uuid4().hex[:8])
+                msgs.append(msg)
+                evs = self.send(msg, session_id=sid, agent_id="")
+                self.assertTrue(any(e.HasField("completion") for e in evs))
+                g = self.get(sid)
+                if g.status != 3:
+                    bad.append((i, g.status))
+        finally:
+            stop.set()
+            th.join()
+        self.assertEqual(bad, [], "turns whose end was not recorded")
+        self.assertEqual(failures, [], "checkpoints refused")
+        self.assertGreater(done[0], 0)
+        # every answer was stored: each turn's prior_turns end with the previous turn's answer
+        for prev, msg in zip(msgs, msgs[1:]):
+            r = [r for r in self.requests_of(sid) if r.user_message == msg][0]
+            self.assertEqual([(t.role, t.text) for t in r.prior_turns][-2:], [(1, prev), (2, "echo: " + prev)])
+
+    def test_tenant_must_be_a_uuid(self):
+        # a token whose org_id names no tenant is refused, never "try again"
+        t = T.mint(SECRET, sub=self.user, org="acme")
+        for fn in (lambda: self.create(token=t),
+                   lambda: self.get(str(uuid.uuid4()), token=t),
+                   lambda: self.unary("ListSessions", L.ListSessionsRequest(), L.ListSessionsResponse, token=t),
+                   lambda: self.unary("TerminateSession", L.TerminateLifecycleSessionRequest(session_id=str(uuid.uuid4())),
+                                      L.TerminateLifecycleSessionResponse, token=t),
+                   lambda: self.send("hello", token=t)):
+            c, d = self.code(fn)
+            self.assertEqual(c, grpc.StatusCode.UNAUTHENTICATED, d)
+            self.assertIn("org_id", d)
+
     # ---- upsquad-agents ----
     def test_upsquad_agents(self):
         org = str(uuid.uuid4())

@@ -174,6 +174,8 @@ class GatesTest(unittest.TestCase):
         self.assertEqual((r.action.status, r.action.decided_by), ("approved", self.user))
         self.assertTrue(r.action.HasField("decided_at"))
         self.assertEqual([(n.step_name, n.status) for n in r.next_actions], [("next", "awaiting_approval")])
+        # elapsed_ms is time spent, never negative, even for the action this very call started
+        self.assertGreaterEqual(r.next_actions[0].elapsed_ms, 0)
         self.assertEqual(r.action.blocked_by, "")
         ap = self.A("GetApproval", AP.GetApprovalRequest(approval_id=a.approval_id)).approval
         self.assertEqual((ap.status, ap.decided_by, ap.comment, ap.kind), ("approved", self.user, "lgtm", "approval_gate"))
