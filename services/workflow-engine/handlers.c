@@ -65,7 +65,10 @@ static P(Workflow) * wf_msg(rpc_call *call, const PGresult *r, int row) {
     return w;
 }
 
-static P(WorkflowRun) * run_msg(rpc_call *call, const PGresult *r, int row) {
+/* list_row: spec, WorkflowRun.nodes_total is "populated by ListRuns; other RPCs leave it at 0
+ * since they surface action lists directly" (VisibleRunRow's run is populated "exactly as
+ * ListRuns"); nodes_done carries no such rule and is filled everywhere. */
+static P(WorkflowRun) * run_msg(rpc_call *call, const PGresult *r, int row, int list_row) {
     P(WorkflowRun) *m = rpc_alloc(call, sizeof *m);
     INIT(workflow_run, m);
     m->id = wfr_s(call, r, row, RUN_ID);
@@ -80,7 +83,7 @@ static P(WorkflowRun) * run_msg(rpc_call *call, const PGresult *r, int row) {
     m->cost_usd = st_d(r, row, RUN_COST);
     m->paused_at = wfr_ts(call, r, row, RUN_PAUSED_AT);
     m->cancelled_at = wfr_ts(call, r, row, RUN_CANCELLED_AT);
-    m->nodes_total = (int32_t)st_i(r, row, RUN_TOTAL);
+    m->nodes_total = list_row ? (int32_t)st_i(r, row, RUN_TOTAL) : 0;
     m->nodes_done = (int32_t)st_i(r, row, RUN_DONE);
     m->display_name = wfr_s(call, r, row, RUN_DISPLAY);
     return m;
@@ -480,7 +483,7 @@ static P(WorkflowRun) * run_now(rpc_call *call, db_tx *tx, const char *run_id, i
     } else if (PQntuples(r) == 0) {
         *rc = rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
     } else {
-        m = run_msg(call, r, 0);
+        m = run_msg(call, r, 0, 0);
     }
     PQclear(r);
     return m;
@@ -691,7 +694,7 @@ static int list_runs(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessa
     if ((rc = run_page(call, e, id, tx, &q, &r, &n, &out->next_page_token))) goto done;
     out->runs = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *out->runs);
     for (int i = 0; i < n; i++)
-        out->runs[i] = run_msg(call, r, i);
+        out->runs[i] = run_msg(call, r, i, 1);
     out->n_runs = (size_t)n;
 done:
     db_tx_rollback(tx);
@@ -732,7 +735,7 @@ static int list_visible_runs(rpc_call *call, const ProtobufCMessage *req, Protob
     for (int i = 0; i < n; i++) {
         P(VisibleRunRow) *v = rpc_alloc(call, sizeof *v);
         INIT(visible_run_row, v);
-        v->run = run_msg(call, r, i);
+        v->run = run_msg(call, r, i, 1);
         v->workflow_name = wfr_s(call, r, i, RUN_WF_NAME);
         v->display_name = wfr_s(call, r, i, RUN_DISPLAY);
         v->prompt_kind = prompt_kind(st_s(r, i, RUN_PROMPT_KIND));

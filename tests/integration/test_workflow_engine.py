@@ -360,7 +360,11 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(js(think.output), {"plan": "ship"})
         self.assertAlmostEqual(think.cost_usd, 0.5)  # redone once: two turns
         self.assertAlmostEqual(s.run.cost_usd, 0.5)
-        self.assertEqual((s.run.nodes_total, s.run.nodes_done), (len(s.actions), len(s.actions)))
+        # nodes_total: "populated by ListRuns; other RPCs leave it at 0" (they carry actions)
+        self.assertEqual((s.run.nodes_total, s.run.nodes_done), (0, len(s.actions)))
+        listed = self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id)).runs
+        self.assertEqual([(r.id, r.nodes_total, r.nodes_done) for r in listed],
+                         [(run.id, len(s.actions), len(s.actions))])
         self.assertTrue(all(a.blocked_by == "" for a in s.actions))
         # node I/O, then redaction for a caller of clearance 1 against an internal workflow
         io = self.A("GetNodeIO", W.GetNodeIORequest(run_id=run.id, node_id=by["fetch"][0].id))
