@@ -435,7 +435,8 @@ int st_run_add_cost(db_tx *tx, const char *run_id, double cost, char *err, size_
     "       " MS("a.decided_at") ", " MS(                                                          \
         "a.created_at") ", a.approval_id, a.cost_usd, "                                            \
                         "       CASE WHEN a.started_at IS NULL THEN 0 ELSE (extract(epoch from "   \
-                        "         coalesce(a.finished_at, clock_timestamp()) - a.started_at) * 1000)::bigint " \
+                        "         coalesce(a.finished_at, clock_timestamp()) - a.started_at) * "   \
+                        "1000)::bigint "                                                           \
                         "END, "                                                                    \
                         "       a.blocked_by, a.iteration, a.step_type "                           \
                         "FROM " S "actions a "
