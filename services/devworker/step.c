@@ -262,8 +262,46 @@ static int send_completion(run *r, CompletionEvent *c, unsigned flags) {
 
 /* ---------------------------------------------------------------- echo ---- */
 
+/* A workflow agent step's goal ends with the fields its output must carry, as the orchestrator
+ * words them (services/orchestrator/steps.c, compose): "Answer with a JSON object with these
+ * fields:" then one "- NAME (TYPE[, required])[: description]" line each. A model follows that;
+ * so does the echo reply, with one deterministic value per type, so that every example workflow
+ * runs end to end offline. NULL when the message asks for no fields (or on OOM). */
+#define EXPECTS_MARK "\n\nAnswer with a JSON object with these fields:"
+static char *structured_echo(run *r) {
+    const char *p = strstr(r->message, EXPECTS_MARK);
+    if (p == NULL) return NULL;
+    cJSON *o = cJSON_CreateObject();
+    for (p += strlen(EXPECTS_MARK); o && strncmp(p, "\n- ", 3) == 0;) {
+        const char *name = p + 3, *paren = strstr(name, " ("), *eol = strchr(name, '\n');
+        if (paren == NULL || (eol && paren > eol)) break;
+        char key[128], type[32];
+        snprintf(key, sizeof key, "%.*s", (int)(paren - name), name);
+        snprintf(type, sizeof type, "%.*s", (int)strcspn(paren + 2, ",)"), paren + 2);
+        cJSON *v;
+        if (!strcmp(type, "integer") || !strcmp(type, "number"))
+            v = cJSON_CreateNumber(1);
+        else if (!strcmp(type, "boolean"))
+            v = cJSON_CreateTrue();
+        else if (!strcmp(type, "object"))
+            v = cJSON_CreateObject();
+        else if (!strcmp(type, "array") && (v = cJSON_CreateArray()) != NULL)
+            cJSON_AddItemToArray(v, cJSON_CreateString(key));
+        else
+            v = cJSON_CreateString(key);
+        cJSON_AddItemToObject(o, key, v);
+        p = eol ? eol : name + strlen(name);
+    }
+    char *text = o ? cJSON_PrintUnformatted(o) : NULL, *out = NULL;
+    cJSON_Delete(o);
+    if (text) out = rpc_sprintf(r->call, "%s", text);
+    free(text);
+    return out;
+}
+
 static int run_echo(run *r) {
-    char *reply = rpc_sprintf(r->call, "echo: %s", r->message);
+    char *reply = structured_echo(r);
+    if (reply == NULL) reply = rpc_sprintf(r->call, "echo: %s", r->message);
     CompletionEvent c = UPSQUAD__RUNTIME__V1__COMPLETION_EVENT__INIT;
     int rc;
     if (reply == NULL) return RUN_GONE;

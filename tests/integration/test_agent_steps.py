@@ -284,6 +284,20 @@ class AgentSteps(unittest.TestCase):
         time.sleep(0.5)
         self.assertEqual([r.attempt for r in self.results_of(run, 2, timeout=1)], [1])
 
+    def test_2_plain_goal_answers_the_expected_fields(self):
+        # devworker's echo of a goal that asks for fields (the orchestrator appends them) is a
+        # JSON object with one value per declared type, so the step's expects are met offline
+        run = self.start({"version": 1, "start": "a", "steps": {
+            "a": agent("Design a fix", expects={
+                "plan": {"type": "string", "required": True, "description": "The design: in Markdown."},
+                "files": {"type": "array", "required": True}, "pr": {"type": "integer"},
+                "ok": {"type": "boolean"}, "meta": {"type": "object"}},
+                acceptance={"max_redos": 0, "check": {"op": "exists", "path": "/steps/a/output/files/0"}})}})
+        s = self.done(run)
+        self.assertEqual(s.run.status, "completed", [(a.step_name, js(a.output)) for a in s.actions])
+        self.assertEqual(js(s.actions[0].output),
+                         {"plan": "plan", "files": ["files"], "pr": 1, "ok": True, "meta": {}})
+
     def test_2_retry_succeeds(self):
         # the worker fails the call the first time it runs this goal (first_runs), as a flaky
         # backend would: the orchestrator reports WORKER_FAILED (retryable), the engine retries
