@@ -970,7 +970,11 @@ int hub_serve(hub *h, rpc_call *call, const hub_sub_opts *o, int64_t snapshot_se
         sub_unref(s);
         return rpc_error(call, RPC_UNAVAILABLE, "live subscription failed; retry");
     }
-    bus_flush(h->bus, 2000); /* the server has our subscription before the snapshot is read */
+    bus_flush(h->bus, 2000);   /* the server has our subscription before the snapshot is read */
+    if (rpc_cancelled(call)) { /* the client left meanwhile: no snapshot for nobody */
+        rc = RPC_CANCELLED;
+        goto leave;
+    }
 
     /* 2. the snapshot (or the resume point), then 3. live */
     if (kind == TK_RUN) {

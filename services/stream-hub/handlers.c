@@ -37,6 +37,8 @@ static int find_run(rpc_call *call, hub *h, const char *run_id, hs_run *run) {
     if (!run_id || !run_id[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "run_id is required");
     if (!ids_uuid_valid(who->org_id) || !ids_uuid_valid(run_id))
         return rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
+    /* a client that left while its stream waited for a worker costs no lookup */
+    if (rpc_cancelled(call)) return RPC_CANCELLED;
     /* A run is known once its first event is projected, milliseconds after TriggerWorkflow
      * returns: an unknown run is looked up again for the grace period before NOT_FOUND. */
     long long waited = 0;

@@ -69,6 +69,28 @@ static const char SQL_PUT_RUN[] =
     "   ELSE r.counters_seq END, "
     " last_seq = greatest(r.last_seq, $16::bigint), updated_at = now()";
 
+/* The end of a run's first block of consecutive seqs, scanning from `start` (a seq known to be
+ * in that block, or 0): the first seq whose successor is missing. An ordered index scan that
+ * stops there ($1: the run). */
+#define SQL_BLOCK_END(start)                                                                       \
+    "(SELECT t.seq FROM (SELECT e.seq, lead(e.seq) OVER (ORDER BY e.seq) AS nxt "                  \
+    " FROM run_events e WHERE e.run_id = $1 AND e.seq >= " start ") t "                            \
+    " WHERE t.nxt IS DISTINCT FROM t.seq + 1 ORDER BY t.seq LIMIT 1)"
+
+/* Keeps runs.first_seq and runs.contig_seq (migrations/002_contiguous.sql) for event $2 of run
+ * $1: an event just after the prefix extends it (through any block it joins), an event below
+ * the first seq starts it again from the bottom, a later one (a hole below it) changes
+ * nothing; unknown (NULL, rows older than the columns) is computed once from run_events. */
+#define CONTIG_FROM                                                                                \
+    "CASE WHEN r.contig_seq IS NULL OR r.first_seq IS NULL OR $2::bigint < r.first_seq "           \
+    " THEN 0 ELSE r.contig_seq END"
+#define CONTIG_WALK SQL_BLOCK_END(CONTIG_FROM)
+static const char SQL_PUT_CONTIG[] =
+    "UPDATE runs r SET first_seq = least(coalesce(r.first_seq, $2::bigint), $2::bigint), "
+    " contig_seq = coalesce(" CONTIG_WALK ", r.contig_seq) "
+    "WHERE r.run_id = $1 AND (r.contig_seq IS NULL OR r.first_seq IS NULL "
+    " OR $2::bigint < r.first_seq OR $2::bigint = r.contig_seq + 1)";
+
 static const char *b(int v) {
     return v ? "t" : "f";
 }
@@ -114,6 +136,12 @@ int hs_put_run_event(db_pool *p, const hs_run_event *e, char *err, size_t errlen
                           done,
                           b(e->has_counters)};
     rc = db_exec(db_tx_conn(tx), SQL_PUT_RUN, 19, rv, NULL, err, errlen);
+    if (rc != DB_OK) goto done;
+    /* after the upsert: the run row is locked until commit, so replicas projecting events of
+     * this run advance its contiguous prefix one after the other, each seeing the others'
+     * committed events (READ COMMITTED: every statement reads a fresh snapshot) */
+    const char *cv[2] = {e->run_id, seq};
+    rc = db_exec(db_tx_conn(tx), SQL_PUT_CONTIG, 2, cv, NULL, err, errlen);
 done:
     if (rc != DB_OK) {
         db_tx_rollback(tx);
@@ -290,18 +318,30 @@ int hs_get_run(db_pool *p, const char *org, const char *run_id, hs_run *out, int
 /* The end of the first contiguous block of the run's seqs: events are projected by several
  * replicas in parallel, so a later seq may be committed before an earlier one; a snapshot
  * covers only what has no hole below it (the rest comes from the store or live, in order). */
+/* The last seq of the run without a hole below it: the projector's runs.contig_seq, or computed
+ * from run_events for a run projected before that column existed. */
 #define SQL_CONTIGUOUS                                                                             \
-    "(SELECT coalesce(min(e.seq), 0) FROM run_events e WHERE e.run_id = $1 AND NOT EXISTS "        \
-    " (SELECT 1 FROM run_events f WHERE f.run_id = $1 AND f.seq = e.seq + 1))"
+    "(SELECT coalesce((SELECT r.contig_seq FROM runs r WHERE r.run_id = $1), " SQL_BLOCK_END(      \
+        "0") ", 0))"
 
 int hs_node_fold(db_pool *p, const char *org, const char *run_id, hs_blobs *out, hs_run *run,
                  int *found, char *err, size_t errlen) {
+    /* One index probe per (node, iteration) instead of a pass over every node event of the
+     * run: the keys are walked on run_events_node (a loose index scan, each step the next key
+     * above the last, from a sentinel below every key: the same parameterized plan for every
+     * step whatever the statistics say of a run that grew fast), then each key's newest event
+     * up to the prefix end is read backwards from the same index. */
     static const char sql[] =
-        "WITH c AS (SELECT " SQL_CONTIGUOUS " AS upto) "
-        "SELECT seq, k, body FROM (SELECT seq, 'n' AS k, body FROM "
-        " (SELECT DISTINCT ON (node_id, iteration) seq, body FROM run_events, c "
-        "  WHERE run_id = $1 AND kind = 'n' AND seq <= c.upto "
-        "  ORDER BY node_id, iteration, seq DESC) f "
+        "WITH RECURSIVE c AS (SELECT " SQL_CONTIGUOUS " AS upto), "
+        "keys AS (SELECT ''::text AS node_id, (-2147483647 - 1) AS iteration " /* below all */
+        " UNION ALL SELECT nk.node_id, nk.iteration FROM keys k, LATERAL "
+        "  (SELECT e.node_id, e.iteration FROM run_events e WHERE e.run_id = $1 AND e.kind = 'n' "
+        "   AND (e.node_id, e.iteration) > (k.node_id, k.iteration) "
+        "   ORDER BY e.node_id, e.iteration LIMIT 1) nk) "
+        "SELECT seq, k, body FROM (SELECT l.seq, 'n' AS k, l.body FROM keys, c, LATERAL "
+        "  (SELECT e.seq, e.body FROM run_events e WHERE e.run_id = $1 AND e.kind = 'n' "
+        "   AND e.node_id = keys.node_id AND e.iteration = keys.iteration AND e.seq <= c.upto "
+        "   ORDER BY e.seq DESC LIMIT 1) l "
         " UNION ALL SELECT upto, 'u', ''::bytea FROM c) x ORDER BY k = 'u', seq";
     const char *v[1] = {run_id};
     return read_blobs(p, org, sql, 1, v, out, run, found, err, errlen);
