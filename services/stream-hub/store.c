@@ -77,7 +77,7 @@ static const char SQL_PUT_RUN[] =
     " FROM run_events e WHERE e.run_id = $1 AND e.seq >= " start ") t "                            \
     " WHERE t.nxt IS DISTINCT FROM t.seq + 1 ORDER BY t.seq LIMIT 1)"
 
-/* Keeps runs.first_seq and runs.contig_seq (migrations/002_contiguous.sql) for event $2 of run
+/* Keeps runs.first_seq and runs.contig_seq (migrations/003_contiguous.sql) for event $2 of run
  * $1: an event just after the prefix extends it (through any block it joins), an event below
  * the first seq starts it again from the bottom, a later one (a hole below it) changes
  * nothing; unknown (NULL, rows older than the columns) is computed once from run_events. */
