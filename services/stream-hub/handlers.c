@@ -35,7 +35,11 @@ static int find_run(rpc_call *call, hub *h, const char *run_id, hs_run *run) {
     int found = 0;
     const auth_identity *who = rpc_identity(call);
     if (!run_id || !run_id[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "run_id is required");
-    if (!ids_uuid_valid(who->org_id) || !ids_uuid_valid(run_id))
+    /* spec: run_id is "the workflow run UUID (required)": a malformed one is bad input, as in
+     * every WorkflowService RPC of the workflow-engine (GetWorkflowStatus, GetNodeIO, ...) */
+    if (!ids_uuid_valid(run_id))
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "run_id must be a UUID");
+    if (!ids_uuid_valid(who->org_id))
         return rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
     /* a client that left while its stream waited for a worker costs no lookup */
     if (rpc_cancelled(call)) return RPC_CANCELLED;

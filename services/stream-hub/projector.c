@@ -68,6 +68,7 @@ static int project_run_event(hub *h, const uint8_t *data, size_t len) {
         e.prompt_id = n->prompt_id;
         e.asked_by_role = n->asked_by_role;
         e.is_waiting = n->is_waiting;
+        e.node_status = n->update ? n->update->status : "";
         which = PR_NODE;
     } else if (ev->event_case == UPSQUAD__INTERNAL__V1__RUN_EVENT__EVENT_RUN && ev->run) {
         e.kind = 'r';

@@ -91,6 +91,18 @@ static const char SQL_PUT_CONTIG[] =
     "WHERE r.run_id = $1 AND (r.contig_seq IS NULL OR r.first_seq IS NULL "
     " OR $2::bigint < r.first_seq OR $2::bigint = r.contig_seq + 1)";
 
+/* The node's newest state (migrations/004_run_nodes.sql): replaced only by a newer seq, so the
+ * order replicas project in and redeliveries change nothing. */
+static const char SQL_PUT_NODE[] =
+    "INSERT INTO run_nodes AS x (org_id, run_id, node_id, iteration, seq, status, needs_input, "
+    " needs_approval, prompt_kind, prompt_id, asked_by_role, is_waiting) "
+    "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) "
+    "ON CONFLICT (run_id, node_id, iteration) DO UPDATE SET seq = EXCLUDED.seq, "
+    " status = EXCLUDED.status, needs_input = EXCLUDED.needs_input, "
+    " needs_approval = EXCLUDED.needs_approval, prompt_kind = EXCLUDED.prompt_kind, "
+    " prompt_id = EXCLUDED.prompt_id, asked_by_role = EXCLUDED.asked_by_role, "
+    " is_waiting = EXCLUDED.is_waiting WHERE x.seq < EXCLUDED.seq";
+
 static const char *b(int v) {
     return v ? "t" : "f";
 }
@@ -116,6 +128,14 @@ int hs_put_run_event(db_pool *p, const hs_run_event *e, char *err, size_t errlen
     int fmts[8] = {0, 0, 0, 0, 0, 0, 0, 1};
     rc = db_exec_bin(db_tx_conn(tx), SQL_PUT_EVENT, 8, ev, lens, fmts, 0, NULL, err, errlen);
     if (rc != DB_OK) goto done;
+    if (e->kind == 'n' && e->node_id && e->node_id[0]) {
+        const char *nv[12] = {
+            e->org_id, e->run_id,         e->node_id,          iter,
+            seq,       s(e->node_status), b(e->needs_input),   b(e->needs_approval),
+            pk,        s(e->prompt_id),   s(e->asked_by_role), b(e->is_waiting)};
+        rc = db_exec(db_tx_conn(tx), SQL_PUT_NODE, 12, nv, NULL, err, errlen);
+        if (rc != DB_OK) goto done;
+    }
     const char *rv[19] = {e->org_id,
                           e->run_id,
                           s(e->workflow_id),
@@ -203,6 +223,33 @@ static const char SQL_GET_RUN[] =
     " status, prompt_id, asked_by_role, needs_input, needs_approval, prompt_kind, is_waiting, "
     " nodes_total, nodes_done, last_seq FROM runs";
 
+/* SQL_GET_RUN's columns for a StreamVisibleRuns snapshot row, which describes the whole run
+ * (spec VisibleRunEvent), rolled up from each node's newest state (run_nodes): nodes_total and
+ * nodes_done (terminal: done or failed, the fold of WorkflowRun.nodes_done's set), is_waiting
+ * (a node parked on a wait), open_prompt_count (nodes parked on a prompt or gate) and the
+ * FRESHEST open gate, from which needs_input, needs_approval, prompt_kind, prompt_id and
+ * asked_by_role are all co-derived. A run without node rows keeps the run row's columns and
+ * leaves open_prompt_count undetermined (NULL). */
+static const char SQL_GET_RUN_ROLLUP[] =
+    "SELECT r.run_id, r.workflow_id, r.workflow_name, r.team_id, r.visibility, r.owner_id, "
+    " r.display_name, r.status, "
+    " CASE WHEN n.nodes IS NULL THEN r.prompt_id ELSE coalesce(g.prompt_id, '') END, "
+    " CASE WHEN n.nodes IS NULL THEN r.asked_by_role ELSE coalesce(g.asked_by_role, '') END, "
+    " CASE WHEN n.nodes IS NULL THEN r.needs_input ELSE coalesce(g.needs_input, false) END, "
+    " CASE WHEN n.nodes IS NULL THEN r.needs_approval ELSE coalesce(g.needs_approval, false) END, "
+    " CASE WHEN n.nodes IS NULL THEN r.prompt_kind ELSE coalesce(g.prompt_kind, 0) END, "
+    " coalesce(n.waiting, r.is_waiting), coalesce(n.nodes, r.nodes_total), "
+    " coalesce(n.done, r.nodes_done), r.last_seq, n.open "
+    "FROM runs r "
+    "LEFT JOIN LATERAL (SELECT count(*)::int AS nodes, "
+    "  count(*) FILTER (WHERE x.status IN ('done', 'failed'))::int AS done, "
+    "  count(*) FILTER (WHERE x.needs_input OR x.needs_approval)::int AS open, "
+    "  bool_or(x.is_waiting) AS waiting "
+    "  FROM run_nodes x WHERE x.run_id = r.run_id HAVING count(*) > 0) n ON true "
+    "LEFT JOIN LATERAL (SELECT y.prompt_id, y.asked_by_role, y.needs_input, y.needs_approval, "
+    "  y.prompt_kind FROM run_nodes y WHERE y.run_id = r.run_id "
+    "  AND (y.needs_input OR y.needs_approval) ORDER BY y.seq DESC LIMIT 1) g ON true";
+
 static void copy_field(char *dst, size_t cap, const char *v) {
     snprintf(dst, cap, "%s", v);
 }
@@ -226,6 +273,10 @@ static void run_row(PGresult *res, int i, hs_run *r) {
     r->nodes_total = atoi(PQgetvalue(res, i, 14));
     r->nodes_done = atoi(PQgetvalue(res, i, 15));
     r->last_seq = strtoll(PQgetvalue(res, i, 16), NULL, 10);
+    if (PQnfields(res) > 17 && !PQgetisnull(res, i, 17)) {
+        r->has_open_prompt_count = 1;
+        r->open_prompt_count = atoi(PQgetvalue(res, i, 17));
+    }
 }
 
 /* Copies rows (seq, kind, body) of res into out. */
@@ -467,7 +518,7 @@ int hs_visible_runs(db_pool *p, const char *org, const char *member, const char 
                     hs_run **out, size_t *n, char *err, size_t errlen) {
     db_tx *tx = NULL;
     PGresult *res = NULL;
-    char sql[sizeof SQL_GET_RUN + 512], l[16];
+    char sql[sizeof SQL_GET_RUN_ROLLUP + 512], l[16];
     char *ta = array_literal(teams, n_teams), *sa = array_literal(statuses, n_statuses);
     *out = NULL;
     *n = 0;
@@ -479,11 +530,11 @@ int hs_visible_runs(db_pool *p, const char *org, const char *member, const char 
     /* the two visibility arms of the spec: the workflow's team is one of the caller's teams,
      * or the caller owns the private workflow */
     snprintf(sql, sizeof sql,
-             "%s WHERE ((visibility <> 'private' AND team_id = ANY($2::text[])) "
-             " OR (visibility = 'private' AND owner_id = $1)) "
-             " AND ($3::boolean OR status = ANY($4::text[])) "
-             "ORDER BY started_at DESC, run_id DESC LIMIT $5",
-             SQL_GET_RUN);
+             "%s WHERE ((r.visibility <> 'private' AND r.team_id = ANY($2::text[])) "
+             " OR (r.visibility = 'private' AND r.owner_id = $1)) "
+             " AND ($3::boolean OR r.status = ANY($4::text[])) "
+             "ORDER BY r.started_at DESC, r.run_id DESC LIMIT $5",
+             SQL_GET_RUN_ROLLUP);
     snprintf(l, sizeof l, "%d", limit);
     rc = db_tx_begin_ex(p, org, DB_TX_READ_ONLY, &tx, err, errlen);
     if (rc != DB_OK) goto done;

@@ -34,6 +34,9 @@ typedef struct hs_run {
     char owner_id[64], display_name[256], status[32], prompt_id[64], asked_by_role[64];
     int needs_input, needs_approval, prompt_kind, is_waiting;
     int nodes_total, nodes_done;
+    /* open human-answerable gates (run_nodes); has_open_prompt_count 0 when not determined
+     * (a run projected before run_nodes existed) */
+    int has_open_prompt_count, open_prompt_count;
     int64_t last_seq;
 } hs_run;
 
@@ -52,6 +55,8 @@ typedef struct hs_run_event {
     const char *status;
     int needs_input, needs_approval, prompt_kind, is_waiting;
     const char *prompt_id, *asked_by_role;
+    /* 'n' only: the node's five-colour status after the transition (NodeStatusUpdate.status) */
+    const char *node_status;
     /* counters ('r' only) */
     int has_counters, nodes_total, nodes_done;
     const uint8_t *body;

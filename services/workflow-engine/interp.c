@@ -219,7 +219,8 @@ static int save(tick *t, act *a) {
                      a->started_ms ? t->now - a->started_ms : 0,
                      a->cost,
                      kind,
-                     asked_role(t, asked)};
+                     asked_role(t, asked),
+                     kind ? a->approval : NULL};
     if (rc == DB_OK) rc = wf_emit_node(t->run, &ev, t->err, sizeof t->err);
     metric_inc(t->e->m_transitions);
     free(in);

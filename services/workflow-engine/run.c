@@ -196,7 +196,12 @@ int wf_emit_node(wf_run *r, const wf_node_ev *n, char *err, size_t errlen) {
     nt.needs_input = parked && !strcmp(n->prompt_kind, "user_prompt");
     nt.needs_approval = parked && strcmp(n->prompt_kind, "user_prompt") != 0;
     nt.prompt_kind = parked ? prompt_kind_enum(n->prompt_kind) : 0;
-    nt.prompt_id = parked && strcmp(blocked, "awaiting-question") ? (char *)blocked : "";
+    /* spec VisibleRunEvent.prompt_id: the governance_approvals row id of the gate the run is
+     * parked on, for every kind (a question's blocked_by is its sub-kind token, not the id) */
+    nt.prompt_id = !parked                                ? ""
+                   : n->approval && n->approval[0]        ? (char *)n->approval
+                   : strcmp(blocked, "awaiting-question") ? (char *)blocked
+                                                          : "";
     nt.asked_by_role = parked && n->asked_by_role ? (char *)n->asked_by_role : "";
     nt.is_waiting = !strcmp(n->raw_status, "waiting");
     nt.run_status = r->status;

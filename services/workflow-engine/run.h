@@ -42,6 +42,7 @@ typedef struct wf_node_ev {
     double cost;
     const char *prompt_kind;   /* governance kind when parked on one, else NULL */
     const char *asked_by_role; /* the asking agent step's agent_role when parked, else NULL */
+    const char *approval;      /* the governance row id when parked on one, else NULL */
 } wf_node_ev;
 
 int wf_emit_node(wf_run *r, const wf_node_ev *n, char *err, size_t errlen);

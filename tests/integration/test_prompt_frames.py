@@ -110,6 +110,18 @@ class Reader(threading.Thread):
         self.call.cancel()
 
 
+class VisReader(Reader):
+    """One StreamVisibleRuns stream (every status) read into a list."""
+
+    def __init__(self, stub, token):
+        threading.Thread.__init__(self, daemon=True)
+        self.call = stub(W.StreamVisibleRunsRequest(), metadata=[("authorization", "Bearer " + token)],
+                         timeout=60)
+        self.msgs = []
+        self.code = None
+        self.start()
+
+
 class PromptFrames(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -286,6 +298,47 @@ class PromptFrames(unittest.TestCase):
         r.cancel()
         self.assertEqual([f.user_prompt.prompt_id for f in r.prompts()], [a.approval_id])
         self.assertNotIn(g.approval_id, [m.live.session_id for m in r.msgs if m.HasField("live")])
+
+    def test_4_a_question_gate_names_its_approval_as_prompt_id(self):
+        """spec VisibleRunEvent.prompt_id: the governance_approvals row id of the gate the run is
+        parked on, which GetRunPrompt and RecordDecision take. A question's blocked_by is the
+        sub-kind token "awaiting-question", not that id: the live delta and the snapshot row must
+        still carry the id (the approval gate's blocked_by happens to be it)."""
+        run = self.start({"g": {"type": "approval_gate", "required_clearance": 1, "summary": "ship?", "on_approve": "q"},
+                          "q": {"type": "question", "prompt": "risk?", "required_clearance": 1,
+                                "options": [{"key": "go", "label": "Go"}]}}, "g")
+        stub = self.hub_ch.unary_stream(SVC + "StreamVisibleRuns",
+                                        request_serializer=W.StreamVisibleRunsRequest.SerializeToString,
+                                        response_deserializer=W.VisibleRunEvent.FromString)
+        live = VisReader(stub, self.tok(1))
+        wait_until(lambda: any(m.snapshot_done for m in live.msgs), 15, "snapshot_done")
+        g = self.parked(run, "g")
+        self.wf("ApproveAction", W.ApproveActionRequest(action_id=g.id))
+        q = self.parked(run, "q")
+        self.assertEqual(q.blocked_by, "awaiting-question")
+
+        def parked_on(msgs, kind):
+            return [m for m in msgs if m.run_id == run and m.prompt_kind == kind]
+        wait_until(lambda: parked_on(live.msgs, W.RUN_PROMPT_KIND_QUESTION_GATE), 15,
+                   "the question's live delta")
+        live.cancel()
+        self.assertEqual([m.prompt_id for m in parked_on(live.msgs, W.RUN_PROMPT_KIND_APPROVAL_GATE)],
+                         [g.approval_id])
+        [d] = parked_on(live.msgs, W.RUN_PROMPT_KIND_QUESTION_GATE)
+        self.assertEqual((d.prompt_id, d.needs_approval, d.is_snapshot), (q.approval_id, True, False))
+        end = time.time() + 10
+        while True:     # the hub projects from the bus asynchronously
+            snap = VisReader(stub, self.tok(1))
+            wait_until(lambda: any(m.snapshot_done for m in snap.msgs), 15, "snapshot_done")
+            snap.cancel()
+            rows = parked_on(snap.msgs, W.RUN_PROMPT_KIND_QUESTION_GATE)
+            if rows or time.time() > end:
+                break
+        self.assertEqual([(m.prompt_id, m.is_snapshot) for m in rows], [(q.approval_id, True)])
+        self.call("RecordDecision", AP.RecordDecisionRequest(
+            approval_id=q.approval_id, decision=AP.DECISION_APPROVED,
+            response_payload=st({"option_key": "go", "fields": {}})), AP.RecordDecisionResponse,
+            svc="/upsquad.approval.v1.ApprovalService/")
 
     def test_3_agent_ask_user_frame_between_token_frames_is_no_gap(self):
         run = self.start({"a": {"type": "agent_action", "agent_role": "eng", "prompt": "deploy"}}, "a")

@@ -238,8 +238,11 @@ class StreamHub(unittest.TestCase):
                 self.assertFailsFirst(self.read(srv, method, req, other), grpc.StatusCode.NOT_FOUND)
             unknown = type(req)(run_id=uid())
             self.assertFailsFirst(self.read(self.a, method, unknown, org), grpc.StatusCode.NOT_FOUND)
-            self.assertFailsFirst(self.read(self.a, method, type(req)(run_id="not-a-uuid"), org),
-                                  grpc.StatusCode.NOT_FOUND)
+            # spec: run_id is "the workflow run UUID (required)"; a malformed one is bad input,
+            # the same answer the workflow-engine gives for GetWorkflowStatus
+            bad_id = self.read(self.a, method, type(req)(run_id="not-a-uuid"), org)
+            self.assertFailsFirst(bad_id, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("run_id", bad_id.details)
             self.assertFailsFirst(self.read(self.a, method, type(req)(), org),
                                   grpc.StatusCode.INVALID_ARGUMENT)
             r = Reader(self.stub(self.a, method), req, ())
@@ -247,6 +250,10 @@ class StreamHub(unittest.TestCase):
         with self.assertRaises(grpc.RpcError) as e:
             self.transcript(self.a, other, run, "plan")
         self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(grpc.RpcError) as e:
+            self.transcript(self.a, org, "not-a-uuid", "plan")
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("run_id", e.exception.details())
         with self.assertRaises(grpc.RpcError) as e:
             self.transcript(self.a, org, run, "")
         self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
@@ -781,6 +788,59 @@ class StreamHub(unittest.TestCase):
         live_all = [(m.run_id, m.status, m.leaving) for m in every.msgs[3:]]
         self.assertEqual(live_all, [(r5, "running", False), (r1, "running", False),
                                     (r1, "completed", False)])
+
+    def test_visible_runs_snapshot_rows_describe_the_whole_run(self):
+        # spec VisibleRunEvent: a snapshot row carries the run's action count and the actions in
+        # a terminal status, is_waiting is the run-level roll-up (a node parked on a wait), and
+        # prompt_kind/prompt_id/needs_* describe the FRESHEST open gate, all as of the snapshot:
+        # not whatever the run's newest transition (about one action) or its last run-level
+        # event happened to say.
+        org, team = uid(), uid()
+        run = self.new_run(org, team=team, name="rollup")     # a run event: nodes_total 3
+        node = dict(org=org, run=run, team=team, run_status="running")
+        self.pub("node", seq=2, node_id="a", status="done", **node)
+        self.pub("node", seq=3, node_id="b", status="blocked", needs_approval=True,
+                 prompt_id="gate-b", **node)
+        self.pub("node", seq=4, node_id="c", status="blocked", raw_status="waiting",
+                 is_waiting=True, **node)
+        self.pub("node", seq=5, node_id="d", status="running", **node)   # a parallel branch
+        self.pub("node", seq=6, node_id="e", status="running", iteration=1, **node)
+        self.pub("node", seq=7, node_id="e", status="failed", iteration=1, **node)
+        every_seq = lambda n: wait_until(  # noqa: E731 (two replicas project in parallel)
+            lambda: psql(self.admin, "SELECT count(*) FROM stream_hub.run_events WHERE run_id = "
+                         "'%s'" % run) == str(n), 15, "seqs 1..%d of run %s projected" % (n, run))
+        every_seq(7)
+
+        def row():
+            r = self.read(self.a, "StreamVisibleRuns", W.StreamVisibleRunsRequest(), org,
+                          teams=(team,))
+            wait_until(lambda: any(m.snapshot_done for m in r.msgs), 10, "snapshot_done")
+            r.cancel()
+            rows = [m for m in r.msgs if m.run_id == run]
+            self.assertEqual(len(rows), 1)
+            self.assertTrue(rows[0].is_snapshot)
+            return rows[0]
+
+        m = row()
+        self.assertEqual((m.nodes_total, m.nodes_done), (5, 2))   # a, b, c, d, e@1; a and e@1
+        self.assertTrue(m.is_waiting)
+        self.assertEqual((m.needs_approval, m.needs_input, m.prompt_id), (True, False, "gate-b"))
+        self.assertEqual(m.last_action_status, "")                 # live deltas only
+        # a second gate opens: the freshest one is described, co-derived from that one row
+        self.pub("node", seq=8, node_id="f", status="blocked", needs_input=True,
+                 prompt_id="prompt-f", **node)
+        every_seq(8)
+        m = row()
+        self.assertEqual((m.needs_approval, m.needs_input, m.prompt_id), (False, True, "prompt-f"))
+        self.assertEqual(m.nodes_total, 6)
+        # it is answered and the wait resolves: the older gate is the open one again
+        self.pub("node", seq=9, node_id="f", status="done", **node)
+        self.pub("node", seq=10, node_id="c", status="done", **node)
+        every_seq(10)
+        m = row()
+        self.assertEqual((m.needs_approval, m.needs_input, m.prompt_id), (True, False, "gate-b"))
+        self.assertFalse(m.is_waiting)
+        self.assertEqual((m.nodes_total, m.nodes_done), (6, 4))
 
     def test_visible_runs_overflow_is_repaired_by_a_resnapshot(self):
         org, team, me = uid(), uid(), uid()
