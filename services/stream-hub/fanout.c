@@ -847,6 +847,13 @@ static void vis_row(VisEvent *v, const hs_run *r, int is_snapshot) {
     v->display_name = (char *)r->display_name;
     v->prompt_kind = r->prompt_kind;
     v->is_waiting = r->is_waiting;
+    /* spec: open_prompt_count is populated on snapshot rows only, with explicit presence
+     * (present-and-0 is authoritative); absent when the store could not determine it */
+    if (is_snapshot && r->has_open_prompt_count) {
+        v->_open_prompt_count_case =
+            UPSQUAD__WORKFLOW__V1__VISIBLE_RUN_EVENT___OPEN_PROMPT_COUNT_OPEN_PROMPT_COUNT;
+        v->open_prompt_count = r->open_prompt_count;
+    }
 }
 
 /* The visible set from the store. Initial (handler): snapshot rows, blocking sends, the

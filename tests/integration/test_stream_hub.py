@@ -826,6 +826,8 @@ class StreamHub(unittest.TestCase):
         self.assertTrue(m.is_waiting)
         self.assertEqual((m.needs_approval, m.needs_input, m.prompt_id), (True, False, "gate-b"))
         self.assertEqual(m.last_action_status, "")                 # live deltas only
+        self.assertTrue(m.HasField("open_prompt_count"))          # snapshot rows: present
+        self.assertEqual(m.open_prompt_count, 1)
         # a second gate opens: the freshest one is described, co-derived from that one row
         self.pub("node", seq=8, node_id="f", status="blocked", needs_input=True,
                  prompt_id="prompt-f", **node)
@@ -833,6 +835,7 @@ class StreamHub(unittest.TestCase):
         m = row()
         self.assertEqual((m.needs_approval, m.needs_input, m.prompt_id), (False, True, "prompt-f"))
         self.assertEqual(m.nodes_total, 6)
+        self.assertEqual(m.open_prompt_count, 2)
         # it is answered and the wait resolves: the older gate is the open one again
         self.pub("node", seq=9, node_id="f", status="done", **node)
         self.pub("node", seq=10, node_id="c", status="done", **node)
@@ -841,6 +844,7 @@ class StreamHub(unittest.TestCase):
         self.assertEqual((m.needs_approval, m.needs_input, m.prompt_id), (True, False, "gate-b"))
         self.assertFalse(m.is_waiting)
         self.assertEqual((m.nodes_total, m.nodes_done), (6, 4))
+        self.assertEqual(m.open_prompt_count, 1)
 
     def test_visible_runs_overflow_is_repaired_by_a_resnapshot(self):
         org, team, me = uid(), uid(), uid()
