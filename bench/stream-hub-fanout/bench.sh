@@ -16,7 +16,7 @@
 #
 #   BUILD  build folder (default build)    SUBS  subscribers (default 1000)
 #   FRAMES frames of the throughput runs (default 200)    SIZE  token_text bytes (default 256)
-#   HUB_ENV VAR=value settings of the hub (default UPSQUAD_RPC_UNARY_THREADS=2, as deployed:
+#   HUB_ENV VAR=value settings of the hub (default UPSQUAD_RPC_UNARY_THREADS=1, as deployed:
 #          k8s/stream-hub.yaml)
 #   ROUNDS throughput rounds (default 3)
 # The throughput figures are interleaved rounds (each round: the hub, the baseline with 1 and
@@ -24,7 +24,9 @@
 # load from the machine's other users hits every side alike); each side's figure is its median
 # over the rounds, the baseline is the better of its two medians (its one knob at its best),
 # and the ratio is the hub's median over it. Every round's own ratio is printed too, with the
-# load average around it.
+# load average around it. The CPU (user + system) each serving process spent per delivered
+# frame, from the client's ready to its last frame, is printed per side: steadier than the
+# rates on a machine shared with other work, and where the hub's cost shows.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -53,6 +55,7 @@ trap cleanup EXIT
 
 uuid() { cat /proc/sys/kernel/random/uuid; }
 rss_kb() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; } # user + system, clock ticks
 PY=/usr/bin/python3
 json() { "$PY" -c "import json,sys; print(json.loads(sys.argv[1])[sys.argv[2]])" "$1" "$2"; }
 
@@ -65,7 +68,7 @@ start_hub() {
         UPSQUAD_MIGRATIONS_DIR=services/stream-hub/migrations \
         UPSQUAD_HUB_PROJECTION_DURABLE="bench-$$-$name-events" \
         UPSQUAD_HUB_TRANSCRIPT_DURABLE="bench-$$-$name-io" UPSQUAD_HUB_PROJECTION_FROM=new \
-        UPSQUAD_RPC_MAX_STREAMS=$((SUBS + 64)) ${HUB_ENV:-UPSQUAD_RPC_UNARY_THREADS=2} "$@" \
+        UPSQUAD_RPC_MAX_STREAMS=$((SUBS + 64)) ${HUB_ENV:-UPSQUAD_RPC_UNARY_THREADS=1} "$@" \
         "$BIN/stream-hub" >"$TMP/$name.out" 2>"$TMP/$name.err" &
     HUB_PID=$!
     PIDS+=("$HUB_PID")
@@ -162,22 +165,28 @@ hub_round() {
     client "$HUB_ADDR" "$FRAMES"
     sleep 0.5
     [[ -n "$rss1" ]] || rss1=$(rss_kb "$HUB_PID")
+    local c0
+    c0=$(cpu_ticks "$HUB_PID")
     publish "$FRAMES" 0 "$SIZE"
     client_result
-    echo "hub $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected)" >>"$TMP/rounds"
+    echo "hub $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected) $(($(cpu_ticks "$HUB_PID") - c0))" >>"$TMP/rounds"
 }
 bare_round() { # THREADS
     start_bare "$FRAMES" 0 "$1"
     sleep 0.3
     local r0 r1
     r0=$(rss_kb "$BARE_PID")
+    local c0
     client "$BARE_ADDR" "$FRAMES"
+    c0=$(cpu_ticks "$BARE_PID") # every stream attached; the producer starts 300 ms after that
     sleep 0.2
     r1=$(rss_kb "$BARE_PID")
     [[ -n "$brss0" ]] || { brss0=$r0; brss1=$r1; }
     client_result
+    local c1
+    c1=$(cpu_ticks "$BARE_PID")
     kill "$BARE_PID"; wait "$BARE_PID" 2>/dev/null || true
-    echo "bare$1 $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected)" >>"$TMP/rounds"
+    echo "bare$1 $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected) $((c1 - c0))" >>"$TMP/rounds"
 }
 : >"$TMP/rounds"
 for r in $(seq "$ROUNDS"); do
@@ -228,7 +237,9 @@ echo "  stalled:    $HUB_S"
 sed 's/^/  /' "$TMP/rounds"
 "$PY" - "$TMP/rounds" "$HUB_L" "$BARE_L" "$HUB_S" "$rss0" "$rss1" "$brss0" "$brss1" "$SUBS" "$BARE_THREADS" <<'EOF'
 import json, statistics, sys
-rounds, per, loads, cur = {}, [], [], {}
+import os
+tick = os.sysconf("SC_CLK_TCK")
+rounds, per, loads, cur, cpu = {}, [], [], {}, {}
 for line in open(sys.argv[1]):
     w = line.split()
     if w[0] in ("round", "end"):
@@ -238,6 +249,7 @@ for line in open(sys.argv[1]):
         cur = {}
         continue
     rounds.setdefault(w[0], []).append((float(w[1]), int(w[2]), int(w[3])))
+    cpu.setdefault(w[0], []).append(int(w[4]) * 1e6 / tick / max(int(w[2]), 1))
     cur[w[0]] = float(w[1])
 hl, bl, hs = (json.loads(a) for a in sys.argv[2:5])
 rss0, rss1, brss0, brss1, subs, threads = (int(a) for a in sys.argv[5:11])
@@ -259,6 +271,10 @@ print("hub: median %.0f frames/s delivered to %d subscribers (rounds: %s; every 
       % (med["hub"], subs, " ".join("%.0f" % r for r, _, _ in rounds["hub"]),
          "yes" if lossless else "NO", ratio, " ".join("%.2f" % e for e in each),
          " -> ".join("%.1f" % l for l in loads)))
+print("server CPU per delivered frame (user+system of the serving process, from the client's "
+      "ready to its last frame; median over the rounds): hub %.2f us, bare %.2f us (%d thread(s)); "
+      "hub rounds: %s" % (statistics.median(cpu["hub"]), statistics.median(cpu["bare%d" % threads]),
+      threads, " ".join("%.2f" % c for c in cpu["hub"])) + "; bare 1 / 2 threads: %.2f / %.2f us" % (statistics.median(cpu["bare1"]), statistics.median(cpu["bare2"])))
 print("stalled: one subscriber stops reading: the others lost %.2f%% (target < 5%%), the "
       "stalled one got %d frames, %d gaps" % (100 * loss, hs["stalled_live"], hs["gaps"]))
 print("latency publish->client at 20 frames/s x %d: hub p50 %.2f ms p99 %.2f ms; bare p50 "

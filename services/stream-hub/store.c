@@ -377,22 +377,19 @@ int hs_get_run(db_pool *p, const char *org, const char *run_id, hs_run *out, int
 
 int hs_node_fold(db_pool *p, const char *org, const char *run_id, hs_blobs *out, hs_run *run,
                  int *found, char *err, size_t errlen) {
-    /* One index probe per (node, iteration) instead of a pass over every node event of the
-     * run: the keys are walked on run_events_node (a loose index scan, each step the next key
-     * above the last, from a sentinel below every key: the same parameterized plan for every
-     * step whatever the statistics say of a run that grew fast), then each key's newest event
-     * up to the prefix end is read backwards from the same index. */
+    /* One row per (node, iteration) from run_nodes: its newest event, fetched by primary key,
+     * when that is within the prefix (the usual case); otherwise (a hole below it) the key's
+     * newest event within the prefix, probed backwards on run_events_node. No walk over the
+     * run's events, so no plan that depends on how many the statistics think it has. */
     static const char sql[] =
-        "WITH RECURSIVE c AS (SELECT " SQL_CONTIGUOUS " AS upto), "
-        "keys AS (SELECT ''::text AS node_id, (-2147483647 - 1) AS iteration " /* below all */
-        " UNION ALL SELECT nk.node_id, nk.iteration FROM keys k, LATERAL "
-        "  (SELECT e.node_id, e.iteration FROM run_events e WHERE e.run_id = $1 AND e.kind = 'n' "
-        "   AND (e.node_id, e.iteration) > (k.node_id, k.iteration) "
-        "   ORDER BY e.node_id, e.iteration LIMIT 1) nk) "
-        "SELECT seq, k, body FROM (SELECT l.seq, 'n' AS k, l.body FROM keys, c, LATERAL "
-        "  (SELECT e.seq, e.body FROM run_events e WHERE e.run_id = $1 AND e.kind = 'n' "
-        "   AND e.node_id = keys.node_id AND e.iteration = keys.iteration AND e.seq <= c.upto "
-        "   ORDER BY e.seq DESC LIMIT 1) l "
+        "WITH c AS (SELECT " SQL_CONTIGUOUS " AS upto) "
+        "SELECT seq, k, body FROM (SELECT l.seq, 'n' AS k, l.body FROM run_nodes n, c, LATERAL "
+        "  (SELECT e.seq, e.body FROM run_events e WHERE e.run_id = $1 AND e.seq = n.seq "
+        "    AND n.seq <= c.upto "
+        "   UNION ALL (SELECT e.seq, e.body FROM run_events e WHERE e.run_id = $1 "
+        "    AND e.kind = 'n' AND e.node_id = n.node_id AND e.iteration = n.iteration "
+        "    AND e.seq <= c.upto AND n.seq > c.upto ORDER BY e.seq DESC LIMIT 1)) l "
+        "  WHERE n.run_id = $1 "
         " UNION ALL SELECT upto, 'u', ''::bytea FROM c) x ORDER BY k = 'u', seq";
     const char *v[1] = {run_id};
     return read_blobs(p, org, sql, 1, v, out, run, found, err, errlen);
