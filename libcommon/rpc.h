@@ -229,6 +229,10 @@ int rpc_error_detail(rpc_call *call, const ProtobufCMessage *detail);
 /* ---- server streaming ---- */
 /* Encodes msg once and queues it; blocks while the queue is full. RPC_OK or RPC_ECLOSED. */
 int rpc_stream_send(rpc_call *call, const ProtobufCMessage *msg);
+/* The same, waiting at most wait_ms (< 0: forever) for room: RPC_EFULL when the queue stayed
+ * full that long (nothing was queued; a subscriber that stopped reading), RPC_ECLOSED, or
+ * RPC_OK. Callers bound what one stalled client can hold: a thread, its memory. */
+int rpc_stream_send_wait(rpc_call *call, const ProtobufCMessage *msg, int64_t wait_ms);
 
 /* Refcounted, encoded-once frames: one event encoded once, pushed to many streams. */
 rpc_frame *rpc_frame_encode(const ProtobufCMessage *msg); /* refcount 1; NULL on ENOMEM */
@@ -245,6 +249,8 @@ typedef void (*rpc_close_fn)(rpc_call *call, void *ud);
 rpc_call *rpc_stream_detach(rpc_call *call, rpc_close_fn on_close, void *ud);
 /* Never blocks. Takes no ownership of f (it is ref'd). RPC_OK, RPC_EFULL or RPC_ECLOSED. */
 int rpc_stream_push(rpc_call *call, rpc_frame *f);
+/* Like rpc_stream_send_wait for an encoded frame (f is ref'd, not taken). */
+int rpc_stream_push_wait(rpc_call *call, rpc_frame *f, int64_t wait_ms);
 /* Queue depth now (frames not yet written), for gap accounting. */
 size_t rpc_stream_queued(rpc_call *call);
 /* Sends the final status after the queued frames. Idempotent. */

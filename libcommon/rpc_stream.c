@@ -9,8 +9,10 @@
  * it. Nothing here allocates from the call's arena, which belongs to the handler's thread:
  * a final message from rpc_stream_finish is a heap copy. */
 #include <assert.h>
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "log.h"
 #include "rpc_internal.h"
@@ -46,8 +48,12 @@ int rpc__stream_init(rpc_call *c, int queue_cap) {
     c->q = calloc((size_t)queue_cap, sizeof *c->q);
     if (c->q == NULL) return -1;
     c->q_cap = (size_t)queue_cap;
+    pthread_condattr_t ca;
     pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->cv, NULL);
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* rpc_stream_push_wait's bound */
+    pthread_cond_init(&c->cv, &ca);
+    pthread_condattr_destroy(&ca);
     c->is_stream = 1;
     return 0;
 }
@@ -182,25 +188,43 @@ static int push_locked(rpc_call *c, rpc_frame *f) {
     return RPC_OK;
 }
 
-int rpc_stream_send(rpc_call *c, const ProtobufCMessage *msg) {
-    if (rpc__stream_check_response(c, msg) != RPC_OK) return RPC_ECLOSED;
-    rpc_frame *f = rpc_frame_encode(msg);
-    int rc;
-    if (f == NULL) return RPC_ENOMEM;
+int rpc_stream_push_wait(rpc_call *c, rpc_frame *f, int64_t wait_ms) {
+    struct timespec until;
+    int rc = RPC_OK;
+    if (wait_ms >= 0) {
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        until.tv_sec += (time_t)(wait_ms / 1000);
+        until.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
+        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+    }
     pthread_mutex_lock(&c->mu);
-    while (!c->closed && !c->finishing && c->q_len == c->q_cap) {
+    while (!c->closed && !c->finishing && c->q_len == c->q_cap && rc == RPC_OK) {
         c->writer_waiting = 1;
-        pthread_cond_wait(&c->cv, &c->mu);
+        if (wait_ms < 0)
+            pthread_cond_wait(&c->cv, &c->mu);
+        else if (pthread_cond_timedwait(&c->cv, &c->mu, &until) == ETIMEDOUT)
+            rc = c->q_len == c->q_cap ? RPC_EFULL : RPC_OK;
     }
     c->writer_waiting = 0;
-    if (c->closed || c->finishing) {
+    if (c->closed || c->finishing)
         rc = RPC_ECLOSED;
-        rpc_frame_unref(f);
-    } else {
-        rc = push_locked(c, f); /* the queue takes our reference */
-    }
+    else if (rc == RPC_OK)
+        rc = push_locked(c, rpc_frame_ref(f)); /* the queue holds its own reference */
     pthread_mutex_unlock(&c->mu);
     return rc;
+}
+
+int rpc_stream_send_wait(rpc_call *c, const ProtobufCMessage *msg, int64_t wait_ms) {
+    if (rpc__stream_check_response(c, msg) != RPC_OK) return RPC_ECLOSED;
+    rpc_frame *f = rpc_frame_encode(msg);
+    if (f == NULL) return RPC_ENOMEM;
+    int rc = rpc_stream_push_wait(c, f, wait_ms);
+    rpc_frame_unref(f);
+    return rc;
+}
+
+int rpc_stream_send(rpc_call *c, const ProtobufCMessage *msg) {
+    return rpc_stream_send_wait(c, msg, -1);
 }
 
 int rpc_stream_push(rpc_call *c, rpc_frame *f) {

@@ -687,8 +687,21 @@ static void on_stream_close(rpc_call *call, void *ud) {
 
 /* ---- snapshots ---- */
 
-static int send_msg(rpc_call *call, const ProtobufCMessage *m) {
-    return rpc_stream_send(call, m) == RPC_OK ? 0 : -1;
+/* A client that stops reading during its snapshot is held to the stall limit too: past it the
+ * stream ends RESOURCE_EXHAUSTED and the stream worker it held is free again (docs: stall
+ * limit), rather than waiting for the client's deadline. */
+static int snap_stalled(hub_sub *s, int rc) {
+    if (rc == RPC_EFULL) {
+        rpc_stream_abort(
+            s->call, RPC_RESOURCE_EXHAUSTED,
+            "subscriber too slow: it stopped reading its snapshot past the stall limit");
+        metric_inc(s->h->m_stalled);
+    }
+    return rc == RPC_OK ? 0 : -1;
+}
+
+static int send_msg(hub_sub *s, const ProtobufCMessage *m) {
+    return snap_stalled(s, rpc_stream_send_wait(s->call, m, s->h->cfg->stall_ms));
 }
 
 static int snapshot_run(hub_sub *s, int64_t *upto, int *terminal) {
@@ -717,14 +730,9 @@ static int snapshot_run(hub_sub *s, int64_t *upto, int *terminal) {
         int64_t seq;
         int term;
         if (run_frame(b.v[i].body, b.v[i].len, s->rpc, &seq, &term, &f) != 0 || !f) continue;
-        int src = rpc_stream_push(s->call, f);
-        while (src == RPC_EFULL && !rpc_cancelled(s->call)) { /* the snapshot may block */
-            struct timespec ts = {0, 2000000};
-            nanosleep(&ts, NULL);
-            src = rpc_stream_push(s->call, f);
-        }
+        int src = snap_stalled(s, rpc_stream_push_wait(s->call, f, h->cfg->stall_ms));
         rpc_frame_unref(f);
-        if (src != RPC_OK) {
+        if (src != 0) {
             hs_blobs_free(&b);
             return -1;
         }
@@ -786,7 +794,7 @@ static int snapshot_prompts(hub_sub *s) {
             IOResp r = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__INIT;
             r.frame_case = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__FRAME_LIVE;
             r.live = f;
-            rc = send_msg(s->call, &r.base);
+            rc = send_msg(s, &r.base);
         }
         if (f) upsquad__workflow__v1__node_ioframe__free_unpacked(f, NULL);
     }
@@ -820,7 +828,7 @@ static int snapshot_io(hub_sub *s) {
         IOResp r = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__INIT;
         r.frame_case = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__FRAME_SNAPSHOT_EVENT;
         r.snapshot_event = te;
-        rc = send_msg(s->call, &r.base);
+        rc = send_msg(s, &r.base);
         upsquad__workflow__v1__transcript_event__free_unpacked(te, NULL);
     }
     hs_blobs_free(&b);
@@ -828,7 +836,7 @@ static int snapshot_io(hub_sub *s) {
     IOResp done = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__INIT;
     done.frame_case = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__FRAME_SNAPSHOT_DONE;
     done.snapshot_done = 1;
-    if (send_msg(s->call, &done.base) != 0) return -1;
+    if (send_msg(s, &done.base) != 0) return -1;
     return snapshot_prompts(s);
 }
 
@@ -890,7 +898,7 @@ static int snapshot_visible(hub_sub *s, int resync) {
             sn->in_set = 1;
         }
         if (!resync) {
-            rc = send_msg(s->call, &v.base);
+            rc = send_msg(s, &v.base);
         } else {
             rpc_frame *f = rpc_frame_encode(&v.base);
             rc = f && push_unlocked(s, f) == RPC_OK ? 0 : -1;
@@ -913,7 +921,7 @@ static int snapshot_visible(hub_sub *s, int resync) {
     if (rc || resync) return rc;
     VisEvent done = UPSQUAD__WORKFLOW__V1__VISIBLE_RUN_EVENT__INIT;
     done.snapshot_done = 1;
-    return send_msg(s->call, &done.base);
+    return send_msg(s, &done.base);
 }
 
 /* Hands the frames held during the snapshot over and goes LIVE. topic->mu held. */
@@ -1009,7 +1017,7 @@ int hub_serve(hub *h, rpc_call *call, const hub_sub_opts *o, int64_t snapshot_se
             IOResp done = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__INIT;
             done.frame_case = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__FRAME_SNAPSHOT_DONE;
             done.snapshot_done = 1;
-            src = send_msg(call, &done.base);
+            src = send_msg(s, &done.base);
         } else {
             src = kind == TK_IO ? snapshot_io(s) : snapshot_visible(s, 0);
         }

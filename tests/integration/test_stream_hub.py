@@ -612,6 +612,7 @@ class StreamHub(unittest.TestCase):
                    "snapshot_done")
         n = 800
         drops0 = self.a.metric("stream_hub_dropped_frames_total")
+        stalled0 = self.a.metric("stream_hub_stalled_total")
         self.pub("tokens", org=org, run=run, node="coder", session="s1", count=n, size=1024,
                  rate=500)
         try:
@@ -645,7 +646,7 @@ class StreamHub(unittest.TestCase):
         self.assertEqual(covered, set(range(1, n + 2)))
         self.assertGreater(self.a.metric("stream_hub_dropped_frames_total"), drops0)
         # the one that never reads is ended so its memory is returned
-        wait_until(lambda: self.a.metric("stream_hub_stalled_total") >= 1, STALL_MS / 1000 + 10,
+        wait_until(lambda: self.a.metric("stream_hub_stalled_total") > stalled0, STALL_MS / 1000 + 10,
                    "the stalled subscriber to be ended")
         fast.cancel()
         slow.cancel()
@@ -654,6 +655,33 @@ class StreamHub(unittest.TestCase):
                 pass
         self.assertEqual(e.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
         self.assertGreaterEqual(self.a.metric("stream_hub_gaps_total"), 1)
+
+    def test_a_client_that_stops_reading_its_snapshot_is_ended_at_the_stall_limit(self):
+        # The snapshot is sent from a stream worker: a client that stops reading it would hold
+        # that worker (and its queued frames) until its deadline. The stall limit holds there
+        # too: RESOURCE_EXHAUSTED, counted, and the worker serves the next subscriber.
+        org = uid()
+        run = self.new_run(org)
+        self.pub("log", org=org, run=run, seq=2, message="x" * 2000, repeat=600)
+        self.projected(run, 601)
+        small = grpc.insecure_channel(self.a.addr, options=[("grpc.http2.bdp_probe", 0),
+                                                            ("grpc.use_local_subchannel_pool", 1)])
+        self.channels["small-snapshot"] = small
+        stub = small.unary_stream(SVC + "StreamRunLogs",
+                                  request_serializer=W.StreamRunLogsRequest.SerializeToString,
+                                  response_deserializer=W.StreamRunLogsResponse.FromString)
+        stalled0 = self.a.metric("stream_hub_stalled_total")
+        dead = stub(W.StreamRunLogsRequest(run_id=run), metadata=self.md(org), timeout=60)
+        wait_until(lambda: self.a.metric("stream_hub_stalled_total") > stalled0,
+                   STALL_MS / 1000 + 10, "the client stalled in its snapshot to be ended")
+        with self.assertRaises(grpc.RpcError) as e:
+            for _ in dead:
+                pass
+        self.assertEqual(e.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.assertIn("snapshot", e.exception.details())
+        r = self.read(self.a, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org)
+        wait_until(lambda: len(r.msgs) >= 600, 15, "a reading subscriber's snapshot")
+        r.cancel()
 
     # ---- many subscriptions, mixed orgs ----
     def test_many_mixed_org_subscriptions_see_no_foreign_frame(self):
