@@ -19,16 +19,15 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import unittest
-import urllib.parse
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
 import upsquad_testlib as T  # noqa: E402
+from upsquad_testlib import psql, with_database  # noqa: E402
 
 DSN = os.environ.get("UPSQUAD_PG_DSN_MODEL_REGISTRY")
 ADMIN_DSN = os.environ.get("UPSQUAD_PG_ADMIN_DSN")
@@ -104,19 +103,6 @@ def expected_ranking(models, role, goal, providers=None):
 
 
 # ---- helpers ----
-def psql(dsn, sql):
-    out = subprocess.run(["psql", dsn, "-X", "-Atq", "-v", "ON_ERROR_STOP=1", "-c", sql],
-                         capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        raise RuntimeError("psql: " + out.stderr)
-    return out.stdout.strip()
-
-
-def with_database(dsn, dbname):
-    u = urllib.parse.urlsplit(dsn)
-    return urllib.parse.urlunsplit((u.scheme, u.netloc, "/" + dbname, u.query, u.fragment))
-
-
 def today():
     return datetime.datetime.now(datetime.timezone.utc).date()
 

@@ -11,16 +11,15 @@ runs on a throw-away database with its own durable consumers; the engine on the 
 database with fresh org UUIDs."""
 import os
 import secrets
-import subprocess
 import sys
 import threading
 import time
 import unittest
-import urllib.parse
 import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
 import upsquad_testlib as T  # noqa: E402
+from upsquad_testlib import psql, with_database  # noqa: E402
 import nats_mini  # noqa: E402
 
 WF_DSN = os.environ.get("UPSQUAD_PG_DSN_WORKFLOW_ENGINE")
@@ -50,19 +49,6 @@ ENGINE_ENV = {
     "UPSQUAD_WF_PAGE_KEY": secrets.token_hex(16), "UPSQUAD_WF_LEASE": "1500ms",
     "UPSQUAD_WF_IDLE_POLL": "50ms", "UPSQUAD_LOG_LEVEL": "error", "UPSQUAD_WF_WORKERS": "2",
 }
-
-
-def psql(dsn, sql):
-    out = subprocess.run(["psql", dsn, "-X", "-Atq", "-v", "ON_ERROR_STOP=1", "-c", sql],
-                         capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        raise RuntimeError("psql: " + out.stderr)
-    return out.stdout.strip()
-
-
-def with_database(dsn, dbname):
-    u = urllib.parse.urlsplit(dsn)
-    return urllib.parse.urlunsplit((u.scheme, u.netloc, "/" + dbname, u.query, u.fragment))
 
 
 def st(d):

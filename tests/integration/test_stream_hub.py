@@ -17,11 +17,11 @@ import sys
 import threading
 import time
 import unittest
-import urllib.parse
 import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
 import upsquad_testlib as T  # noqa: E402
+from upsquad_testlib import psql, with_database  # noqa: E402
 
 DSN = os.environ.get("UPSQUAD_PG_DSN_STREAM_HUB")
 ADMIN_DSN = os.environ.get("UPSQUAD_PG_ADMIN_DSN")
@@ -48,19 +48,6 @@ METHODS = {
     "StreamNodeIO": (W.StreamNodeIORequest, W.StreamNodeIOResponse),
     "StreamVisibleRuns": (W.StreamVisibleRunsRequest, W.VisibleRunEvent),
 }
-
-
-def psql(dsn, sql):
-    out = subprocess.run(["psql", dsn, "-X", "-Atq", "-v", "ON_ERROR_STOP=1", "-c", sql],
-                         capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        raise RuntimeError("psql: " + out.stderr)
-    return out.stdout.strip()
-
-
-def with_database(dsn, dbname):
-    u = urllib.parse.urlsplit(dsn)
-    return urllib.parse.urlunsplit((u.scheme, u.netloc, "/" + dbname, u.query, u.fragment))
 
 
 def uid():
@@ -702,8 +689,6 @@ class StreamHub(unittest.TestCase):
                                                options=[("grpc.use_local_subchannel_pool", 1)])
                      for k in range(nch)]
             tokens = {o: self.token(o) for o in orgs}
-            ready = asyncio.Event()
-            opened = [0]
 
             async def sub(i):
                 o = orgs[i % len(orgs)]

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -114,6 +115,21 @@ class Server:
         for f in (self.proc.stdout, self.proc.stderr):
             if f:
                 f.close()
+
+
+def psql(dsn, sql):
+    """Runs one statement with psql; its unaligned output. Raises on failure."""
+    out = subprocess.run(["psql", dsn, "-X", "-Atq", "-v", "ON_ERROR_STOP=1", "-c", sql],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError("psql: " + out.stderr)
+    return out.stdout.strip()
+
+
+def with_database(dsn, dbname):
+    """The same DSN naming another database."""
+    u = urllib.parse.urlsplit(dsn)
+    return urllib.parse.urlunsplit((u.scheme, u.netloc, "/" + dbname, u.query, u.fragment))
 
 
 def http_get(url, timeout=5):
