@@ -10,6 +10,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <cjson/cJSON.h>
+
 #include "ctx.h"
 #include "log.h"
 
@@ -708,4 +710,136 @@ int bus_delivery_count(natsMsg *m) {
     int n = (int)meta->NumDelivered;
     jsMsgMetaData_Destroy(meta);
     return n;
+}
+
+/* ---- pipelined JetStream publishing (bus.h) ----
+ *
+ * A JetStream publish is a core request whose reply is the stream's PubAck JSON
+ * ({"stream":..,"seq":..,"duplicate":true} or {"error":{"code":..,"description":..}}), or a
+ * no-responders status when no stream captures the subject. Each batch gets its own inbox
+ * subscription ("<inbox>.<i>" answers msgs[i]), made before the first publish on the same
+ * connection, so the server knows it before any ack is sent. It is a callback subscription:
+ * a synchronous one would turn a no-responders reply into an error without saying which
+ * message it answered. bus_unsubscribe waits for a callback in progress, so the batch on the
+ * caller's stack outlives every callback; a late ack dies with the subscription. */
+
+typedef struct bus__batch {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bus_js_msg *msgs;
+    int n, waiting;
+} bus__batch;
+
+/* The outcome of one ack (borrowed). */
+static void bus__take_ack(natsMsg *r, bus_js_msg *m) {
+    if (natsMsg_IsNoResponders(r)) {
+        m->rc = BUS_ENORESP;
+        return;
+    }
+    cJSON *j = cJSON_ParseWithLength(natsMsg_GetData(r), (size_t)natsMsg_GetDataLength(r));
+    const cJSON *stream = cJSON_GetObjectItemCaseSensitive(j, "stream");
+    if (cJSON_IsString(stream) && !cJSON_GetObjectItemCaseSensitive(j, "error")) {
+        m->rc = BUS_OK;
+        m->duplicate = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "duplicate"));
+    } else {
+        m->rc = BUS_ERR;
+    }
+    cJSON_Delete(j);
+}
+
+static void bus__on_ack(bus *b, natsMsg *r, void *ud) {
+    (void)b;
+    bus__batch *t = ud;
+    const char *subj = natsMsg_GetSubject(r), *dot = strrchr(subj, '.');
+    char *end = NULL;
+    long i = dot ? strtol(dot + 1, &end, 10) : -1;
+    pthread_mutex_lock(&t->mu);
+    if (end && end != dot + 1 && !*end && i >= 0 && i < t->n && t->msgs[i].rc == BUS_ETIMEOUT &&
+        t->waiting > 0) {
+        bus__take_ack(r, &t->msgs[i]);
+        if (--t->waiting == 0) pthread_cond_signal(&t->cv);
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
+int bus_js_publish_batch(bus *b, bus_js_msg *msgs, int n, char *err, size_t errlen) {
+    natsInbox *inbox = NULL;
+    bus_sub *sub = NULL;
+    bus__batch t = {.msgs = msgs, .n = n};
+    char wild[256], reply[256];
+    int rc = BUS_OK;
+    if (!b || n < 0 || n > BUS_JS_BATCH_MAX || (n > 0 && !msgs)) {
+        snprintf(err, errlen, "bus_js_publish_batch: bad arguments");
+        return BUS_EINVAL;
+    }
+    for (int i = 0; i < n; i++) {
+        msgs[i].rc = BUS_ETIMEOUT;
+        msgs[i].duplicate = 0;
+        if (!msgs[i].subject || msgs[i].len < 0 || (msgs[i].len > 0 && !msgs[i].data) ||
+            (msgs[i].msg_id && !*msgs[i].msg_id))
+            msgs[i].rc = BUS_EINVAL;
+    }
+    if (n == 0) return BUS_OK;
+    pthread_mutex_init(&t.mu, NULL);
+    pthread_cond_init(&t.cv, NULL);
+    natsStatus s = natsInbox_Create(&inbox);
+    if (s != NATS_OK) {
+        rc = bus__fail(err, errlen, "js publish batch", s, 0);
+    } else {
+        snprintf(wild, sizeof wild, "%s.*", (const char *)inbox);
+        rc = bus_subscribe(b, wild, NULL, bus__on_ack, &t, &sub, err, errlen);
+    }
+    if (rc != BUS_OK) {
+        for (int i = 0; i < n; i++)
+            if (msgs[i].rc == BUS_ETIMEOUT) msgs[i].rc = rc;
+        goto done;
+    }
+    for (int i = 0; i < n; i++) {
+        natsMsg *m = NULL;
+        if (msgs[i].rc == BUS_EINVAL) continue;
+        snprintf(reply, sizeof reply, "%s.%d", (const char *)inbox, i);
+        s = natsMsg_Create(&m, msgs[i].subject, reply, msgs[i].data, msgs[i].len);
+        if (s == NATS_OK && msgs[i].msg_id) s = natsMsgHeader_Set(m, "Nats-Msg-Id", msgs[i].msg_id);
+        if (s == NATS_OK) {
+            pthread_mutex_lock(&t.mu); /* counted before it can be answered */
+            t.waiting++;
+            pthread_mutex_unlock(&t.mu);
+            s = natsConnection_PublishMsg(b->nc, m);
+            if (s != NATS_OK) { /* not sent: no ack will come */
+                pthread_mutex_lock(&t.mu);
+                t.waiting--;
+                pthread_mutex_unlock(&t.mu);
+            }
+        }
+        natsMsg_Destroy(m);
+        if (s != NATS_OK) msgs[i].rc = bus__code(s);
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += b->o.js_timeout_ms / 1000;
+    ts.tv_nsec += (long)(b->o.js_timeout_ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&t.mu);
+    while (t.waiting > 0 && pthread_cond_timedwait(&t.cv, &t.mu, &ts) != ETIMEDOUT) {
+    }
+    t.waiting = 0; /* a late ack changes nothing now */
+    pthread_mutex_unlock(&t.mu);
+done:
+    bus_unsubscribe(sub);
+    natsInbox_Destroy(inbox);
+    pthread_cond_destroy(&t.cv);
+    pthread_mutex_destroy(&t.mu);
+    for (int i = 0; i < n && rc == BUS_OK; i++)
+        if (msgs[i].rc != BUS_OK) {
+            rc = msgs[i].rc;
+            snprintf(err, errlen, "js publish %s: %s", msgs[i].subject,
+                     rc == BUS_ETIMEOUT  ? "no ack in time"
+                     : rc == BUS_ENORESP ? "no stream captures this subject"
+                     : rc == BUS_EINVAL  ? "bad subject, data or msg_id"
+                                         : "refused by the stream");
+        }
+    return rc;
 }
