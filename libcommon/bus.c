@@ -30,6 +30,11 @@ struct bus {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int closed;
+    /* bus_js_publish_batch: one batch at a time on the inbox subscription of its acks */
+    pthread_mutex_t batch_mu;
+    natsSubscription *acks; /* made by the first batch, "<ack_inbox>.*" */
+    char ack_inbox[128];
+    unsigned long long batch_gen;
 };
 
 struct bus_sub {
@@ -151,6 +156,7 @@ static void bus__on_error(natsConnection *nc, natsSubscription *sub, natsStatus 
 }
 
 static void bus__free(bus *b) {
+    pthread_mutex_destroy(&b->batch_mu);
     pthread_cond_destroy(&b->cv);
     pthread_mutex_destroy(&b->mu);
     free(b);
@@ -213,6 +219,7 @@ int bus_connect_ex(const char *url, const char *name, const bus_opts *opts, bus 
     b->o = o;
     snprintf(b->name, sizeof b->name, "%s", name && *name ? name : "upsquad");
     pthread_mutex_init(&b->mu, NULL);
+    pthread_mutex_init(&b->batch_mu, NULL);
     pthread_cond_init(&b->cv, NULL);
     natsOptions *no = NULL;
     int rc = bus__options(url, b, &no, err, errlen);
@@ -263,6 +270,8 @@ void bus_close(bus *b) {
     if (natsConnection_Status(b->nc) == NATS_CONN_STATUS_CONNECTED)
         natsConnection_FlushTimeout(b->nc, 1000);
     natsConnection_Close(b->nc);
+    natsSubscription_Destroy(b->acks);
+    b->acks = NULL;
     int closed = bus__wait_flag(&b->mu, &b->cv, &b->closed);
     jsCtx_Destroy(b->js);
     natsConnection_Destroy(b->nc);
@@ -716,26 +725,21 @@ int bus_delivery_count(natsMsg *m) {
  *
  * A JetStream publish is a core request whose reply is the stream's PubAck JSON
  * ({"stream":..,"seq":..,"duplicate":true} or {"error":{"code":..,"description":..}}), or a
- * no-responders status when no stream captures the subject. Each batch gets its own inbox
- * subscription ("<inbox>.<i>" answers msgs[i]), made before the first publish on the same
- * connection, so the server knows it before any ack is sent. It is a callback subscription:
- * a synchronous one would turn a no-responders reply into an error without saying which
- * message it answered. bus_unsubscribe waits for a callback in progress, so the batch on the
- * caller's stack outlives every callback; a late ack dies with the subscription. */
-
-typedef struct bus__batch {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    bus_js_msg *msgs;
-    int n, waiting;
-} bus__batch;
+ * no-responders status when no stream captures the subject. The acks of every batch come to
+ * one synchronous inbox subscription of the connection, made by the first batch (before its
+ * first publish, on the same connection, so the server knows it before any ack is sent):
+ * "<inbox>.<batch>.<i>" answers msgs[i] of batch number <batch>, so a late ack of an earlier
+ * batch is recognised and dropped. The reader thread hands each ack straight to the waiting
+ * caller (no delivery thread in between, no subscription per batch).
+ *
+ * nats.c turns a no-responders reply on a synchronous subscription into NATS_NO_RESPONDERS
+ * without the message, so which message it answered is unknown: it is counted, and once
+ * every message was answered the ones without an ack are the ones nobody stored. A stray
+ * no-responders of an earlier batch can only make a stored message count as not stored: the
+ * caller sends it again later, a duplicate by its id. */
 
 /* The outcome of one ack (borrowed). */
 static void bus__take_ack(natsMsg *r, bus_js_msg *m) {
-    if (natsMsg_IsNoResponders(r)) {
-        m->rc = BUS_ENORESP;
-        return;
-    }
     cJSON *j = cJSON_ParseWithLength(natsMsg_GetData(r), (size_t)natsMsg_GetDataLength(r));
     const cJSON *stream = cJSON_GetObjectItemCaseSensitive(j, "stream");
     if (cJSON_IsString(stream) && !cJSON_GetObjectItemCaseSensitive(j, "error")) {
@@ -747,27 +751,20 @@ static void bus__take_ack(natsMsg *r, bus_js_msg *m) {
     cJSON_Delete(j);
 }
 
-static void bus__on_ack(bus *b, natsMsg *r, void *ud) {
-    (void)b;
-    bus__batch *t = ud;
-    const char *subj = natsMsg_GetSubject(r), *dot = strrchr(subj, '.');
+/* Which message of batch gen an ack answers; -1 when none of this batch. */
+static long bus__ack_index(const char *subject, size_t prefix_len, unsigned long long gen, int n) {
     char *end = NULL;
-    long i = dot ? strtol(dot + 1, &end, 10) : -1;
-    pthread_mutex_lock(&t->mu);
-    if (end && end != dot + 1 && !*end && i >= 0 && i < t->n && t->msgs[i].rc == BUS_ETIMEOUT &&
-        t->waiting > 0) {
-        bus__take_ack(r, &t->msgs[i]);
-        if (--t->waiting == 0) pthread_cond_signal(&t->cv);
-    }
-    pthread_mutex_unlock(&t->mu);
+    const char *p = subject + prefix_len; /* past "<inbox>." */
+    unsigned long long g = strtoull(p, &end, 10);
+    if (end == p || *end != '.' || g != gen) return -1;
+    p = end + 1;
+    long i = strtol(p, &end, 10);
+    return end != p && !*end && i >= 0 && i < n ? i : -1;
 }
 
 int bus_js_publish_batch(bus *b, bus_js_msg *msgs, int n, char *err, size_t errlen) {
-    natsInbox *inbox = NULL;
-    bus_sub *sub = NULL;
-    bus__batch t = {.msgs = msgs, .n = n};
-    char wild[256], reply[256];
-    int rc = BUS_OK;
+    char reply[256];
+    int rc = BUS_OK, waiting = 0;
     if (!b || n < 0 || n > BUS_JS_BATCH_MAX || (n > 0 && !msgs)) {
         snprintf(err, errlen, "bus_js_publish_batch: bad arguments");
         return BUS_EINVAL;
@@ -780,58 +777,69 @@ int bus_js_publish_batch(bus *b, bus_js_msg *msgs, int n, char *err, size_t errl
             msgs[i].rc = BUS_EINVAL;
     }
     if (n == 0) return BUS_OK;
-    pthread_mutex_init(&t.mu, NULL);
-    pthread_cond_init(&t.cv, NULL);
-    natsStatus s = natsInbox_Create(&inbox);
-    if (s != NATS_OK) {
-        rc = bus__fail(err, errlen, "js publish batch", s, 0);
-    } else {
-        snprintf(wild, sizeof wild, "%s.*", (const char *)inbox);
-        rc = bus_subscribe(b, wild, NULL, bus__on_ack, &t, &sub, err, errlen);
+    pthread_mutex_lock(&b->batch_mu);
+    natsStatus s = NATS_OK;
+    if (!b->acks) {
+        natsInbox *inbox = NULL;
+        char wild[160];
+        s = natsInbox_Create(&inbox);
+        if (s == NATS_OK) {
+            snprintf(b->ack_inbox, sizeof b->ack_inbox, "%s", (const char *)inbox);
+            snprintf(wild, sizeof wild, "%s.>", b->ack_inbox);
+            s = natsConnection_SubscribeSync(&b->acks, b->nc, wild);
+        }
+        natsInbox_Destroy(inbox);
+        if (s != NATS_OK) {
+            b->acks = NULL;
+            rc = bus__fail(err, errlen, "js publish batch", s, 0);
+            for (int i = 0; i < n; i++)
+                if (msgs[i].rc == BUS_ETIMEOUT) msgs[i].rc = rc;
+            pthread_mutex_unlock(&b->batch_mu);
+            return rc;
+        }
     }
-    if (rc != BUS_OK) {
-        for (int i = 0; i < n; i++)
-            if (msgs[i].rc == BUS_ETIMEOUT) msgs[i].rc = rc;
-        goto done;
-    }
+    unsigned long long gen = ++b->batch_gen;
+    size_t prefix = strlen(b->ack_inbox) + 1;
     for (int i = 0; i < n; i++) {
         natsMsg *m = NULL;
         if (msgs[i].rc == BUS_EINVAL) continue;
-        snprintf(reply, sizeof reply, "%s.%d", (const char *)inbox, i);
+        snprintf(reply, sizeof reply, "%s.%llu.%d", b->ack_inbox, gen, i);
         s = natsMsg_Create(&m, msgs[i].subject, reply, msgs[i].data, msgs[i].len);
         if (s == NATS_OK && msgs[i].msg_id) s = natsMsgHeader_Set(m, "Nats-Msg-Id", msgs[i].msg_id);
-        if (s == NATS_OK) {
-            pthread_mutex_lock(&t.mu); /* counted before it can be answered */
-            t.waiting++;
-            pthread_mutex_unlock(&t.mu);
-            s = natsConnection_PublishMsg(b->nc, m);
-            if (s != NATS_OK) { /* not sent: no ack will come */
-                pthread_mutex_lock(&t.mu);
-                t.waiting--;
-                pthread_mutex_unlock(&t.mu);
-            }
-        }
+        if (s == NATS_OK) s = natsConnection_PublishMsg(b->nc, m);
         natsMsg_Destroy(m);
-        if (s != NATS_OK) msgs[i].rc = bus__code(s);
+        if (s != NATS_OK)
+            msgs[i].rc = bus__code(s); /* not sent: no ack will come */
+        else
+            waiting++;
     }
     struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += b->o.js_timeout_ms / 1000;
-    ts.tv_nsec += (long)(b->o.js_timeout_ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    int64_t deadline = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 + b->o.js_timeout_ms;
+    int unnamed = 0; /* no-responders replies (which message each answered is unknown) */
+    while (waiting > 0) {
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        int64_t left = deadline - ((int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
+        if (left <= 0) break;
+        natsMsg *r = NULL;
+        s = natsSubscription_NextMsg(&r, b->acks, left);
+        if (s == NATS_NO_RESPONDERS) {
+            unnamed++;
+            waiting--;
+            continue;
+        }
+        if (s != NATS_OK) break; /* timeout, or the connection closed: the rest failed */
+        long i = bus__ack_index(natsMsg_GetSubject(r), prefix, gen, n);
+        if (i >= 0 && msgs[i].rc == BUS_ETIMEOUT) {
+            bus__take_ack(r, &msgs[i]);
+            waiting--;
+        }
+        natsMsg_Destroy(r);
     }
-    pthread_mutex_lock(&t.mu);
-    while (t.waiting > 0 && pthread_cond_timedwait(&t.cv, &t.mu, &ts) != ETIMEDOUT) {
-    }
-    t.waiting = 0; /* a late ack changes nothing now */
-    pthread_mutex_unlock(&t.mu);
-done:
-    bus_unsubscribe(sub);
-    natsInbox_Destroy(inbox);
-    pthread_cond_destroy(&t.cv);
-    pthread_mutex_destroy(&t.mu);
+    pthread_mutex_unlock(&b->batch_mu);
+    if (waiting == 0 && unnamed > 0) /* all answered: those without an ack had no stream */
+        for (int i = 0; i < n; i++)
+            if (msgs[i].rc == BUS_ETIMEOUT) msgs[i].rc = BUS_ENORESP;
     for (int i = 0; i < n && rc == BUS_OK; i++)
         if (msgs[i].rc != BUS_OK) {
             rc = msgs[i].rc;

@@ -58,7 +58,7 @@ static const cfg_var vars[] = {
      &C.agent_timeout_ms, 1000, 86400000},
     {"UPSQUAD_WF_RELAY_BATCH", CFG_INT, "256", "outbox rows published per relay round",
      &C.relay_batch, 1, 10000},
-    {"UPSQUAD_WF_RELAY_LINGER", CFG_MS, "4ms",
+    {"UPSQUAD_WF_RELAY_LINGER", CFG_MS, "10ms",
      "least time between the starts of two relay rounds: under load the events of several "
      "ticks share one round (an idle relay still publishes a commit's events at once)",
      &C.relay_linger_ms, 0, 1000},
@@ -273,6 +273,12 @@ int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen
     if (pthread_create(&e->relay, NULL, wf_relay_thread, e) == 0) e->relay_started = 1;
     if (pthread_create(&e->results, NULL, wf_results_thread, e) == 0) e->results_started = 1;
     if (pthread_create(&e->scheduler, NULL, wf_scheduler_thread, e) == 0) e->scheduler_started = 1;
+    /* named for top -H / perf (at most 15 characters) */
+    for (int i = 0; i < e->n_workers; i++)
+        pthread_setname_np(e->workers[i], "wf-interp");
+    if (e->relay_started) pthread_setname_np(e->relay, "wf-relay");
+    if (e->results_started) pthread_setname_np(e->results, "wf-results");
+    if (e->scheduler_started) pthread_setname_np(e->scheduler, "wf-scheduler");
     if (!e->relay_started || !e->results_started || !e->scheduler_started) {
         util_errf(err, errlen, -1, "cannot start engine threads");
         goto fail;

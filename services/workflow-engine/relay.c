@@ -163,7 +163,8 @@ static int relay_round(wf_engine *e) {
     size_t o = 0;
     ids[o++] = '{';
     for (int i = 0, k = 0; i < n; i++)
-        if (acked[i]) o += (size_t)sprintf(ids + o, "%s%lld", k++ ? "," : "", (long long)row_id(r, i));
+        if (acked[i])
+            o += (size_t)sprintf(ids + o, "%s%lld", k++ ? "," : "", (long long)row_id(r, i));
     ids[o++] = '}';
     ids[o] = 0;
     if (st_outbox_delete(tx, ids, err, sizeof err) == DB_OK &&
