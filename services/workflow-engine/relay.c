@@ -48,10 +48,7 @@ static uint64_t key_hash(const char *s) { /* FNV-1a 64 */
     return h;
 }
 
-/* Assigns each row its wave (wave[i]); returns the number of waves, -1 out of memory. A run's
- * rows get strictly increasing waves in row order; a barrier's wave follows every earlier
- * row's and precedes every later row's. */
-static int plan_waves(PGresult *r, int n, int *wave) {
+int wf_relay_waves(const char *const *subjects, int n, int *wave) {
     size_t cap = 16;
     while (cap < (size_t)n * 2)
         cap *= 2;
@@ -64,7 +61,7 @@ static int plan_waves(PGresult *r, int n, int *wave) {
         return -1;
     }
     for (int i = 0; i < n; i++) {
-        const char *k = run_key(PQgetvalue(r, i, 1));
+        const char *k = run_key(subjects[i]);
         if (!k) { /* a barrier */
             wave[i] = top + 1;
             top = wave[i];
@@ -99,7 +96,11 @@ static int publish_rows(wf_engine *e, PGresult *r, int n, char *acked) {
     int *wave = malloc((size_t)n * sizeof *wave), *order = malloc((size_t)n * sizeof *order);
     int *start = NULL;
     bus_js_msg *batch = malloc((size_t)n * sizeof *batch);
-    int waves = wave && order && batch ? plan_waves(r, n, wave) : -1, done = 0;
+    const char **subjects = malloc((size_t)n * sizeof *subjects);
+    for (int i = 0; subjects && i < n; i++)
+        subjects[i] = PQgetvalue(r, i, 1);
+    int waves = wave && order && batch && subjects ? wf_relay_waves(subjects, n, wave) : -1;
+    int done = 0;
     char err[512];
     if (waves < 0 || !(start = calloc((size_t)waves + 1, sizeof *start))) {
         log_warn("outbox.publish", "out of memory");
@@ -114,10 +115,17 @@ static int publish_rows(wf_engine *e, PGresult *r, int n, char *acked) {
     for (int i = 0; i < n; i++)
         order[start[wave[i]] + fill[wave[i]]++] = i;
     free(fill);
-    for (int w = 0; w < waves && !e->stop; w++) {
+    /* a wave larger than one batch goes in consecutive batches: its rows are of different
+     * runs, so their order does not matter */
+    int w = 0, k0 = 0; /* next wave, next row of `order` */
+    while (w < waves && !e->stop) {
+        if (k0 == start[w + 1]) {
+            w++;
+            continue;
+        }
         int m = 0;
-        for (int k = start[w]; k < start[w + 1]; k++) {
-            int i = order[k];
+        for (; k0 < start[w + 1] && m < BUS_JS_BATCH_MAX; k0++) {
+            int i = order[k0];
             batch[m++] = (bus_js_msg){.subject = PQgetvalue(r, i, 1),
                                       .data = PQgetvalue(r, i, 3),
                                       .len = PQgetlength(r, i, 3),
@@ -126,7 +134,7 @@ static int publish_rows(wf_engine *e, PGresult *r, int n, char *acked) {
         int rc = bus_js_publish_batch(e->bus, batch, m, err, sizeof err);
         for (int k = 0; k < m; k++)
             if (batch[k].rc == BUS_OK) {
-                acked[order[start[w] + k]] = 1;
+                acked[order[k0 - m + k]] = 1;
                 done++;
             }
         if (rc != BUS_OK) { /* keep order: the rest waits for the next round */
@@ -135,6 +143,7 @@ static int publish_rows(wf_engine *e, PGresult *r, int n, char *acked) {
         }
     }
 out:
+    free(subjects);
     free(wave);
     free(order);
     free(start);
