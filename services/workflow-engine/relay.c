@@ -151,13 +151,14 @@ out:
     return done;
 }
 
-/* One round; the number of rows fetched (0: none, or another replica relays). */
+/* One round; the number of rows published and deleted (0: none to publish, another replica
+ * relays, or NATS / Postgres failed: the caller then waits before the next round). */
 static int relay_round(wf_engine *e) {
     char err[512];
     db_tx *tx = NULL;
     PGresult *r = NULL;
     char *acked = NULL, *ids = NULL;
-    int locked = 0, n = 0;
+    int locked = 0, n = 0, sent = 0;
     if (st_begin_service_ex(e->pool, DB_TX_PIPELINE, &tx, err, sizeof err) != DB_OK ||
         st_outbox_fetch(tx, (int)e->cfg->relay_batch, &locked, &r, err, sizeof err) != DB_OK) {
         if (tx) log_warn("outbox.fetch", "%s", err);
@@ -167,7 +168,7 @@ static int relay_round(wf_engine *e) {
     acked = calloc((size_t)n, 1);
     ids = malloc((size_t)n * 21 + 3);
     if (!acked || !ids) goto done;
-    int sent = publish_rows(e, r, n, acked);
+    sent = publish_rows(e, r, n, acked);
     if (sent == 0) goto done;
     size_t o = 0;
     ids[o++] = '{';
@@ -176,19 +177,24 @@ static int relay_round(wf_engine *e) {
             o += (size_t)sprintf(ids + o, "%s%lld", k++ ? "," : "", (long long)row_id(r, i));
     ids[o++] = '}';
     ids[o] = 0;
-    if (st_outbox_delete(tx, ids, err, sizeof err) == DB_OK &&
-        db_tx_commit(tx, err, sizeof err) == DB_OK) {
+    /* the commit always ends tx; a failed delete leaves it to the rollback below */
+    int rc = st_outbox_delete(tx, ids, err, sizeof err);
+    if (rc == DB_OK) {
+        rc = db_tx_commit(tx, err, sizeof err);
+        tx = NULL;
+    }
+    if (rc == DB_OK) {
         metric_add(e->m_published, sent);
     } else {
         log_warn("outbox.delete", "%s", err); /* re-sent next round: duplicates by message id */
+        sent = 0;
     }
-    tx = NULL;
 done:
     db_tx_rollback(tx);
     PQclear(r);
     free(acked);
     free(ids);
-    return n;
+    return sent;
 }
 
 static void deadline_in(struct timespec *ts, long long ms) {
@@ -211,8 +217,9 @@ void *wf_relay_thread(void *arg) {
     wf_engine *e = arg;
     while (!e->stop) {
         int64_t began = mono_ms();
-        int n = relay_round(e);
-        if (n >= (int)e->cfg->relay_batch) continue; /* more rows are waiting */
+        /* a full batch published: more rows may be waiting; anything less (drained, or a
+         * failure) waits for the linger and a kick, so a failing NATS is not hammered */
+        if (relay_round(e) >= (int)e->cfg->relay_batch) continue;
         /* the linger: kicks meanwhile only set the flag (no wake-up), the next round takes
          * their rows */
         long long left = e->cfg->relay_linger_ms - (mono_ms() - began);
