@@ -10,6 +10,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <cjson/cJSON.h>
+
 #include "ctx.h"
 #include "log.h"
 
@@ -28,6 +30,11 @@ struct bus {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int closed;
+    /* bus_js_publish_batch: one batch at a time on the inbox subscription of its acks */
+    pthread_mutex_t batch_mu;
+    natsSubscription *acks; /* made by the first batch, "<ack_inbox>.*" */
+    char ack_inbox[128];
+    unsigned long long batch_gen;
 };
 
 struct bus_sub {
@@ -149,6 +156,7 @@ static void bus__on_error(natsConnection *nc, natsSubscription *sub, natsStatus 
 }
 
 static void bus__free(bus *b) {
+    pthread_mutex_destroy(&b->batch_mu);
     pthread_cond_destroy(&b->cv);
     pthread_mutex_destroy(&b->mu);
     free(b);
@@ -211,6 +219,7 @@ int bus_connect_ex(const char *url, const char *name, const bus_opts *opts, bus 
     b->o = o;
     snprintf(b->name, sizeof b->name, "%s", name && *name ? name : "upsquad");
     pthread_mutex_init(&b->mu, NULL);
+    pthread_mutex_init(&b->batch_mu, NULL);
     pthread_cond_init(&b->cv, NULL);
     natsOptions *no = NULL;
     int rc = bus__options(url, b, &no, err, errlen);
@@ -261,6 +270,8 @@ void bus_close(bus *b) {
     if (natsConnection_Status(b->nc) == NATS_CONN_STATUS_CONNECTED)
         natsConnection_FlushTimeout(b->nc, 1000);
     natsConnection_Close(b->nc);
+    natsSubscription_Destroy(b->acks);
+    b->acks = NULL;
     int closed = bus__wait_flag(&b->mu, &b->cv, &b->closed);
     jsCtx_Destroy(b->js);
     natsConnection_Destroy(b->nc);
@@ -708,4 +719,135 @@ int bus_delivery_count(natsMsg *m) {
     int n = (int)meta->NumDelivered;
     jsMsgMetaData_Destroy(meta);
     return n;
+}
+
+/* ---- pipelined JetStream publishing (bus.h) ----
+ *
+ * A JetStream publish is a core request whose reply is the stream's PubAck JSON
+ * ({"stream":..,"seq":..,"duplicate":true} or {"error":{"code":..,"description":..}}), or a
+ * no-responders status when no stream captures the subject. The acks of every batch come to
+ * one synchronous inbox subscription of the connection, made by the first batch (before its
+ * first publish, on the same connection, so the server knows it before any ack is sent):
+ * "<inbox>.<batch>.<i>" answers msgs[i] of batch number <batch>, so a late ack of an earlier
+ * batch is recognised and dropped. The reader thread hands each ack straight to the waiting
+ * caller (no delivery thread in between, no subscription per batch).
+ *
+ * nats.c turns a no-responders reply on a synchronous subscription into NATS_NO_RESPONDERS
+ * without the message, so which message it answered is unknown: it is counted, and once
+ * every message was answered the ones without an ack are the ones nobody stored. A stray
+ * no-responders of an earlier batch can only make a stored message count as not stored: the
+ * caller sends it again later, a duplicate by its id. */
+
+/* The outcome of one ack (borrowed). */
+static void bus__take_ack(natsMsg *r, bus_js_msg *m) {
+    cJSON *j = cJSON_ParseWithLength(natsMsg_GetData(r), (size_t)natsMsg_GetDataLength(r));
+    const cJSON *stream = cJSON_GetObjectItemCaseSensitive(j, "stream");
+    if (cJSON_IsString(stream) && !cJSON_GetObjectItemCaseSensitive(j, "error")) {
+        m->rc = BUS_OK;
+        m->duplicate = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "duplicate"));
+    } else {
+        m->rc = BUS_ERR;
+    }
+    cJSON_Delete(j);
+}
+
+/* Which message of batch gen an ack answers; -1 when none of this batch. */
+static long bus__ack_index(const char *subject, size_t prefix_len, unsigned long long gen, int n) {
+    char *end = NULL;
+    const char *p = subject + prefix_len; /* past "<inbox>." */
+    unsigned long long g = strtoull(p, &end, 10);
+    if (end == p || *end != '.' || g != gen) return -1;
+    p = end + 1;
+    long i = strtol(p, &end, 10);
+    return end != p && !*end && i >= 0 && i < n ? i : -1;
+}
+
+int bus_js_publish_batch(bus *b, bus_js_msg *msgs, int n, char *err, size_t errlen) {
+    char reply[256];
+    int rc = BUS_OK, waiting = 0;
+    if (!b || n < 0 || n > BUS_JS_BATCH_MAX || (n > 0 && !msgs)) {
+        snprintf(err, errlen, "bus_js_publish_batch: bad arguments");
+        return BUS_EINVAL;
+    }
+    for (int i = 0; i < n; i++) {
+        msgs[i].rc = BUS_ETIMEOUT;
+        msgs[i].duplicate = 0;
+        if (!msgs[i].subject || msgs[i].len < 0 || (msgs[i].len > 0 && !msgs[i].data) ||
+            (msgs[i].msg_id && !*msgs[i].msg_id))
+            msgs[i].rc = BUS_EINVAL;
+    }
+    if (n == 0) return BUS_OK;
+    pthread_mutex_lock(&b->batch_mu);
+    natsStatus s = NATS_OK;
+    if (!b->acks) {
+        natsInbox *inbox = NULL;
+        char wild[160];
+        s = natsInbox_Create(&inbox);
+        if (s == NATS_OK) {
+            snprintf(b->ack_inbox, sizeof b->ack_inbox, "%s", (const char *)inbox);
+            snprintf(wild, sizeof wild, "%s.>", b->ack_inbox);
+            s = natsConnection_SubscribeSync(&b->acks, b->nc, wild);
+        }
+        natsInbox_Destroy(inbox);
+        if (s != NATS_OK) {
+            b->acks = NULL;
+            rc = bus__fail(err, errlen, "js publish batch", s, 0);
+            for (int i = 0; i < n; i++)
+                if (msgs[i].rc == BUS_ETIMEOUT) msgs[i].rc = rc;
+            pthread_mutex_unlock(&b->batch_mu);
+            return rc;
+        }
+    }
+    unsigned long long gen = ++b->batch_gen;
+    size_t prefix = strlen(b->ack_inbox) + 1;
+    for (int i = 0; i < n; i++) {
+        natsMsg *m = NULL;
+        if (msgs[i].rc == BUS_EINVAL) continue;
+        snprintf(reply, sizeof reply, "%s.%llu.%d", b->ack_inbox, gen, i);
+        s = natsMsg_Create(&m, msgs[i].subject, reply, msgs[i].data, msgs[i].len);
+        if (s == NATS_OK && msgs[i].msg_id) s = natsMsgHeader_Set(m, "Nats-Msg-Id", msgs[i].msg_id);
+        if (s == NATS_OK) s = natsConnection_PublishMsg(b->nc, m);
+        natsMsg_Destroy(m);
+        if (s != NATS_OK)
+            msgs[i].rc = bus__code(s); /* not sent: no ack will come */
+        else
+            waiting++;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    int64_t deadline = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 + b->o.js_timeout_ms;
+    int unnamed = 0; /* no-responders replies (which message each answered is unknown) */
+    while (waiting > 0) {
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        int64_t left = deadline - ((int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
+        if (left <= 0) break;
+        natsMsg *r = NULL;
+        s = natsSubscription_NextMsg(&r, b->acks, left);
+        if (s == NATS_NO_RESPONDERS) {
+            unnamed++;
+            waiting--;
+            continue;
+        }
+        if (s != NATS_OK) break; /* timeout, or the connection closed: the rest failed */
+        long i = bus__ack_index(natsMsg_GetSubject(r), prefix, gen, n);
+        if (i >= 0 && msgs[i].rc == BUS_ETIMEOUT) {
+            bus__take_ack(r, &msgs[i]);
+            waiting--;
+        }
+        natsMsg_Destroy(r);
+    }
+    pthread_mutex_unlock(&b->batch_mu);
+    if (waiting == 0 && unnamed > 0) /* all answered: those without an ack had no stream */
+        for (int i = 0; i < n; i++)
+            if (msgs[i].rc == BUS_ETIMEOUT) msgs[i].rc = BUS_ENORESP;
+    for (int i = 0; i < n && rc == BUS_OK; i++)
+        if (msgs[i].rc != BUS_OK) {
+            rc = msgs[i].rc;
+            snprintf(err, errlen, "js publish %s: %s", msgs[i].subject,
+                     rc == BUS_ETIMEOUT  ? "no ack in time"
+                     : rc == BUS_ENORESP ? "no stream captures this subject"
+                     : rc == BUS_EINVAL  ? "bad subject, data or msg_id"
+                                         : "refused by the stream");
+        }
+    return rc;
 }

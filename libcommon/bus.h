@@ -202,4 +202,29 @@ int bus_in_progress(natsMsg *m);       /* still working: restarts the ack_wait t
 /* How many times this message has been delivered (1 on the first delivery); 0 if unknown. */
 int bus_delivery_count(natsMsg *m);
 
+/* ---- pipelined JetStream publishing ----
+ * One message of bus_js_publish_batch: the caller fills subject, data, len and msg_id (all
+ * borrowed; msg_id NULL = none); the call sets rc (BUS_OK once the stream acked it, a
+ * duplicate included, else the BUS_E* of that message) and duplicate. */
+typedef struct bus_js_msg {
+    const char *subject;
+    const void *data;
+    int len;
+    const char *msg_id;
+    int rc;
+    int duplicate;
+} bus_js_msg;
+
+#define BUS_JS_BATCH_MAX 1024
+
+/* Publishes msgs[0..n) (n <= BUS_JS_BATCH_MAX) to JetStream without waiting between them,
+ * then waits for all their acks, js_timeout_ms in all: one round trip for the batch instead
+ * of one per message. The server receives them in array order, but each succeeds or fails on
+ * its own (a timed-out message may be stored after a later one that was acked), so a caller
+ * that needs order between two messages must not put both in one batch: it sends the later
+ * one in a later batch, and only once the earlier one was acked (the workflow engine's outbox
+ * relay: one message per run per batch). Returns BUS_OK when every message was acked, else
+ * the rc of the first message that failed (err names it). */
+int bus_js_publish_batch(bus *b, bus_js_msg *msgs, int n, char *err, size_t errlen);
+
 #endif

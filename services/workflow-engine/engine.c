@@ -58,6 +58,10 @@ static const cfg_var vars[] = {
      &C.agent_timeout_ms, 1000, 86400000},
     {"UPSQUAD_WF_RELAY_BATCH", CFG_INT, "256", "outbox rows published per relay round",
      &C.relay_batch, 1, 10000},
+    {"UPSQUAD_WF_RELAY_LINGER", CFG_MS, "10ms",
+     "least time between the starts of two relay rounds: under load the events of several "
+     "ticks share one round (an idle relay still publishes a commit's events at once)",
+     &C.relay_linger_ms, 0, 1000},
     {"UPSQUAD_WF_SCHEDULE_POLL", CFG_MS, "1s", "how often a replica looks for due schedules",
      &C.schedule_poll_ms, 50, 60000},
     {"UPSQUAD_WF_AGENT_RETRIES", CFG_INT, "3",
@@ -84,10 +88,13 @@ static int set(const char *s) {
     return s && s[0] && strcmp(s, "none") != 0;
 }
 
+/* Each kick wakes at most one thread: the relay only when it sleeps waiting for one (during
+ * its linger the flag is enough), one idle interpreter thread for queued work (a thread that
+ * claims a run wakes the next, wf_interp_thread). */
 void wf_engine_kick_relay(wf_engine *e) {
     pthread_mutex_lock(&e->mu);
     e->relay_kick = 1;
-    pthread_cond_broadcast(&e->cv);
+    if (e->relay_waiting) pthread_cond_signal(&e->relay_cv);
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -95,7 +102,8 @@ void wf_engine_kick(wf_engine *e) {
     pthread_mutex_lock(&e->mu);
     e->kick = 1;
     e->relay_kick = 1;
-    pthread_cond_broadcast(&e->cv);
+    pthread_cond_signal(&e->cv);
+    if (e->relay_waiting) pthread_cond_signal(&e->relay_cv);
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -222,6 +230,8 @@ int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen
     e->cfg = cfg;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
+    pthread_cond_init(&e->relay_cv, NULL);
+    pthread_cond_init(&e->sched_cv, NULL);
     pthread_mutex_init(&e->tools_mu, NULL);
     gethostname(host, sizeof host - 1);
     char u[37];
@@ -263,6 +273,12 @@ int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen
     if (pthread_create(&e->relay, NULL, wf_relay_thread, e) == 0) e->relay_started = 1;
     if (pthread_create(&e->results, NULL, wf_results_thread, e) == 0) e->results_started = 1;
     if (pthread_create(&e->scheduler, NULL, wf_scheduler_thread, e) == 0) e->scheduler_started = 1;
+    /* named for top -H / perf (at most 15 characters) */
+    for (int i = 0; i < e->n_workers; i++)
+        pthread_setname_np(e->workers[i], "wf-interp");
+    if (e->relay_started) pthread_setname_np(e->relay, "wf-relay");
+    if (e->results_started) pthread_setname_np(e->results, "wf-results");
+    if (e->scheduler_started) pthread_setname_np(e->scheduler, "wf-scheduler");
     if (!e->relay_started || !e->results_started || !e->scheduler_started) {
         util_errf(err, errlen, -1, "cannot start engine threads");
         goto fail;
@@ -278,6 +294,8 @@ void wf_engine_stop(wf_engine *e) {
     pthread_mutex_lock(&e->mu);
     e->stop = 1;
     pthread_cond_broadcast(&e->cv);
+    pthread_cond_broadcast(&e->relay_cv);
+    pthread_cond_broadcast(&e->sched_cv);
     pthread_mutex_unlock(&e->mu);
     for (int i = 0; i < e->n_workers; i++)
         pthread_join(e->workers[i], NULL);

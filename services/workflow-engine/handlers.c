@@ -505,8 +505,10 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
     if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     cj = rq->context ? pbjson_struct_to_json(rq->context) : cJSON_CreateObject();
     if (!cj) return rpc_error(call, RPC_INVALID_ARGUMENT, "context nests too deeply");
-    if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err)) ||
-        (rc = st_wf_get(tx, rq->workflow_id, id->sub, 0, &w, err, sizeof err))) {
+    /* pipelined (db.h): its statements are prepared once per connection, and the writes
+     * before each read go out with it */
+    if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, DB_TX_PIPELINE, &tx, err, sizeof err)) ||
+        (rc = st_wf_def(tx, rq->workflow_id, id->sub, &w, err, sizeof err))) {
         rc = wfr_db_fail(call, rc, err);
         goto done;
     }
@@ -514,12 +516,12 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
         rc = rpc_error(call, RPC_NOT_FOUND, "workflow %s not found", rq->workflow_id);
         goto done;
     }
-    if (!strcmp(st_s(w, 0, WF_STATUS), "archived")) {
+    if (!strcmp(st_s(w, 0, WD_STATUS), "archived")) {
         rc = rpc_error(call, RPC_FAILED_PRECONDITION, "workflow %s is archived", rq->workflow_id);
         goto done;
     }
     /* the trigger context must satisfy the definition's declared trigger fields */
-    def = cJSON_Parse(st_s(w, 0, WF_DEF));
+    def = cJSON_Parse(st_s(w, 0, WD_DEF));
     const cJSON *fields = cJSON_GetObjectItemCaseSensitive(
         cJSON_GetObjectItemCaseSensitive(def, "trigger"), "fields");
     if (fields && wf_expr_check_fields(fields, cj, "context", err, sizeof err) != 0) {
@@ -529,7 +531,7 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
     ctx = cJSON_PrintUnformatted(cj);
     ids_uuid_v7(run_id);
     if ((rc = st_run_insert(tx, run_id, id->org_id, rq->workflow_id, id->sub, ctx,
-                            st_s(w, 0, WF_DEF), err, sizeof err)) ||
+                            st_s(w, 0, WD_DEF), err, sizeof err)) ||
         (rc = wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err)) ||
         (rc = wf_run_transition(&run, "pending", "", err, sizeof err)) ||
         (rc = wf_run_flush(&run, err, sizeof err)) ||

@@ -1439,8 +1439,8 @@ static void idle_wait(wf_engine *e, long long ms) {
         ts.tv_nsec -= 1000000000L;
     }
     pthread_mutex_lock(&e->mu);
-    /* the cv is shared with the relay: its kicks (every commit) must not send each idle
-     * thread to claim in a transaction of its own; only a run kick or the poll interval do */
+    /* only a run kick or the poll interval send an idle thread to claim (the relay and the
+     * scheduler sleep on condition variables of their own) */
     while (!e->kick && !e->stop && pthread_cond_timedwait(&e->cv, &e->mu, &ts) != ETIMEDOUT) {
     }
     e->kick = 0;
@@ -1462,7 +1462,7 @@ void *wf_interp_thread(void *arg) {
                                      * that ends with the first claim finding nothing) */
                 pthread_mutex_lock(&e->mu);
                 e->kick = 1;
-                pthread_cond_broadcast(&e->cv);
+                pthread_cond_signal(&e->cv);
                 pthread_mutex_unlock(&e->mu);
             }
             for (int i = 0; i < PQntuples(r); i++) {
@@ -1615,68 +1615,6 @@ void *wf_results_thread(void *arg) {
                 bus_nak(list.Msgs[i], 500);
         }
         natsMsgList_Destroy(&list);
-    }
-    return NULL;
-}
-
-/* ---- outbox relay ---- */
-
-void *wf_relay_thread(void *arg) {
-    wf_engine *e = arg;
-    char err[512];
-    while (!e->stop) {
-        db_tx *tx = NULL;
-        PGresult *r = NULL;
-        int locked = 0, sent = 0;
-        char ids[8192];
-        size_t o = 0;
-        ids[o++] = '{';
-        if (st_begin_service_ex(e->pool, DB_TX_PIPELINE, &tx, err, sizeof err) == DB_OK &&
-            st_outbox_fetch(tx, (int)e->cfg->relay_batch, &locked, &r, err, sizeof err) == DB_OK &&
-            locked) {
-            for (int i = 0; i < PQntuples(r); i++) {
-                const unsigned char *idb = (const unsigned char *)PQgetvalue(r, i, 0);
-                int64_t id = 0;
-                for (int b = 0; b < 8; b++)
-                    id = (id << 8) | idb[b];
-                if (bus_js_publish(e->bus, PQgetvalue(r, i, 1), PQgetvalue(r, i, 3),
-                                   PQgetlength(r, i, 3), PQgetvalue(r, i, 2), NULL, err,
-                                   sizeof err) != BUS_OK) {
-                    log_warn("outbox.publish", "%s: %s", PQgetvalue(r, i, 1), err);
-                    break; /* keep order: retry from here */
-                }
-                o += (size_t)snprintf(ids + o, sizeof ids - o, "%s%lld", sent ? "," : "",
-                                      (long long)id);
-                sent++;
-                if (o > sizeof ids - 40) break;
-            }
-            ids[o++] = '}';
-            ids[o] = 0;
-            if (sent && st_outbox_delete(tx, ids, err, sizeof err) == DB_OK &&
-                db_tx_commit(tx, err, sizeof err) == DB_OK) {
-                tx = NULL;
-                metric_add(e->m_published, sent);
-            }
-        }
-        db_tx_rollback(tx);
-        PQclear(r);
-        if (sent < (int)e->cfg->relay_batch) { /* drained: sleep until a commit kicks us */
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            long long ms = e->cfg->idle_poll_ms;
-            ts.tv_sec += ms / 1000;
-            ts.tv_nsec += (ms % 1000) * 1000000L;
-            if (ts.tv_nsec >= 1000000000L) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000L;
-            }
-            pthread_mutex_lock(&e->mu);
-            while (!e->stop && !e->relay_kick &&
-                   pthread_cond_timedwait(&e->cv, &e->mu, &ts) != ETIMEDOUT) {
-            } /* the cv is shared: an interpreter kick alone is no reason for a round */
-            e->relay_kick = 0;
-            pthread_mutex_unlock(&e->mu);
-        }
     }
     return NULL;
 }
@@ -1849,8 +1787,8 @@ void *wf_scheduler_thread(void *arg) {
                 ts.tv_sec++;
                 ts.tv_nsec -= 1000000000L;
             }
-            pthread_mutex_lock(&e->mu); /* shared cv: only stop or the interval end this */
-            while (!e->stop && pthread_cond_timedwait(&e->cv, &e->mu, &ts) != ETIMEDOUT) {
+            pthread_mutex_lock(&e->mu); /* only stop or the interval end this */
+            while (!e->stop && pthread_cond_timedwait(&e->sched_cv, &e->mu, &ts) != ETIMEDOUT) {
             }
             pthread_mutex_unlock(&e->mu);
         }

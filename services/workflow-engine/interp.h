@@ -11,8 +11,13 @@
 void *wf_interp_thread(void *arg);
 /* Agent results consumer thread body. */
 void *wf_results_thread(void *arg);
-/* Outbox relay thread body. */
+/* Outbox relay thread body (relay.c). */
 void *wf_relay_thread(void *arg);
+/* The relay's publishing plan for outbox rows in id order: wave[i] for each row, the number of
+ * waves returned (-1 out of memory). A run's events (wf.status / wf.log) get strictly
+ * increasing waves in row order; any other row is alone in its wave, after every earlier row's
+ * and before every later row's. */
+int wf_relay_waves(const char *const *subjects, int n, int *wave);
 /* Schedule firing thread body. */
 void *wf_scheduler_thread(void *arg);
 

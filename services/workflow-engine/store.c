@@ -138,6 +138,15 @@ int st_wf_get(db_tx *tx, const char *id, const char *member, int lock, PGresult 
               2, p, out, err, errlen);
 }
 
+int st_wf_def(db_tx *tx, const char *id, const char *member, PGresult **out, char *err,
+              size_t errlen) {
+    const char *p[] = {id, member};
+    return ex(tx,
+              "SELECT w.status, w.definition::text FROM " S "workflows w "
+              "WHERE w.id = $1::uuid AND " WF_VISIBLE,
+              2, p, out, err, errlen);
+}
+
 int st_wf_list(db_tx *tx, const char *member, const char *team, const char *status, int limit,
                int offset, PGresult **out, int *total, char *err, size_t errlen) {
     char l[16], o[16];
@@ -727,10 +736,18 @@ int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err
     *locked = 0;
     /* One relay at a time keeps each run's events in outbox (seq) order on the bus. */
     const char *lock = "SELECT pg_try_advisory_xact_lock(hashtext('workflow_engine.outbox_relay'))";
+    /* The outbox is a queue: nearly empty when vacuumed, thousands of dead rows a few seconds
+     * later. A plan made while it looked empty (a sequential scan and a sort, cached for the
+     * connection) then reads every dead row of the heap each round, and the delete by ids was
+     * planned afresh each round for the same reason: in the relay's transaction the fetch and
+     * the delete always walk the primary key, with plans kept per connection. */
+    const char *plan = "SELECT set_config('enable_seqscan', 'off', true), "
+                       "set_config('plan_cache_mode', 'force_generic_plan', true)";
     const char *fetch = "SELECT id, subject, msg_id, payload FROM " S "outbox ORDER BY id "
                         "LIMIT $1::int";
-    if (db_pipe_active(c)) { /* both behind one sync; the rows count only under the lock */
+    if (db_pipe_active(c)) { /* all behind one sync; the rows count only under the lock */
         int rc = db_pipe_send(c, lock, 0, NULL, NULL, NULL, 0, &r, err, errlen);
+        if (rc == DB_OK) rc = db_pipe_send(c, plan, 0, NULL, NULL, NULL, 0, NULL, err, errlen);
         if (rc == DB_OK) rc = db_pipe_send(c, fetch, 1, p, NULL, fmts, 1, &rows, err, errlen);
         if (rc == DB_OK) rc = db_pipe_flush(c, err, errlen);
         if (rc == DB_OK && (*locked = st_b(r, 0, 0))) {
@@ -746,6 +763,7 @@ int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err
     *locked = st_b(r, 0, 0);
     PQclear(r);
     if (!*locked) return DB_OK;
+    if ((rc = ex(tx, plan, 0, NULL, NULL, err, errlen)) != DB_OK) return rc;
     return db_exec_bin(c, fetch, 1, p, NULL, NULL, 1, out, err, errlen);
 }
 

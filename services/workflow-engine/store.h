@@ -68,6 +68,11 @@ int st_wf_insert(db_tx *tx, const char *id, const char *org, const char *team, c
  * Zero rows when absent. */
 int st_wf_get(db_tx *tx, const char *id, const char *member, int lock, PGresult **out, char *err,
               size_t errlen);
+/* The same visibility, only what starting a run needs (WD_* columns): no run statistics, so
+ * its cost does not grow with the workflow's runs. */
+enum { WD_STATUS, WD_DEF };
+int st_wf_def(db_tx *tx, const char *id, const char *member, PGresult **out, char *err,
+              size_t errlen);
 int st_wf_list(db_tx *tx, const char *member, const char *team, const char *status, int limit,
                int offset, PGresult **out, int *total, char *err, size_t errlen);
 int st_wf_update_def(db_tx *tx, const char *id, const char *def_json, PGresult **out, char *err,

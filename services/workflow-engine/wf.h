@@ -31,6 +31,7 @@ typedef struct wf_config {
     long long tool_attempts;
     long long agent_timeout_ms;
     long long relay_batch;
+    long long relay_linger_ms; /* least time between the starts of two relay rounds */
     long long schedule_poll_ms;
     long long agent_retries;          /* retries of a retryable agent failure, per step */
     long long agent_retry_backoff_ms; /* first retry's delay, doubled per retry */
@@ -49,9 +50,12 @@ typedef struct wf_engine {
     unsigned char page_key[32];
     atomic_int stop; /* set at shutdown, read by every engine thread */
     pthread_mutex_t mu;
-    pthread_cond_t cv;   /* wakes the interpreter threads, the relay, the scheduler */
-    unsigned kick;       /* work was queued locally */
-    unsigned relay_kick; /* outbox rows were committed locally */
+    pthread_cond_t cv;       /* wakes idle interpreter threads (kick) */
+    pthread_cond_t relay_cv; /* wakes the relay (relay_kick), only while it waits for one */
+    pthread_cond_t sched_cv; /* ends the scheduler's sleep at shutdown */
+    unsigned kick;           /* work was queued locally */
+    unsigned relay_kick;     /* outbox rows were committed locally */
+    unsigned relay_waiting;  /* the relay sleeps until a kick (else a kick only sets the flag) */
     pthread_t *workers;
     int n_workers;
     pthread_t relay, results, scheduler;

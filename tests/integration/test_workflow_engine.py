@@ -699,6 +699,8 @@ class EngineTest(unittest.TestCase):
         w = self.create(defn("a", {"a": tool("create_comment", "b", number=1, body="k"),
                                    "b": tool("create_comment", "c", number=2, body="k"),
                                    "c": {"type": "agent_action", "agent_role": "x", "prompt": "OUT={\"ok\": true}"}}))
+        while not self.ev_q.empty():  # earlier tests' events
+            self.ev_q.get()
         runs = [self.trigger(w.id, client=self.B).id for _ in range(n)]
         victim = self.a
         for _ in range(5):
@@ -720,6 +722,26 @@ class EngineTest(unittest.TestCase):
         self.assertLessEqual(max(self.responder.seen.values()), 1)  # no agent step twice
         per_run = json.loads(self.nc.request("devtools.stats", json.dumps({"run_id": runs[0]}).encode()))
         self.assertEqual(sorted(r["step_name"] for r in per_run["records"]), ["a", "b"])
+        # the bus, through five kills of relaying replicas: each run's events reach it in seq
+        # order with none missing (a re-sent copy of an event already published may follow,
+        # never precede, a later one), ending with the run's completion
+        time.sleep(1.0)
+        firsts = {r: [] for r in runs}
+        last_run = {}
+        while not self.ev_q.empty():
+            subj, reply, hdr, data = self.ev_q.get()
+            ev = E.RunEvent.FromString(data)
+            seqs = firsts.get(ev.scope.run_id)
+            if seqs is None:
+                continue
+            if ev.seq not in seqs:
+                seqs.append(ev.seq)
+            if ev.WhichOneof("event") == "run":
+                last_run[ev.scope.run_id] = ev.run.status
+        for r in runs:
+            self.assertGreaterEqual(len(firsts[r]), 9, r)  # 3 runs statuses, 6 node transitions
+            self.assertEqual(firsts[r], list(range(1, len(firsts[r]) + 1)), r)
+            self.assertEqual(last_run.get(r), "completed", r)
 
 
 if __name__ == "__main__":

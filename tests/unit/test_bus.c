@@ -557,6 +557,67 @@ static int wait_connected(bus *b, int want, int timeout_ms) {
     return 0;
 }
 
+/* Pipelined publishes: one wait for the whole batch, each message's outcome on its own (an
+ * acked one, a duplicate id, a subject no stream captures, a bad message), stored in batch
+ * order. */
+static void test_js_publish_batch(void **state) {
+    (void)state;
+    bus *b = must_connect(g_url, NULL);
+    char name[64], subjects[96], s[96], none[96], err[256];
+    stream_name(name, sizeof name, "BATCH");
+    snprintf(subjects, sizeof subjects, "%s.batch.>", g_prefix);
+    const char *subs[] = {subjects};
+    assert_int_equal(bus_js_stream_ensure(b, name, subs, 1, BUS_RETENTION_LIMITS, 3600,
+                                          test_limits(), err, sizeof err),
+                     BUS_OK);
+    subj(s, sizeof s, "batch.a");
+    subj(none, sizeof none, "no_stream_for_batch");
+    assert_int_equal(bus_js_publish(b, s, "0", 1, "b-0", NULL, err, sizeof err), BUS_OK);
+    bus_js_msg m[6] = {
+        {.subject = s, .data = "1", .len = 1, .msg_id = "b-1"},
+        {.subject = s, .data = "0", .len = 1, .msg_id = "b-0"}, /* stored before: a duplicate */
+        {.subject = none, .data = "x", .len = 1, .msg_id = "b-x"},
+        {.subject = s, .data = NULL, .len = 3, .msg_id = "b-bad"},
+        {.subject = s, .data = "2", .len = 1, .msg_id = "b-2"},
+        {.subject = s, .data = "3", .len = 1, .msg_id = NULL},
+    };
+    assert_int_equal(bus_js_publish_batch(b, m, 6, err, sizeof err), BUS_ENORESP);
+    assert_non_null(strstr(err, "no stream"));
+    assert_int_equal(m[0].rc, BUS_OK);
+    assert_int_equal(m[0].duplicate, 0);
+    assert_int_equal(m[1].rc, BUS_OK);
+    assert_int_equal(m[1].duplicate, 1);
+    assert_int_equal(m[2].rc, BUS_ENORESP);
+    assert_int_equal(m[3].rc, BUS_EINVAL);
+    assert_int_equal(m[4].rc, BUS_OK);
+    assert_int_equal(m[5].rc, BUS_OK);
+    uint64_t msgs = 0;
+    assert_int_equal(bus_js_stream_msgs(b, name, &msgs, err, sizeof err), BUS_OK);
+    assert_int_equal(msgs, 4); /* 0, 1, 2, 3 */
+    /* in batch order on the stream */
+    bus_pull *p = NULL;
+    assert_int_equal(
+        bus_js_pull_subscribe(b, name, "batch", subjects, 5000, -1, &p, err, sizeof err), BUS_OK);
+    natsMsgList l;
+    const char *want[] = {"0", "1", "2", "3"};
+    int got = 0;
+    for (int tries = 0; got < 4 && tries < 10; tries++) {
+        assert_int_equal(bus_js_fetch(p, 4 - got, 1000, &l, err, sizeof err), BUS_OK);
+        for (int i = 0; i < l.Count; i++, got++) {
+            assert_true(msg_is(l.Msgs[i], want[got]));
+            bus_ack(l.Msgs[i]);
+        }
+        natsMsgList_Destroy(&l);
+    }
+    assert_int_equal(got, 4);
+    bus_pull_close(p);
+    /* an empty batch, and bad arguments */
+    assert_int_equal(bus_js_publish_batch(b, m, 0, err, sizeof err), BUS_OK);
+    assert_int_equal(bus_js_publish_batch(b, NULL, 1, err, sizeof err), BUS_EINVAL);
+    assert_int_equal(bus_js_stream_delete(b, name, err, sizeof err), BUS_OK);
+    bus_close(b);
+}
+
 static void test_reconnect_buffers_publishes(void **state) {
     private_nats *n = *state;
     bus_opts o;
@@ -651,6 +712,7 @@ int main(void) {
         cmocka_unit_test(test_slow_consumer_bounded),
         cmocka_unit_test(test_js_dedup),
         cmocka_unit_test(test_js_pull_ack_redelivery),
+        cmocka_unit_test(test_js_publish_batch),
         cmocka_unit_test_setup_teardown(test_reconnect_buffers_publishes, private_setup,
                                         private_teardown),
         cmocka_unit_test_setup_teardown(test_connect_fails_fast_or_retries, private_setup,

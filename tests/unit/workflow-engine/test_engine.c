@@ -10,6 +10,7 @@
 
 #include <cmocka.h>
 
+#include "../../../services/workflow-engine/interp.h"
 #include "../../../services/workflow-engine/pagetok.h"
 #include "../../../services/workflow-engine/wf.h"
 #include "../../../services/workflow-engine/wf_expr.h"
@@ -134,11 +135,54 @@ static void test_projection(void **ctx) {
     assert_true(wf_run_terminal("cancelled") && !wf_run_terminal("paused"));
 }
 
+/* The relay's waves: a run's events one per wave in order, other runs' alongside, and every
+ * other row (dispatch, cancel, decision) alone between what came before and after it. */
+static void test_relay_waves(void **ctx) {
+    (void)ctx;
+    const char *rows[] = {
+        "wf.status.o.r1",         /* 0: r1 first */
+        "wf.status.o.r2",         /* 0: r2 first */
+        "wf.log.o.r1",            /* 1: r1 second (both subjects are r1) */
+        "wf.status.o.r1",         /* 2 */
+        "wf.status.o.r3",         /* 0 */
+        "agent.step.dispatch",    /* 3: a barrier after everything above */
+        "wf.status.o.r2",         /* 4: after the barrier */
+        "wf.status.o.r4",         /* 4 */
+        "agent.step.cancel.o.r4", /* 5: a barrier */
+        "approval.decided.o",     /* 6: a barrier */
+        "wf.status.o.r4",         /* 7 */
+        "wf.log.o.r4",            /* 8 */
+    };
+    int want[] = {0, 0, 1, 2, 0, 3, 4, 4, 5, 6, 7, 8};
+    int n = (int)(sizeof rows / sizeof rows[0]), wave[16];
+    assert_int_equal(wf_relay_waves(rows, n, wave), 9);
+    for (int i = 0; i < n; i++)
+        assert_int_equal(wave[i], want[i]);
+    assert_int_equal(wf_relay_waves(rows, 0, wave), 0);
+    /* many runs, one event each: a single wave */
+    static char subj[300][64];
+    const char *many[300];
+    int w[300];
+    for (int i = 0; i < 300; i++) {
+        snprintf(subj[i], sizeof subj[i], "wf.status.o.run%d", i);
+        many[i] = subj[i];
+    }
+    assert_int_equal(wf_relay_waves(many, 300, w), 1);
+    for (int i = 0; i < 300; i++)
+        assert_int_equal(w[i], 0);
+    /* one run, many events: one per wave */
+    for (int i = 0; i < 300; i++)
+        many[i] = subj[7];
+    assert_int_equal(wf_relay_waves(many, 300, w), 300);
+    for (int i = 0; i < 300; i++)
+        assert_int_equal(w[i], i);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_templates),   cmocka_unit_test(test_conditions),
         cmocka_unit_test(test_field_specs), cmocka_unit_test(test_page_tokens),
-        cmocka_unit_test(test_projection),
+        cmocka_unit_test(test_projection),  cmocka_unit_test(test_relay_waves),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
