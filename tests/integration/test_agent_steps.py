@@ -34,7 +34,7 @@ for b in ("workflow-engine", "orchestrator", "devworker", "upsquad-agents"):
         sys.exit(0)
 
 import grpc  # noqa: E402
-from google.protobuf import struct_pb2, json_format  # noqa: E402
+from google.protobuf import json_format  # noqa: E402
 from upsquad.workflow.v1 import workflow_pb2 as W  # noqa: E402
 from upsquad.internal.v1 import agent_step_pb2 as AS  # noqa: E402
 import nats_mini  # noqa: E402
@@ -45,10 +45,7 @@ SVC = "/upsquad.workflow.v1.WorkflowService/"
 ROLE = "scripted"
 
 
-def st(d):
-    s = struct_pb2.Struct()
-    s.update(d)
-    return s
+st = T.struct
 
 
 def js(s):
@@ -124,14 +121,9 @@ class AgentSteps(unittest.TestCase):
         cls.orch_env = orch_env
         cls.orchs = [drain(T.Server("orchestrator", env=orch_env)) for _ in range(2)]
         cls.procs.extend(cls.orchs)
-        cls.engine = drain(T.Server("workflow-engine", env={
-            "UPSQUAD_PG_DSN": WF_DSN, "UPSQUAD_NATS_URL": NATS, "UPSQUAD_JWT_SECRET": SECRET,
-            "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/workflow-engine/migrations"),
-            "UPSQUAD_WF_SCHEMA_FILE": os.path.join(T.ROOT, "services/workflow-engine/schema/workflow-definition.schema.json"),
-            "UPSQUAD_WF_CATALOG_FILE": os.path.join(T.ROOT, "services/workflow-engine/catalog/tools.json"),
-            "UPSQUAD_WF_PAGE_KEY": secrets.token_hex(16), "UPSQUAD_WF_LEASE": "2s",
-            "UPSQUAD_WF_IDLE_POLL": "50ms", "UPSQUAD_WF_AGENT_RETRIES": "2",
-            "UPSQUAD_WF_AGENT_RETRY_BACKOFF": "200ms", "UPSQUAD_LOG_LEVEL": "warn"}))
+        cls.engine = drain(T.Server("workflow-engine", env=T.engine_env(
+            WF_DSN, NATS, SECRET, UPSQUAD_WF_LEASE="2s", UPSQUAD_WF_AGENT_RETRIES="2",
+            UPSQUAD_WF_AGENT_RETRY_BACKOFF="200ms", UPSQUAD_LOG_LEVEL="warn")))
         cls.procs.append(cls.engine)
         cls.org = str(uuid.uuid4())
         cls.user = str(uuid.uuid4())

@@ -32,7 +32,6 @@ if not WF_DSN or not HUB_DSN or not ADMIN_DSN or not NATS:
     sys.exit(0)
 
 import grpc  # noqa: E402
-from google.protobuf import struct_pb2  # noqa: E402
 from upsquad.workflow.v1 import workflow_pb2 as W  # noqa: E402
 from upsquad.approval.v1 import approval_pb2 as AP  # noqa: E402
 from upsquad.internal.v1 import agent_step_pb2 as AS  # noqa: E402
@@ -41,20 +40,10 @@ from upsquad.internal.v1 import node_io_pb2 as NIO  # noqa: E402
 SECRET = secrets.token_hex(16)
 TAG = "%d%s" % (os.getpid(), secrets.token_hex(3))
 SVC = "/upsquad.workflow.v1.WorkflowService/"
-ENGINE_ENV = {
-    "UPSQUAD_PG_DSN": WF_DSN, "UPSQUAD_NATS_URL": NATS, "UPSQUAD_JWT_SECRET": SECRET,
-    "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/workflow-engine/migrations"),
-    "UPSQUAD_WF_SCHEMA_FILE": os.path.join(T.ROOT, "services/workflow-engine/schema/workflow-definition.schema.json"),
-    "UPSQUAD_WF_CATALOG_FILE": os.path.join(T.ROOT, "services/workflow-engine/catalog/tools.json"),
-    "UPSQUAD_WF_PAGE_KEY": secrets.token_hex(16), "UPSQUAD_WF_LEASE": "1500ms",
-    "UPSQUAD_WF_IDLE_POLL": "50ms", "UPSQUAD_LOG_LEVEL": "error", "UPSQUAD_WF_WORKERS": "2",
-}
+ENGINE_ENV = T.engine_env(WF_DSN, NATS, SECRET)
 
 
-def st(d):
-    s = struct_pb2.Struct()
-    s.update(d)
-    return s
+st = T.struct
 
 
 def wait_until(pred, timeout, what):

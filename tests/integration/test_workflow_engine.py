@@ -26,7 +26,7 @@ if not DSN or not NATS:
     sys.exit(0)
 
 import grpc  # noqa: E402
-from google.protobuf import struct_pb2, json_format  # noqa: E402
+from google.protobuf import json_format  # noqa: E402
 from upsquad.workflow.v1 import workflow_pb2 as W  # noqa: E402
 from upsquad.internal.v1 import agent_step_pb2 as A, run_events_pb2 as E  # noqa: E402
 
@@ -37,21 +37,12 @@ PAGE_KEY = secrets.token_hex(16)
 C = grpc.StatusCode
 REPO = "acme/widgets"
 
-ENGINE_ENV = {
-    "UPSQUAD_PG_DSN": DSN, "UPSQUAD_NATS_URL": NATS, "UPSQUAD_JWT_SECRET": SECRET,
-    "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/workflow-engine/migrations"),
-    "UPSQUAD_WF_SCHEMA_FILE": os.path.join(T.ROOT, "services/workflow-engine/schema/workflow-definition.schema.json"),
-    "UPSQUAD_WF_CATALOG_FILE": os.path.join(T.ROOT, "services/workflow-engine/catalog/tools.json"),
-    "UPSQUAD_WF_PAGE_KEY": PAGE_KEY, "UPSQUAD_WF_LEASE": "1500ms", "UPSQUAD_WF_IDLE_POLL": "50ms",
-    "UPSQUAD_WF_TOOL_TIMEOUT": "700ms", "UPSQUAD_WF_TOOL_ATTEMPTS": "3",
-    "UPSQUAD_WF_SCHEDULE_POLL": "100ms", "UPSQUAD_LOG_LEVEL": "error", "UPSQUAD_WF_WORKERS": "2",
-}
+ENGINE_ENV = T.engine_env(DSN, NATS, SECRET, UPSQUAD_WF_PAGE_KEY=PAGE_KEY,
+                          UPSQUAD_WF_TOOL_TIMEOUT="700ms", UPSQUAD_WF_TOOL_ATTEMPTS="3",
+                          UPSQUAD_WF_SCHEDULE_POLL="100ms")
 
 
-def st(d):
-    s = struct_pb2.Struct()
-    s.update(d)
-    return s
+st = T.struct
 
 
 def js(s):

@@ -132,6 +132,31 @@ def with_database(dsn, dbname):
     return urllib.parse.urlunsplit((u.scheme, u.netloc, "/" + dbname, u.query, u.fragment))
 
 
+def engine_env(dsn, nats, secret, **overrides):
+    """The environment of a test workflow-engine: its Postgres, NATS and token secret, the
+    tree's migrations, schema and catalogue, a fresh page key, a short lease and idle poll;
+    overrides={"UPSQUAD_...": value} replaces or adds variables."""
+    env = {
+        "UPSQUAD_PG_DSN": dsn, "UPSQUAD_NATS_URL": nats, "UPSQUAD_JWT_SECRET": secret,
+        "UPSQUAD_MIGRATIONS_DIR": os.path.join(ROOT, "services/workflow-engine/migrations"),
+        "UPSQUAD_WF_SCHEMA_FILE": os.path.join(
+            ROOT, "services/workflow-engine/schema/workflow-definition.schema.json"),
+        "UPSQUAD_WF_CATALOG_FILE": os.path.join(ROOT, "services/workflow-engine/catalog/tools.json"),
+        "UPSQUAD_WF_PAGE_KEY": secrets.token_hex(16), "UPSQUAD_WF_LEASE": "1500ms",
+        "UPSQUAD_WF_IDLE_POLL": "50ms", "UPSQUAD_LOG_LEVEL": "error", "UPSQUAD_WF_WORKERS": "2",
+    }
+    env.update(overrides)
+    return env
+
+
+def struct(d):
+    """A google.protobuf.Struct of a dict."""
+    from google.protobuf import struct_pb2
+    s = struct_pb2.Struct()
+    s.update(d)
+    return s
+
+
 def http_get(url, timeout=5):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
