@@ -420,11 +420,10 @@ int hs_log_tail(db_pool *p, const char *org, const char *run_id, int tail, hs_bl
     return read_blobs(p, org, sql, 2, v, out, run, found, err, errlen);
 }
 
-int hs_transcript(db_pool *p, const char *org, const char *run_id, const char *node, int limit,
-                  hs_blobs *out, char *err, size_t errlen) {
-    static const char sql[] = "SELECT seq, 't', body FROM session_events WHERE run_id = $1 "
-                              " AND ($2 = '' OR step_name = $2 OR action_id = $2) "
-                              "ORDER BY session_id, seq, created_at LIMIT $3";
+/* A read of one run's rows for a node filter ($2: '' = every node, else a step name or an
+ * action id) with a row bound ($3); an id that is not a UUID has no rows. */
+static int read_node_blobs(db_pool *p, const char *org, const char *sql, const char *run_id,
+                           const char *node, int limit, hs_blobs *out, char *err, size_t errlen) {
     char l[16];
     out->v = NULL;
     out->n = 0;
@@ -434,19 +433,21 @@ int hs_transcript(db_pool *p, const char *org, const char *run_id, const char *n
     return read_blobs(p, org, sql, 3, v, out, NULL, NULL, err, errlen);
 }
 
+int hs_transcript(db_pool *p, const char *org, const char *run_id, const char *node, int limit,
+                  hs_blobs *out, char *err, size_t errlen) {
+    static const char sql[] = "SELECT seq, 't', body FROM session_events WHERE run_id = $1 "
+                              " AND ($2 = '' OR step_name = $2 OR action_id = $2) "
+                              "ORDER BY session_id, seq, created_at LIMIT $3";
+    return read_node_blobs(p, org, sql, run_id, node, limit, out, err, errlen);
+}
+
 int hs_prompt_frames(db_pool *p, const char *org, const char *run_id, const char *node, int limit,
                      hs_blobs *out, char *err, size_t errlen) {
     static const char sql[] =
         "SELECT 0, 'p', body FROM (SELECT body, created_at, prompt_id FROM prompt_frames "
         " WHERE run_id = $1 AND ($2 = '' OR step_name = $2 OR action_id = $2) "
         " ORDER BY created_at DESC, prompt_id LIMIT $3) x ORDER BY created_at, prompt_id";
-    char l[16];
-    out->v = NULL;
-    out->n = 0;
-    if (!ids_uuid_valid(run_id)) return DB_OK;
-    snprintf(l, sizeof l, "%d", limit);
-    const char *v[3] = {run_id, node ? node : "", l};
-    return read_blobs(p, org, sql, 3, v, out, NULL, NULL, err, errlen);
+    return read_node_blobs(p, org, sql, run_id, node, limit, out, err, errlen);
 }
 
 /* A Postgres text[] literal of ids: {"a","b"} with " and \ escaped. *out: caller frees. */
