@@ -18,9 +18,11 @@
 
 #define container_of(p, T, f) ((T *)(void *)((char *)(p)-offsetof(T, f)))
 
-/* Outstanding call requests per (method, queue): a new call can be matched while the previous
- * one is being handled on the same thread. */
-#define LISTENERS_PER_QUEUE 2
+/* Outstanding call requests per (method, queue): a call that arrives while every request of its
+ * method is matched waits in the core's pending list until one is re-armed, so a burst of calls
+ * on one connection is matched at once up to this many per queue. 2 cost the model-registry's
+ * GetModelRecommendation p99 at 8 calls outstanding on 2 queues (docs/benchmarks.md). */
+#define LISTENERS_PER_QUEUE 8
 
 typedef struct rpc__listener {
     rpc__tag t;
@@ -67,7 +69,9 @@ struct rpc_server {
     int wstop;
     atomic_int active_streams;
 
-    pthread_mutex_t amu; /* arming a listener vs destroying the server (srv NULL after) */
+    /* arming a listener (read side: the queue threads arm concurrently, never waiting on
+     * each other) vs destroying the server (write side; srv NULL after) */
+    pthread_rwlock_t amu;
     pthread_mutex_t dmu; /* detached streams, finished at shutdown */
     rpc_call *detached;
 
@@ -644,7 +648,7 @@ static void listener_arm(rpc__listener *l) {
     RPC__TSAN_RELEASE(&l->t);
     /* a call that arrived as the server shut down may be re-armed by its queue thread while
      * rpc_server_shutdown destroys the server: the lock orders the two, srv NULL means gone */
-    pthread_mutex_lock(&l->s->amu);
+    pthread_rwlock_rdlock(&l->s->amu);
     grpc_server *srv = l->s->srv;
     if (srv == NULL) {
         e = GRPC_CALL_ERROR_ALREADY_FINISHED;
@@ -655,7 +659,7 @@ static void listener_arm(rpc__listener *l) {
         grpc_call_details_init(&l->details);
         e = grpc_server_request_call(srv, &l->call, &l->details, &l->md, l->cq, l->cq, &l->t);
     }
-    pthread_mutex_unlock(&l->s->amu);
+    pthread_rwlock_unlock(&l->s->amu);
     if (e != GRPC_CALL_OK) {
         if (srv) log_warn("rpc.listen", "request for new calls refused: %d", (int)e);
         if (srv && !l->m) grpc_call_details_destroy(&l->details);
@@ -846,7 +850,7 @@ int rpc_server_new(const rpc_server_opts *opts, rpc_server **out, char *err, siz
     pthread_mutex_init(&s->wmu, NULL);
     pthread_cond_init(&s->wcv, NULL);
     pthread_mutex_init(&s->dmu, NULL);
-    pthread_mutex_init(&s->amu, NULL);
+    pthread_rwlock_init(&s->amu, NULL);
     s->wq_cap = (size_t)s->o.max_streams;
     s->wq = calloc(s->wq_cap, sizeof *s->wq);
     if (s->wq == NULL || rpc__health_new(&s->health) != 0) goto oom;
@@ -1187,10 +1191,10 @@ void rpc_server_shutdown(rpc_server *s, int grace_ms) {
                                     gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
     }
     workers_stop(s); /* before the server goes: queued calls still reply */
-    pthread_mutex_lock(&s->amu);
+    pthread_rwlock_wrlock(&s->amu);
     grpc_server *srv = s->srv;
     s->srv = NULL;
-    pthread_mutex_unlock(&s->amu);
+    pthread_rwlock_unlock(&s->amu);
     grpc_server_destroy(srv);
     queues_stop(s);
     log_info("rpc.shutdown", "stopped");
@@ -1248,7 +1252,7 @@ void rpc_server_free(rpc_server *s) {
     pthread_cond_destroy(&s->wcv);
     pthread_mutex_destroy(&s->dmu);
     int abandoned = s->core_abandoned;
-    pthread_mutex_destroy(&s->amu);
+    pthread_rwlock_destroy(&s->amu);
     free(s);
     if (!abandoned) grpc_shutdown();
 }
