@@ -390,6 +390,23 @@ static void bus__sub_free(bus_sub *s) {
 
 /* A subscription record before nats.c knows it (caller frees with bus__sub_free); NULL out of
  * memory, with err set. */
+/* A subscription just made: its completion callback (so bus_unsubscribe can wait for the last
+ * delivery) and the connection's pending limits. On failure it is taken apart and *out stays
+ * NULL; on success *out = s. */
+static int sub_arm(bus *b, bus_sub *s, const char *what, bus_sub **out, char *err, size_t errlen) {
+    natsStatus st = natsSubscription_SetOnCompleteCB(s->sub, bus__on_sub_complete, s);
+    if (st == NATS_OK)
+        st = natsSubscription_SetPendingLimits(s->sub, b->o.sub_pending_msgs,
+                                               b->o.sub_pending_bytes);
+    if (st != NATS_OK) {
+        int rc = bus__fail(err, errlen, what, st, 0);
+        bus_unsubscribe(s); /* waits for the callback to be done with s, then frees it */
+        return rc;
+    }
+    *out = s;
+    return BUS_OK;
+}
+
 static bus_sub *sub_new(bus *b, bus_msg_cb cb, void *ud, char *err, size_t errlen) {
     bus_sub *s = calloc(1, sizeof *s);
     if (!s) {
@@ -423,17 +440,7 @@ int bus_subscribe(bus *b, const char *subject, const char *queue_group, bus_msg_
         bus__sub_free(s); /* never subscribed: no callback can run */
         return rc;
     }
-    st = natsSubscription_SetOnCompleteCB(s->sub, bus__on_sub_complete, s);
-    if (st == NATS_OK)
-        st = natsSubscription_SetPendingLimits(s->sub, b->o.sub_pending_msgs,
-                                               b->o.sub_pending_bytes);
-    if (st != NATS_OK) {
-        int rc = bus__fail(err, errlen, "subscribe", st, 0);
-        bus_unsubscribe(s); /* waits for the callback to be done with s, then frees it */
-        return rc;
-    }
-    *out = s;
-    return BUS_OK;
+    return sub_arm(b, s, "subscribe", out, err, errlen);
 }
 
 void bus_unsubscribe(bus_sub *s) {
@@ -470,17 +477,7 @@ int bus_js_subscribe_ordered(bus *b, const char *stream, const char *subject, bu
         bus__sub_free(s); /* never subscribed: no callback can run */
         return rc;
     }
-    st = natsSubscription_SetOnCompleteCB(s->sub, bus__on_sub_complete, s);
-    if (st == NATS_OK)
-        st = natsSubscription_SetPendingLimits(s->sub, b->o.sub_pending_msgs,
-                                               b->o.sub_pending_bytes);
-    if (st != NATS_OK) {
-        int rc = bus__fail(err, errlen, "ordered subscribe", st, 0);
-        bus_unsubscribe(s);
-        return rc;
-    }
-    *out = s;
-    return BUS_OK;
+    return sub_arm(b, s, "ordered subscribe", out, err, errlen);
 }
 
 int bus_sub_caught_up(bus_sub *s) {

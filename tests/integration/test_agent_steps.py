@@ -86,19 +86,7 @@ def apply_agent(org):
         os.unlink(path)
 
 
-class Client:
-    def __init__(self, addr, token):
-        self.ch = grpc.insecure_channel(addr)
-        self.md = [("authorization", "Bearer " + token)]
-
-    def __call__(self, method, req, timeout=10):
-        resp = getattr(W, method + "Response")
-        f = self.ch.unary_unary(SVC + method, request_serializer=req.SerializeToString,
-                                response_deserializer=resp.FromString)
-        return f(req, metadata=self.md, timeout=timeout)
-
-    def close(self):
-        self.ch.close()
+Client = T.WorkflowClient
 
 
 class AgentSteps(unittest.TestCase):

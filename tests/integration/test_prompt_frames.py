@@ -176,17 +176,10 @@ class PromptFrames(unittest.TestCase):
         self.fail("step %s never parked" % step)
 
     def dispatch_of(self, run, timeout=15):
-        end = time.time() + timeout
-        while time.time() < end:
-            m = self.nc.js_fetch("AGENT_STEPS", "orchestrator-steps", 0.3)
-            if not m:
-                continue
-            _, ack, data = m
-            self.nc.publish(ack, b"")
-            d = AS.AgentStepDispatch.FromString(data)
-            if d.run_id == run:
-                return d
-        self.fail("no dispatch for run %s" % run)
+        d = T.agent_dispatch(self.nc, run, timeout)
+        if d is None:
+            self.fail("no dispatch for run %s" % run)
+        return d
 
     def reply(self, d, ask=None):
         r = AS.AgentStepResult(idempotency_key=d.idempotency_key, org_id=d.org_id, run_id=d.run_id,

@@ -63,19 +63,7 @@ def defn(start, steps, **extra):
     return d
 
 
-class Client:
-    def __init__(self, addr, token):
-        self.ch = grpc.insecure_channel(addr)
-        self.md = [("authorization", "Bearer " + token)]
-
-    def __call__(self, method, req, timeout=10):
-        resp_cls = getattr(W, method + "Response") if hasattr(W, method + "Response") else None
-        f = self.ch.unary_unary(SVC + method, request_serializer=req.SerializeToString,
-                                response_deserializer=resp_cls.FromString)
-        return f(req, metadata=self.md, timeout=timeout)
-
-    def close(self):
-        self.ch.close()
+Client = T.WorkflowClient
 
 
 class Responder(threading.Thread):

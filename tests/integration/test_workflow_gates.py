@@ -56,22 +56,7 @@ def gate(clearance, **kw):
 DONE = {"type": "condition", "if": {"op": "eq", "path": "/run/id", "value": "never"}, "then": "never"}
 
 
-class Client:
-    def __init__(self, addr, token):
-        self.ch = grpc.insecure_channel(addr)
-        self.md = [("authorization", "Bearer " + token)]
-
-    def __call__(self, method, req, timeout=15):
-        if hasattr(AP, method + "Response") and method in ("RecordDecision", "GetApproval"):
-            svc, resp = "/upsquad.approval.v1.ApprovalService/", getattr(AP, method + "Response")
-        else:
-            svc, resp = "/upsquad.workflow.v1.WorkflowService/", getattr(W, method + "Response")
-        f = self.ch.unary_unary(svc + method, request_serializer=req.SerializeToString,
-                                response_deserializer=resp.FromString)
-        return f(req, metadata=self.md, timeout=timeout)
-
-    def close(self):
-        self.ch.close()
+Client = T.WorkflowClient
 
 
 class GatesTest(unittest.TestCase):
@@ -374,17 +359,10 @@ class GatesTest(unittest.TestCase):
 
     # ---- an agent asks a person ----
     def dispatch_of(self, run, timeout=15):
-        end = time.time() + timeout
-        while time.time() < end:
-            m = self.nc.js_fetch("AGENT_STEPS", "orchestrator-steps", 0.3)
-            if not m:
-                continue
-            _, ack, data = m
-            self.nc.publish(ack, b"")
-            d = AS.AgentStepDispatch.FromString(data)
-            if d.run_id == run:
-                return d
-        self.fail("no dispatch for run %s" % run)
+        d = T.agent_dispatch(self.nc, run, timeout)
+        if d is None:
+            self.fail("no dispatch for run %s" % run)
+        return d
 
     def reply(self, d, **outcome):
         r = AS.AgentStepResult(idempotency_key=d.idempotency_key, org_id=d.org_id, run_id=d.run_id,

@@ -157,6 +157,49 @@ def struct(d):
     return s
 
 
+class WorkflowClient:
+    """Unary calls of WorkflowService (and ApprovalService's RecordDecision / GetApproval) as a
+    bearer of `token`: client("GetWorkflowStatus", request) -> response."""
+    APPROVAL = ("RecordDecision", "GetApproval")
+
+    def __init__(self, addr, token, timeout=15):
+        import grpc
+        self.ch = grpc.insecure_channel(addr)
+        self.md = [("authorization", "Bearer " + token)]
+        self.timeout = timeout
+
+    def __call__(self, method, req, timeout=None):
+        from upsquad.approval.v1 import approval_pb2 as AP
+        from upsquad.workflow.v1 import workflow_pb2 as W
+        if method in self.APPROVAL:
+            svc, resp = "/upsquad.approval.v1.ApprovalService/", getattr(AP, method + "Response")
+        else:
+            svc, resp = "/upsquad.workflow.v1.WorkflowService/", getattr(W, method + "Response")
+        f = self.ch.unary_unary(svc + method, request_serializer=req.SerializeToString,
+                                response_deserializer=resp.FromString)
+        return f(req, metadata=self.md, timeout=timeout or self.timeout)
+
+    def close(self):
+        self.ch.close()
+
+
+def agent_dispatch(nc, run, timeout=15):
+    """The next AgentStepDispatch of `run` taken from the orchestrator's durable consumer on
+    AGENT_STEPS (others are acked and skipped), playing the orchestrator; None after timeout."""
+    from upsquad.internal.v1 import agent_step_pb2 as AS
+    end = time.time() + timeout
+    while time.time() < end:
+        m = nc.js_fetch("AGENT_STEPS", "orchestrator-steps", 0.3)
+        if not m:
+            continue
+        _, ack, data = m
+        nc.publish(ack, b"")
+        d = AS.AgentStepDispatch.FromString(data)
+        if d.run_id == run:
+            return d
+    return None
+
+
 def http_get(url, timeout=5):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
