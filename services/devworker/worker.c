@@ -134,16 +134,16 @@ int32_t dw_session_reserve_iter(dw_worker *w, const char *id) {
 
 int32_t dw_session_ck_key(dw_worker *w, const char *id, int32_t iter) {
     pthread_mutex_lock(&w->mu);
-    dw_session *s = get_locked(w, id);
-    int32_t key = iter + s->ck_shift;
+    dw_session *s = find_locked(w, id); /* a terminated session's late checkpoint: no shift */
+    int32_t key = iter + (s ? s->ck_shift : 0);
     pthread_mutex_unlock(&w->mu);
     return key;
 }
 
 void dw_session_ck_taken(dw_worker *w, const char *id, int32_t iter, int32_t key) {
     pthread_mutex_lock(&w->mu);
-    dw_session *s = get_locked(w, id);
-    if (s->ck_shift < key - iter + 1) s->ck_shift = key - iter + 1;
+    dw_session *s = find_locked(w, id); /* never re-creates (nor evicts for) a gone session */
+    if (s && s->ck_shift < key - iter + 1) s->ck_shift = key - iter + 1;
     pthread_mutex_unlock(&w->mu);
 }
 

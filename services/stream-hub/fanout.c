@@ -741,24 +741,6 @@ static int snapshot_run(hub_sub *s, int64_t *upto, int *terminal) {
     return 0;
 }
 
-/* The prompt ids the run's nodes are parked on now (needs_input in each node's newest
- * transition of the fold); *ids: caller frees each and the array. */
-static size_t open_prompt_ids(const hs_blobs *fold, char ***ids) {
-    size_t n = 0;
-    *ids = calloc(fold->n ? fold->n : 1, sizeof **ids);
-    for (size_t i = 0; *ids && i < fold->n; i++) {
-        if (fold->v[i].kind != 'n') continue;
-        RunEvent *ev =
-            upsquad__internal__v1__run_event__unpack(NULL, fold->v[i].len, fold->v[i].body);
-        if (ev && ev->event_case == UPSQUAD__INTERNAL__V1__RUN_EVENT__EVENT_NODE && ev->node &&
-            ev->node->needs_input && ev->node->prompt_id && ev->node->prompt_id[0] &&
-            ((*ids)[n] = strdup(ev->node->prompt_id)) != NULL)
-            n++;
-        if (ev) upsquad__internal__v1__run_event__free_unpacked(ev, NULL);
-    }
-    return n;
-}
-
 /* A subscriber that comes after a user_prompt opened still gets its "answer needed" frame
  * (spec: NodeIOFrame.user_prompt, delivered at every clearance so the card can render): each
  * captured prompt frame whose prompt the node is still parked on goes out as a live frame
@@ -768,26 +750,18 @@ static size_t open_prompt_ids(const hs_blobs *fold, char ***ids) {
  * logged, and the stream goes on (GetRunPrompt on the node's blocked_by has the prompt). */
 static int snapshot_prompts(hub_sub *s) {
     hub *h = s->h;
-    char err[256], **open = NULL;
-    hs_blobs pf = {0}, fold = {0};
-    hs_run run;
-    int found = 0, rc = 0;
-    size_t nopen = 0;
+    char err[256];
+    hs_blobs pf = {0};
+    int rc = 0;
     if (hs_prompt_frames(h->pool, s->t->org, s->t->run, s->node, (int)h->cfg->transcript_max, &pf,
-                         err, sizeof err) != DB_OK ||
-        (pf.n && hs_node_fold(h->pool, s->t->org, s->t->run, &fold, &run, &found, err,
-                              sizeof err) != DB_OK)) {
+                         err, sizeof err) != DB_OK) {
         log_warn("hub.snapshot", "open prompts of run %s: %s", s->t->run, err);
-        goto done;
+        return 0;
     }
-    if (pf.n) nopen = open_prompt_ids(&fold, &open);
     for (size_t i = 0; i < pf.n && rc == 0; i++) {
         Upsquad__Workflow__V1__NodeIOFrame *f =
             upsquad__workflow__v1__node_ioframe__unpack(NULL, pf.v[i].len, pf.v[i].body);
-        int is_open = 0;
-        for (size_t k = 0; f && f->user_prompt && k < nopen && !is_open; k++)
-            is_open = strcmp(open[k], f->user_prompt->prompt_id) == 0;
-        if (is_open) {
+        if (f && f->user_prompt) {
             seen *sn = seen_get(&s->seen, f->session_id, 1);
             if (sn && f->seq > sn->seq) sn->seq = f->seq;
             if (sn) sn->in_set = 1;
@@ -798,12 +772,7 @@ static int snapshot_prompts(hub_sub *s) {
         }
         if (f) upsquad__workflow__v1__node_ioframe__free_unpacked(f, NULL);
     }
-done:
-    for (size_t k = 0; k < nopen; k++)
-        free(open[k]);
-    free(open);
     hs_blobs_free(&pf);
-    hs_blobs_free(&fold);
     return rc;
 }
 

@@ -223,14 +223,18 @@ static const char SQL_GET_RUN[] =
     " status, prompt_id, asked_by_role, needs_input, needs_approval, prompt_kind, is_waiting, "
     " nodes_total, nodes_done, last_seq FROM runs";
 
-/* SQL_GET_RUN's columns for a StreamVisibleRuns snapshot row, which describes the whole run
- * (spec VisibleRunEvent), rolled up from each node's newest state (run_nodes): nodes_total and
- * nodes_done (terminal: done or failed, the fold of WorkflowRun.nodes_done's set), is_waiting
- * (a node parked on a wait), open_prompt_count (nodes parked on a prompt or gate) and the
- * FRESHEST open gate, from which needs_input, needs_approval, prompt_kind, prompt_id and
- * asked_by_role are all co-derived. A run without node rows keeps the run row's columns and
- * leaves open_prompt_count undetermined (NULL). */
-static const char SQL_GET_RUN_ROLLUP[] =
+/* A StreamVisibleRuns snapshot: the caller's visible runs (the spec's two arms: the workflow's
+ * team is one of the caller's teams, or the caller owns the private workflow) under the status
+ * filter, newest first, at most $5 -- chosen before anything is rolled up, so the roll-ups cost
+ * per row sent, not per visible run. Each row has SQL_GET_RUN's columns and describes the whole
+ * run (spec VisibleRunEvent), rolled up from each node's newest state (run_nodes): nodes_total
+ * and nodes_done (terminal: done or failed, the fold of WorkflowRun.nodes_done's set),
+ * is_waiting (a node parked on a wait), open_prompt_count (nodes parked on a prompt or gate)
+ * and the FRESHEST open gate, from which needs_input, needs_approval, prompt_kind, prompt_id
+ * and asked_by_role are all co-derived. A run without node rows, or with a node whose state is
+ * unknown (status '': keys backfilled by migration 004 for runs projected before it), keeps the
+ * run row's columns and leaves open_prompt_count undetermined (NULL). */
+static const char SQL_VISIBLE_RUNS[] =
     "SELECT r.run_id, r.workflow_id, r.workflow_name, r.team_id, r.visibility, r.owner_id, "
     " r.display_name, r.status, "
     " CASE WHEN n.nodes IS NULL THEN r.prompt_id ELSE coalesce(g.prompt_id, '') END, "
@@ -240,15 +244,21 @@ static const char SQL_GET_RUN_ROLLUP[] =
     " CASE WHEN n.nodes IS NULL THEN r.prompt_kind ELSE coalesce(g.prompt_kind, 0) END, "
     " coalesce(n.waiting, r.is_waiting), coalesce(n.nodes, r.nodes_total), "
     " coalesce(n.done, r.nodes_done), r.last_seq, n.open "
-    "FROM runs r "
+    "FROM (SELECT * FROM runs r "
+    "  WHERE ((r.visibility <> 'private' AND r.team_id = ANY($2::text[])) "
+    "   OR (r.visibility = 'private' AND r.owner_id = $1)) "
+    "  AND ($3::boolean OR r.status = ANY($4::text[])) "
+    "  ORDER BY r.started_at DESC, r.run_id DESC LIMIT $5) r "
     "LEFT JOIN LATERAL (SELECT count(*)::int AS nodes, "
     "  count(*) FILTER (WHERE x.status IN ('done', 'failed'))::int AS done, "
     "  count(*) FILTER (WHERE x.needs_input OR x.needs_approval)::int AS open, "
     "  bool_or(x.is_waiting) AS waiting "
-    "  FROM run_nodes x WHERE x.run_id = r.run_id HAVING count(*) > 0) n ON true "
+    "  FROM run_nodes x WHERE x.run_id = r.run_id "
+    "  HAVING count(*) > 0 AND bool_and(x.status <> '')) n ON true "
     "LEFT JOIN LATERAL (SELECT y.prompt_id, y.asked_by_role, y.needs_input, y.needs_approval, "
     "  y.prompt_kind FROM run_nodes y WHERE y.run_id = r.run_id "
-    "  AND (y.needs_input OR y.needs_approval) ORDER BY y.seq DESC LIMIT 1) g ON true";
+    "  AND (y.needs_input OR y.needs_approval) ORDER BY y.seq DESC LIMIT 1) g ON true "
+    "ORDER BY r.started_at DESC, r.run_id DESC";
 
 static void copy_field(char *dst, size_t cap, const char *v) {
     snprintf(dst, cap, "%s", v);
@@ -444,8 +454,10 @@ int hs_transcript(db_pool *p, const char *org, const char *run_id, const char *n
 int hs_prompt_frames(db_pool *p, const char *org, const char *run_id, const char *node, int limit,
                      hs_blobs *out, char *err, size_t errlen) {
     static const char sql[] =
-        "SELECT 0, 'p', body FROM (SELECT body, created_at, prompt_id FROM prompt_frames "
+        "SELECT 0, 'p', body FROM (SELECT body, created_at, prompt_id FROM prompt_frames f "
         " WHERE run_id = $1 AND ($2 = '' OR step_name = $2 OR action_id = $2) "
+        " AND EXISTS (SELECT 1 FROM run_nodes n WHERE n.run_id = $1 AND n.needs_input "
+        "  AND n.prompt_id = f.prompt_id) "
         " ORDER BY created_at DESC, prompt_id LIMIT $3) x ORDER BY created_at, prompt_id";
     return read_node_blobs(p, org, sql, run_id, node, limit, out, err, errlen);
 }
@@ -516,7 +528,7 @@ int hs_visible_runs(db_pool *p, const char *org, const char *member, const char 
                     hs_run **out, size_t *n, char *err, size_t errlen) {
     db_tx *tx = NULL;
     PGresult *res = NULL;
-    char sql[sizeof SQL_GET_RUN_ROLLUP + 512], l[16];
+    char l[16];
     char *ta = array_literal(teams, n_teams), *sa = array_literal(statuses, n_statuses);
     *out = NULL;
     *n = 0;
@@ -525,19 +537,11 @@ int hs_visible_runs(db_pool *p, const char *org, const char *member, const char 
         rc = fail(err, errlen, "out of memory");
         goto done;
     }
-    /* the two visibility arms of the spec: the workflow's team is one of the caller's teams,
-     * or the caller owns the private workflow */
-    snprintf(sql, sizeof sql,
-             "%s WHERE ((r.visibility <> 'private' AND r.team_id = ANY($2::text[])) "
-             " OR (r.visibility = 'private' AND r.owner_id = $1)) "
-             " AND ($3::boolean OR r.status = ANY($4::text[])) "
-             "ORDER BY r.started_at DESC, r.run_id DESC LIMIT $5",
-             SQL_GET_RUN_ROLLUP);
     snprintf(l, sizeof l, "%d", limit);
     rc = db_tx_begin_ex(p, org, DB_TX_READ_ONLY, &tx, err, errlen);
     if (rc != DB_OK) goto done;
     const char *v[5] = {member, ta, statuses ? "f" : "t", sa, l};
-    rc = db_exec(db_tx_conn(tx), sql, 5, v, &res, err, errlen);
+    rc = db_exec(db_tx_conn(tx), SQL_VISIBLE_RUNS, 5, v, &res, err, errlen);
     if (rc == DB_OK) {
         int rows = PQntuples(res);
         *out = calloc(rows ? (size_t)rows : 1, sizeof **out);

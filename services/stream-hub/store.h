@@ -104,8 +104,9 @@ int hs_log_tail(db_pool *p, const char *org, const char *run_id, int tail, hs_bl
  * ordered by (session_id, seq, created_at), at most limit. seq carries the event's seq. */
 int hs_transcript(db_pool *p, const char *org, const char *run_id, const char *node, int limit,
                   hs_blobs *out, char *err, size_t errlen);
-/* The captured user_prompt frames of a run (kind 'p', body a NodeIOFrame), of one node (step
- * name or action id; NULL/"" = every node), the newest `limit` of them, oldest first. */
+/* The captured user_prompt frames of a run (kind 'p', body a NodeIOFrame) whose prompt is still
+ * open (a node's newest projected state is parked on it, run_nodes), of one node (step name or
+ * action id; NULL/"" = every node), the newest `limit` of them, oldest first. */
 int hs_prompt_frames(db_pool *p, const char *org, const char *run_id, const char *node, int limit,
                      hs_blobs *out, char *err, size_t errlen);
 /* How many of the given runs the projection holds at a lower seq than given (or not at all):

@@ -40,9 +40,8 @@ CREATE POLICY tenant ON run_nodes
 --
 -- Runs projected before this table: their keys and newest seqs, once, across orgs (the owner,
 -- which runs the migrations, is exempt from row-level security while it is not forced), so
--- their status snapshots fold every node. Their state columns stay at the defaults until the
--- node moves again, so a visible-run snapshot row of such a run undercounts nodes_done and
--- open gates until then.
+-- their status snapshots fold every node. Their state is unknown (status ''), so a
+-- visible-run snapshot row of such a run keeps the run row's columns, as before this table.
 ALTER TABLE run_events NO FORCE ROW LEVEL SECURITY;
 ALTER TABLE run_nodes NO FORCE ROW LEVEL SECURITY;
 INSERT INTO run_nodes (org_id, run_id, node_id, iteration, seq)
