@@ -435,7 +435,7 @@ void db_release(db_pool *p, PGconn *c) {
         log_error("db.release.foreign", "connection does not belong to this pool");
         return;
     }
-    if (db_pipe_active(c)) db_pipe_end(c, NULL, 0); /* drain; settle rolls back */
+    db__pipe_discard(c); /* drain, dropping results; settle rolls back */
     PGconn *keep = db__settle(c);
     pthread_mutex_lock(&p->mu);
     p->slots[i].conn = keep;
@@ -499,6 +499,7 @@ static const char *db__begin_sql(int flags) {
  * transaction. The value is a number we format: nothing of the caller's is spliced in. */
 static int db__begin(db_pool *p, PGconn *c, const char *begin, char *err, size_t errlen) {
     int64_t left = ctx_deadline_ms();
+    const char *orig = begin;
     char sql[160];
     if (left != CTX_NO_DEADLINE &&
         (p->o.statement_timeout_ms == 0 || left < p->o.statement_timeout_ms)) {
@@ -510,14 +511,18 @@ static int db__begin(db_pool *p, PGconn *c, const char *begin, char *err, size_t
         snprintf(sql, sizeof sql, "%s; SET LOCAL statement_timeout = %lld", begin, (long long)left);
         begin = sql;
     }
-    if (db_pipe_active(c)) { /* one statement per send: split what was joined above */
-        char one[160];
-        snprintf(one, sizeof one, "%s", begin);
-        char *semi = strchr(one, ';');
-        if (semi) *semi = '\0';
-        int rc = db_pipe_send(c, one, 0, NULL, NULL, NULL, 0, NULL, err, errlen);
-        if (rc == DB_OK && semi)
-            rc = db_pipe_send(c, semi + 2, 0, NULL, NULL, NULL, 0, NULL, err, errlen);
+    if (db_pipe_active(c)) {
+        /* pipelined statements are prepared by their text: the timeout goes as a parameter
+         * (set_config(.., true) is SET LOCAL), so the text, and its one prepared statement
+         * per connection, stay the same whatever the deadline */
+        int rc = db_pipe_send(c, orig, 0, NULL, NULL, NULL, 0, NULL, err, errlen);
+        if (rc == DB_OK && begin != orig) {
+            char ms[24];
+            snprintf(ms, sizeof ms, "%lld", (long long)left);
+            const char *v[1] = {ms};
+            rc = db_pipe_send(c, "SELECT set_config('statement_timeout', $1, true)", 1, v, NULL,
+                              NULL, 0, NULL, err, errlen);
+        }
         return rc;
     }
     PGresult *res = PQexec(c, begin);

@@ -212,6 +212,8 @@ int db__pipe_exec(PGconn *c, const char *sql, int nparams, const char *const *va
                   const int *lengths, const int *formats, int result_format, PGresult **out_res,
                   char *err, size_t errlen);
 void db__pipe_forget(PGconn *c);
+/* Ends a pipeline whose statements' owners may be gone: results are read and dropped. */
+void db__pipe_discard(PGconn *c);
 void db__pipe_conn_closed(PGconn *c);
 
 #endif

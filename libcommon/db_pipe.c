@@ -219,6 +219,15 @@ int db_pipe_end(PGconn *c, char *err, size_t errlen) {
     return rc;
 }
 
+void db__pipe_discard(PGconn *c) {
+    if (!db_pipe_active(c)) return;
+    /* the statements' owners may be gone (an error path returned before flushing): their
+     * result slots point into dead frames, so results are dropped, never handed out */
+    for (int k = 0; k < db__p.n; k++)
+        db__p.slots[k] = NULL;
+    db_pipe_end(c, NULL, 0);
+}
+
 void db__pipe_forget(PGconn *c) {
     if (db_pipe_active(c)) {
         db__p.c = NULL;

@@ -14,6 +14,7 @@
 
 #include <cmocka.h>
 
+#include "ctx.h"
 #include "db.h"
 #include "log.h"
 
@@ -196,6 +197,37 @@ static void test_explicit_batch(void **state) {
     db_release(g_pool, c);
 }
 
+/* A caller's deadline bounds the pipelined transaction's statements (statement_timeout, local
+ * to it), and deadlines that differ call after call do not each leave a prepared statement
+ * behind on the connection: the timeout is a parameter, not part of the statement's text. */
+static void test_deadline_is_a_parameter(void **state) {
+    (void)state;
+    char err[256];
+    db_pool *one = NULL;
+    assert_int_equal(db_pool_open(g_dsn, 1, &one, err, sizeof err), DB_OK);
+    long prepared[6] = {0};
+    for (int i = 0; i < 6; i++) {
+        db_tx *tx = NULL;
+        PGresult *r = NULL;
+        ctx_set_deadline_ms(20000 + 137 * i);
+        assert_int_equal(db_tx_begin_ex(one, NULL, DB_TX_PIPELINE, &tx, err, sizeof err), DB_OK);
+        assert_int_equal(db_exec(db_tx_conn(tx),
+                                 "SELECT current_setting('statement_timeout'), "
+                                 "(SELECT count(*) FROM pg_prepared_statements)",
+                                 0, NULL, &r, err, sizeof err),
+                         DB_OK);
+        ctx_clear();
+        const char *t = PQgetvalue(r, 0, 0); /* e.g. "20s" or "19998ms": never the default 0 */
+        assert_true(strcmp(t, "0") != 0 && (strstr(t, "ms") || strchr(t, 's')));
+        prepared[i] = atol(PQgetvalue(r, 0, 1));
+        PQclear(r);
+        assert_int_equal(db_tx_commit(tx, err, sizeof err), DB_OK);
+    }
+    for (int i = 2; i < 6; i++)
+        assert_int_equal(prepared[i], prepared[1]);
+    db_pool_close(one);
+}
+
 int main(void) {
     g_dsn = getenv("UPSQUAD_PG_ADMIN_DSN");
     if (!g_dsn || !*g_dsn) {
@@ -208,6 +240,7 @@ int main(void) {
         cmocka_unit_test(test_deferred_error_rolls_back),
         cmocka_unit_test(test_bound_and_rollback),
         cmocka_unit_test(test_explicit_batch),
+        cmocka_unit_test(test_deadline_is_a_parameter),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
