@@ -680,15 +680,12 @@ static int setup(orch_steps *s, int i) {
     bus *b = s->o->bus;
     if (!bus_connected(b)) return -1; /* no JetStream call waits on a server that is away */
     pthread_mutex_lock(&setup_mu);
-    int rc =
-        bus_js_stream_ensure(b, STREAM_AGENT_STEPS, steps, 1, BUS_RETENTION_WORKQUEUE,
-                             STREAM_AGENT_STEPS_MAX_AGE_S, NULL, err, sizeof err) ||
-        bus_js_stream_ensure(b, STREAM_AGENT_RESULTS, results, 1, BUS_RETENTION_WORKQUEUE,
-                             STREAM_AGENT_RESULTS_MAX_AGE_S, NULL, err, sizeof err) ||
-        bus_js_stream_ensure(b, STREAM_WFIO, wfio, 1, BUS_RETENTION_LIMITS, STREAM_WFIO_MAX_AGE_S,
-                             NULL, err, sizeof err) ||
-        bus_js_pull_subscribe(b, STREAM_AGENT_STEPS, DURABLE_AGENT_STEPS, SUBJ_AGENT_STEP_DISPATCH,
-                              ACK_WAIT_MS, -1, &s->pull[i], err, sizeof err);
+    int rc = bus_js_stream_ensure(b, STREAM_AGENT_STEPS, steps, 1, BUS_RETENTION_WORKQUEUE,
+                                  STREAM_AGENT_STEPS_MAX_AGE_S, NULL, err, sizeof err) ||
+             bus_js_stream_ensure(b, STREAM_AGENT_RESULTS, results, 1, BUS_RETENTION_WORKQUEUE,
+                                  STREAM_AGENT_RESULTS_MAX_AGE_S, NULL, err, sizeof err) ||
+             bus_js_stream_ensure(b, STREAM_WFIO, wfio, 1, BUS_RETENTION_LIMITS,
+                                  STREAM_WFIO_MAX_AGE_S, NULL, err, sizeof err);
     if (!rc && !s->cancel_sub) {
         /* every replica sees every cancel (a fan-out), including those published while it was
          * disconnected or before it started (the stream keeps an hour of them) */
@@ -702,6 +699,12 @@ static int setup(orch_steps *s, int i) {
         for (int w = 0; !rc && w < 150 && !bus_sub_caught_up(s->cancel_sub); w++)
             pause_ms(20);
     }
+    /* last: consume() takes dispatches once pull[i] is set, so everything above is in place
+     * by then, and a failure above leaves it unset and the whole setup is retried */
+    if (!rc)
+        rc = bus_js_pull_subscribe(b, STREAM_AGENT_STEPS, DURABLE_AGENT_STEPS,
+                                   SUBJ_AGENT_STEP_DISPATCH, ACK_WAIT_MS, -1, &s->pull[i], err,
+                                   sizeof err);
     pthread_mutex_unlock(&setup_mu);
     if (rc) log_warn("steps.setup", "agent steps not consumed yet (%s); retrying", err);
     return rc;

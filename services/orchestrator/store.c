@@ -31,25 +31,17 @@ static int tx_end(db_tx *tx, int rc, char *err, size_t errlen) {
     return rc;
 }
 
-/* Locks the session row FOR UPDATE, the first lock of every transaction that both writes
- * the row and inserts rows referencing it, so such transactions queue instead of deadlocking.
- * ORCH_ENOTFOUND when the row is not visible. */
-static int lock_session(PGconn *c, const char *session_id, char *err, size_t errlen) {
-    PGresult *r = NULL;
-    int rc = db_exec(c, "SELECT 1 FROM sessions WHERE session_id = $1::uuid FOR UPDATE", 1,
-                     &session_id, &r, err, errlen);
-    if (rc == DB_OK && PQntuples(r) == 0)
-        rc = util_errf(err, errlen, ORCH_ENOTFOUND, "no session %s", session_id);
-    PQclear(r);
-    return rc;
-}
-
 /* ---- audit ---- */
 
 /* The chain: hash = sha256(prev_hash | seq | action_id | action_type | parent | detail::text),
- * '|'-joined, with the session row locked so appends of one session are serialised. */
+ * '|'-joined, with the session row locked so appends of one session are serialised. FOR NO KEY
+ * UPDATE, the lock an UPDATE of the row takes: it serialises appends all the same, and does not
+ * conflict with the key-share lock a checkpoint's insert takes on the row through its foreign
+ * key (FOR UPDATE did: a turn's end, having updated the row, then waited on a checkpoint that
+ * was waiting on that update, a deadlock that lost the turn's end). */
 static const char *SQL_AUDIT =
-    "WITH s AS (SELECT session_id FROM sessions WHERE session_id = $1::uuid FOR UPDATE),"
+    "WITH s AS (SELECT session_id FROM sessions WHERE session_id = $1::uuid"
+    " FOR NO KEY UPDATE),"
     " last AS (SELECT seq, hash FROM audit_log WHERE session_id = $1::uuid"
     "          ORDER BY seq DESC LIMIT 1),"
     " v AS (SELECT coalesce((SELECT seq FROM last), 0) + 1 AS seq,"
@@ -601,10 +593,6 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
     snprintf(outt, sizeof outt, "%lld", (long long)e->output_tokens);
     snprintf(cost, sizeof cost, "%.9f", e->cost_usd);
     TX_BEGIN(org);
-    /* the session row first, FOR UPDATE: the audit append below locks it so, and taking it
-     * there after this UPDATE would wait on a checkpoint's key-share lock while that
-     * checkpoint waits on this UPDATE (a deadlock; orch_store_checkpoint locks it first too) */
-    rc = lock_session(c, session_id, err, errlen);
     const char *v[] = {session_id,
                        status,
                        loops,
@@ -736,16 +724,11 @@ int orch_store_checkpoint(db_pool *p, const char *session_id, int loop_iteration
     TX_BEGIN(org);
     const char *v[] = {session_id, iter, ver, (const char *)state, sha256_hex};
     int lens[] = {0, 0, 0, (int)len, 0}, fmt[] = {0, 0, 0, 1, 0};
-    /* the session row first (see orch_store_turn_end): the insert's foreign key would take a
-     * key-share lock that the UPDATE of sessions below must then upgrade, racing a turn's end */
-    rc = lock_session(c, session_id, err, errlen);
-    if (rc == DB_OK)
-        rc = db_exec_bin(
-            c,
-            "INSERT INTO checkpoints (session_id, loop_iteration, org_id, schema_version,"
-            " state, sha256) VALUES ($1, $2, current_org(), $3, $4, $5)"
-            " ON CONFLICT (session_id, loop_iteration) DO NOTHING RETURNING 1",
-            5, v, lens, fmt, 0, &r, err, errlen);
+    rc = db_exec_bin(c,
+                     "INSERT INTO checkpoints (session_id, loop_iteration, org_id, schema_version,"
+                     " state, sha256) VALUES ($1, $2, current_org(), $3, $4, $5)"
+                     " ON CONFLICT (session_id, loop_iteration) DO NOTHING RETURNING 1",
+                     5, v, lens, fmt, 0, &r, err, errlen);
     int inserted = rc == DB_OK && PQntuples(r) == 1;
     PQclear(r);
     r = NULL;
