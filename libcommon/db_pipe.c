@@ -6,6 +6,7 @@
  * give PGRES_PIPELINE_ABORTED; PQexec is refused while the mode is on; and
  * PQexitPipelineMode fails until every result through the last sync was read. */
 #include "db.h"
+#include "util.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -35,11 +36,8 @@ typedef struct db__prep {
 static pthread_mutex_t db__prep_mu = PTHREAD_MUTEX_INITIALIZER;
 static db__prep *db__preps;
 
-static uint64_t db__hash(const char *s) { /* FNV-1a 64 */
-    uint64_t h = 1469598103934665603ULL;
-    for (; *s; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
-    return h;
+static uint64_t db__hash(const char *s) {
+    return util_fnv1a(UTIL_FNV1A_INIT, s, strlen(s));
 }
 
 static db__prep *db__prep_of(PGconn *c, int create) { /* db__prep_mu held */

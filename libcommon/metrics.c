@@ -139,13 +139,9 @@ static int metrics__valid_name(const char *s) {
 }
 
 static uint64_t metrics__hash_key(const char *name, const char *labels) {
-    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
-    for (const char *p = name; *p; p++)
-        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
-    h = (h ^ 0xFF) * 1099511628211ULL;
-    for (const char *p = labels; *p; p++)
-        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
-    return h;
+    uint64_t h = util_fnv1a(UTIL_FNV1A_INIT, name, strlen(name));
+    h = util_fnv1a(h, "\xff", 1); /* a byte no name holds: ("ab","c") and ("a","bc") differ */
+    return util_fnv1a(h, labels, strlen(labels));
 }
 
 /* Open addressing, linear probing; the table is at most half full. */

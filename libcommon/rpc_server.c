@@ -15,6 +15,7 @@
 #include "google/rpc/status.pb-c.h"
 #include "log.h"
 #include "rpc_internal.h"
+#include "util.h"
 
 #define container_of(p, T, f) ((T *)(void *)((char *)(p)-offsetof(T, f)))
 
@@ -362,20 +363,13 @@ static token_slot *token_cache_get(void) {
     return token_cache = t;
 }
 
-static uint64_t token_hash(const char *p, size_t n) {
-    uint64_t h = 1469598103934665603ull; /* FNV-1a */
-    for (size_t i = 0; i < n; i++)
-        h = (h ^ (unsigned char)p[i]) * 1099511628211ull;
-    return h;
-}
-
 static int authenticate(rpc_call *c, const char *hdr, size_t len, char *err, size_t errlen) {
     const auth_verifier *v = c->srv->o.auth;
     int64_t now = (int64_t)time(NULL);
     token_slot *slot = NULL;
     if (len <= TOKEN_CACHE_MAX) {
         token_slot *cache = token_cache_get();
-        if (cache) slot = &cache[token_hash(hdr, len) % TOKEN_CACHE_SLOTS];
+        if (cache) slot = &cache[util_fnv1a(UTIL_FNV1A_INIT, hdr, len) % TOKEN_CACHE_SLOTS];
     }
     if (slot && slot->v == v && slot->len == len && slot->id.exp > now &&
         memcmp(slot->hdr, hdr, len) == 0) {

@@ -142,3 +142,10 @@ const char *util_json_object_end(const char *s) {
     }
     return NULL;
 }
+
+uint64_t util_fnv1a(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 1099511628211ULL;
+    return h;
+}

@@ -3,6 +3,7 @@
 #define UPSQUAD_UTIL_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* Formats into err (when err && errlen) and returns code: `return util_errf(err, n, -1, ...)`
  * attaches the message where the failure happens. */
@@ -33,5 +34,10 @@ int util_read_file(const char *path, size_t max, char **out, size_t *len, char *
 /* The end (one past its '}') of the balanced JSON object starting at s ('{'), strings and
  * escapes respected; NULL when it does not close. For JSON embedded in free text. */
 const char *util_json_object_end(const char *s);
+
+/* FNV-1a (64-bit) of n bytes, continuing from h: UTIL_FNV1A_INIT starts a hash. Hash keys of
+ * caches and tables; not a checksum against an adversary. */
+#define UTIL_FNV1A_INIT 14695981039346656037ULL
+uint64_t util_fnv1a(uint64_t h, const void *p, size_t n);
 
 #endif

@@ -29,6 +29,7 @@
 #include "log.h"
 #include "store.h"
 #include "subjects.h"
+#include "util.h"
 
 /* The ordering key of an outbox subject: the run for a run event, NULL for a barrier. */
 static const char *run_key(const char *subject) {
@@ -41,11 +42,8 @@ static const char *run_key(const char *subject) {
     return NULL;
 }
 
-static uint64_t key_hash(const char *s) { /* FNV-1a 64 */
-    uint64_t h = 1469598103934665603ULL;
-    for (; *s; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
-    return h;
+static uint64_t key_hash(const char *s) {
+    return util_fnv1a(UTIL_FNV1A_INIT, s, strlen(s));
 }
 
 int wf_relay_waves(const char *const *subjects, int n, int *wave) {

@@ -341,6 +341,10 @@ int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *e
     return ex(tx, lock ? RL_SELECT " FOR UPDATE OF r" : RL_SELECT, 1, p, out, err, errlen);
 }
 
+/* The raw action statuses counted as done (spec WorkflowRun.nodes_done: the ones that fold
+ * to done or failed); waits and parks are not. */
+#define DONE_STATUSES "('approved', 'completed', 'skipped', 'rejected', 'failed')"
+
 #define RUN_SELECT                                                                                 \
     "SELECT r.id, r.workflow_id, r.org_id, r.triggered_by, r.status, r.context::text, "            \
     "       " MS("r.started_at") ", " MS("r.completed_at") ", " MS(                                \
@@ -350,9 +354,8 @@ int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *e
                                               "       (SELECT count(*) FROM " S                    \
                                               "actions a WHERE a.run_id = r.id), "                 \
                                               "       (SELECT count(*) FROM " S                    \
-                                              "actions a WHERE a.run_id = r.id AND a.status IN "   \
-                                              "          ('approved', 'completed', 'skipped', "    \
-                                              "'rejected', 'failed')), "                           \
+                                              "actions a WHERE a.run_id = r.id AND a.status "      \
+                                              "IN " DONE_STATUSES "), "                            \
                                               "       r.display_name, w.name, "                    \
                                               "       coalesce((SELECT g.kind FROM " S             \
                                               "governance g WHERE g.run_id = r.id "                \
@@ -379,11 +382,10 @@ int st_run_counts(db_tx *tx, const char *run_id, PGresult **out, char *err, size
     /* the same counts as RUN_SELECT's, without its joins and governance lookups: a run's
      * status change in a tick plans and runs this cheaply */
     return ex(tx,
-              "SELECT count(a.id), count(a.id) FILTER (WHERE a.status IN ('approved', "
-              "'completed', 'skipped', 'rejected', 'failed')), r.cost_usd, " MS(
-                  "r.started_at") ", " MS("r.completed_at") " FROM " S "runs r LEFT JOIN " S
-                                                            "actions a ON a.run_id = r.id "
-                                                            "WHERE r.id = $1::uuid GROUP BY r.id",
+              "SELECT count(a.id), count(a.id) FILTER (WHERE a.status IN " DONE_STATUSES
+              "), r.cost_usd, " MS("r.started_at") ", " MS(
+                  "r.completed_at") " FROM " S "runs r LEFT JOIN " S "actions a ON a.run_id = r.id "
+                                    "WHERE r.id = $1::uuid GROUP BY r.id",
               1, p, out, err, errlen);
 }
 

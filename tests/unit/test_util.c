@@ -123,11 +123,22 @@ static void test_sha256(void **state) {
     assert_non_null(ids_sha256_md());
 }
 
+/* FNV-1a 64 test vectors, and that a hash continues over pieces as over their concatenation. */
+static void test_fnv1a(void **state) {
+    (void)state;
+    assert_true(util_fnv1a(UTIL_FNV1A_INIT, "", 0) == UTIL_FNV1A_INIT);
+    assert_true(util_fnv1a(UTIL_FNV1A_INIT, "a", 1) == 0xaf63dc4c8601ec8cULL);
+    assert_true(util_fnv1a(UTIL_FNV1A_INIT, "foobar", 6) == 0x85944171f73967e8ULL);
+    assert_true(util_fnv1a(util_fnv1a(UTIL_FNV1A_INIT, "foo", 3), "bar", 3) ==
+                util_fnv1a(UTIL_FNV1A_INIT, "foobar", 6));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_json_object_end), cmocka_unit_test(test_utf8_check),
         cmocka_unit_test(test_utf8_cut),        cmocka_unit_test(test_errf_cuts_on_a_boundary),
         cmocka_unit_test(test_read_file),       cmocka_unit_test(test_sha256),
+        cmocka_unit_test(test_fnv1a),
     };
     return cmocka_run_group_tests_name("util", tests, NULL, NULL);
 }
