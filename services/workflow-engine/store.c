@@ -737,7 +737,8 @@ int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err
     *out = NULL;
     *locked = 0;
     /* One relay at a time keeps each run's events in outbox (seq) order on the bus. */
-    const char *lock = "SELECT pg_try_advisory_xact_lock(hashtext('workflow_engine.outbox_relay'))";
+#define RELAY_LOCK "pg_try_advisory_xact_lock(hashtext('workflow_engine.outbox_relay'))"
+    const char *lock = "SELECT " RELAY_LOCK;
     /* The outbox is a queue: nearly empty when vacuumed, thousands of dead rows a few seconds
      * later. A plan made while it looked empty (a sequential scan and a sort, cached for the
      * connection) then reads every dead row of the heap each round, and the delete by ids was
@@ -745,8 +746,12 @@ int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err
      * the delete always walk the primary key, with plans kept per connection. */
     const char *plan = "SELECT set_config('enable_seqscan', 'off', true), "
                        "set_config('plan_cache_mode', 'force_generic_plan', true)";
-    const char *fetch = "SELECT id, subject, msg_id, payload FROM " S "outbox ORDER BY id "
-                        "LIMIT $1::int";
+    /* pipelined, the fetch is sent with the lock attempt before its answer is known: it
+     * takes the lock again (re-entrant for the holder; evaluated once), so a replica without
+     * the lock reads no rows, not a batch of payloads it would throw away */
+    const char *fetch = "SELECT id, subject, msg_id, payload FROM " S "outbox "
+                        "WHERE (SELECT " RELAY_LOCK ") ORDER BY id LIMIT $1::int";
+#undef RELAY_LOCK
     if (db_pipe_active(c)) { /* all behind one sync; the rows count only under the lock */
         int rc = db_pipe_send(c, lock, 0, NULL, NULL, NULL, 0, &r, err, errlen);
         if (rc == DB_OK) rc = db_pipe_send(c, plan, 0, NULL, NULL, NULL, 0, NULL, err, errlen);
