@@ -175,6 +175,11 @@ int rpc_wait_signal(void);
 
 /* ---- inside a handler ---- */
 const auth_identity *rpc_identity(const rpc_call *call); /* NULL for RPC_AUTH_NONE methods */
+/* The caller's tenant: the verified identity, whose org_id must name a tenant (a UUID), and with
+ * RPC_TENANT_SUB its sub a member (a UUID) too. A token that does not is a bad token:
+ * UNAUTHENTICATED (set on the call and returned), never a reason to retry. */
+enum { RPC_TENANT_SUB = 1 << 0 };
+int rpc_tenant(rpc_call *call, int flags, const auth_identity **id);
 const char *rpc_method_path(const rpc_call *call);
 const char *rpc_trace_id(const rpc_call *call); /* x-request-id or generated */
 /* First value of a request metadata key (lowercase), copied into the arena (the handler's

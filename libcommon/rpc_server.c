@@ -13,6 +13,7 @@
 #include "ctx.h"
 #include "google/protobuf/any.pb-c.h"
 #include "google/rpc/status.pb-c.h"
+#include "ids.h"
 #include "log.h"
 #include "rpc_internal.h"
 #include "util.h"
@@ -249,6 +250,14 @@ void rpc__prepare_status(rpc_call *c, grpc_op *op) {
 
 const auth_identity *rpc_identity(const rpc_call *c) {
     return c->ident;
+}
+int rpc_tenant(rpc_call *c, int flags, const auth_identity **id) {
+    *id = c->ident;
+    if (!*id || !ids_uuid_valid((*id)->org_id))
+        return rpc_error(c, RPC_UNAUTHENTICATED, "the token's org_id is not a tenant UUID");
+    if ((flags & RPC_TENANT_SUB) && !ids_uuid_valid((*id)->sub))
+        return rpc_error(c, RPC_UNAUTHENTICATED, "the token's sub is not a member UUID");
+    return RPC_OK;
 }
 const char *rpc_method_path(const rpc_call *c) {
     return c->method->m.path;

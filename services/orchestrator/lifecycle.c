@@ -44,15 +44,6 @@ static int uuid_field(rpc_call *call, const char *name, const char *v, int requi
     return RPC_OK;
 }
 
-/* The caller's tenant: the token's org_id, which must name one (a UUID). A token without
- * one is a bad token (UNAUTHENTICATED), not a reason to try again. */
-static int caller(rpc_call *call, const auth_identity **id) {
-    *id = rpc_identity(call);
-    if (!*id || !ids_uuid_valid((*id)->org_id))
-        return rpc_error(call, RPC_UNAUTHENTICATED, "the token's org_id is not a tenant UUID");
-    return RPC_OK;
-}
-
 static int mode_field(rpc_call *call, int mode) {
     if (mode < 0 || mode > 3)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "execution_mode: unknown value %d", mode);
@@ -93,7 +84,7 @@ static int create_session(rpc_call *call, const ProtobufCMessage *req, ProtobufC
     const auth_identity *id;
     char sid[37], hash[65], msg[768];
     int rc;
-    if ((rc = caller(call, &id)) || (rc = uuid_field(call, "agent_id", rq->agent_id, 1)) ||
+    if ((rc = rpc_tenant(call, 0, &id)) || (rc = uuid_field(call, "agent_id", rq->agent_id, 1)) ||
         (rc = mode_field(call, rq->execution_mode)))
         return rc;
     if (strlen(rq->model_override) > 96)
@@ -124,7 +115,7 @@ static int get_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
     const auth_identity *id;
     orch_session s;
     char err[512];
-    int rc = caller(call, &id);
+    int rc = rpc_tenant(call, 0, &id);
     if (rc || (rc = uuid_field(call, "session_id", rq->session_id, 1))) return rc;
     rc = orch_store_session_get(o->pool, id->org_id, rq->session_id, 0, &s, err, sizeof err);
     if (rc == ORCH_ENOTFOUND)
@@ -180,7 +171,7 @@ static int list_sessions(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     orch_list_query q = {.agent_status = -1};
     const auth_identity *id;
     char after[37] = "", err[512];
-    int rc = caller(call, &id);
+    int rc = rpc_tenant(call, 0, &id);
     if (rc || (rc = uuid_field(call, "agent_id", rq->agent_id, 0))) return rc;
     if (parse_filter(rq->status_filter, &q.state, &q.agent_status))
         return rpc_error(call, RPC_INVALID_ARGUMENT,
@@ -255,7 +246,7 @@ static int terminate_session(rpc_call *call, const ProtobufCMessage *req, Protob
     const auth_identity *id;
     char state[16] = "", err[512];
     int was = 0;
-    int rc = caller(call, &id);
+    int rc = rpc_tenant(call, 0, &id);
     if (rc || (rc = uuid_field(call, "session_id", rq->session_id, 1))) return rc;
     const char *org = id->org_id;
     if (strlen(rq->reason) > 1024)
@@ -404,7 +395,8 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     ExecuteStepRequest *ereq = NULL;
     orch_turn_result res = {0};
     int rc;
-    if ((rc = caller(call, &id)) || (rc = uuid_field(call, "session_id", rq->session_id, 0)) ||
+    if ((rc = rpc_tenant(call, 0, &id)) ||
+        (rc = uuid_field(call, "session_id", rq->session_id, 0)) ||
         (rc = uuid_field(call, "agent_id", rq->agent_id, !rq->session_id[0])) ||
         (rc = mode_field(call, rq->execution_mode)))
         return rc;

@@ -33,14 +33,14 @@ typedef Upsquad__Workflow__V1__TranscriptEvent Transcript;
 static int find_run(rpc_call *call, hub *h, const char *run_id, hs_run *run) {
     char err[256];
     int found = 0;
-    const auth_identity *who = rpc_identity(call);
+    const auth_identity *who;
+    int rc = rpc_tenant(call, 0, &who);
+    if (rc != RPC_OK) return rc;
     if (!run_id || !run_id[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "run_id is required");
     /* spec: run_id is "the workflow run UUID (required)": a malformed one is bad input, as in
      * every WorkflowService RPC of the workflow-engine (GetWorkflowStatus, GetNodeIO, ...) */
     if (!ids_uuid_valid(run_id))
         return rpc_error(call, RPC_INVALID_ARGUMENT, "run_id must be a UUID");
-    if (!ids_uuid_valid(who->org_id))
-        return rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
     /* a client that left while its stream waited for a worker costs no lookup */
     if (rpc_cancelled(call)) return RPC_CANCELLED;
     /* A run is known once its first event is projected, milliseconds after TriggerWorkflow
@@ -121,7 +121,7 @@ static int stream_node_io(rpc_call *call, const ProtobufCMessage *req, void *ud)
 
 static int stream_visible_runs(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     const VisReq *rq = (const VisReq *)req;
-    hub_sub_opts o = {.rpc = HUB_RPC_VISIBLE, .who = rpc_identity(call)};
+    hub_sub_opts o = {.rpc = HUB_RPC_VISIBLE};
     const int active =
         hub_status_bit("pending") | hub_status_bit("running") | hub_status_bit("paused");
     switch ((int)rq->status_filter) {
@@ -142,8 +142,8 @@ static int stream_visible_runs(rpc_call *call, const ProtobufCMessage *req, void
         return rpc_error(call, RPC_INVALID_ARGUMENT, "status_filter %d is not a RunStatusFilter",
                          (int)rq->status_filter);
     }
-    if (!ids_uuid_valid(o.who->org_id))
-        return rpc_error(call, RPC_INVALID_ARGUMENT, "the token's org_id is not a UUID");
+    int rc = rpc_tenant(call, 0, &o.who);
+    if (rc != RPC_OK) return rc;
     return hub_serve(ud, call, &o, 0);
 }
 

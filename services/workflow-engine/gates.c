@@ -354,7 +354,7 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
     gate g = {0};
     char *ids = NULL, err[512];
     int won = 0;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "action_id", action_id))) return rc;
     if (wfr_utf8_chars(comment) > COMMENT_MAX)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "comment must be at most %d characters",
@@ -459,7 +459,7 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     db_tx *tx = NULL;
     PGresult *page = NULL, *rows = NULL;
     char err[512];
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc) return rc;
     if (rq->limit < 0) return rpc_error(call, RPC_INVALID_ARGUMENT, "limit must be >= 0");
     if (rq->offset < 0) return rpc_error(call, RPC_INVALID_ARGUMENT, "offset must be >= 0");
@@ -624,7 +624,7 @@ static int get_run_prompt(rpc_call *call, const ProtobufCMessage *req, ProtobufC
     const P(GetRunPromptRequest) *rq = (const void *)req;
     const auth_identity *id;
     gate g = {0};
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "prompt_id", rq->prompt_id))) return rc;
     if ((rc = gate_open(call, ud, id, "prompt_id", rq->prompt_id, 0, 0, &g))) goto done;
     if (!strcmp(g_kind(&g), "approval_gate")) {
@@ -679,7 +679,7 @@ static int answer_run_prompt(rpc_call *call, const ProtobufCMessage *req, Protob
     gate g = {0};
     char *ids = NULL;
     int won = 0;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "prompt_id", rq->prompt_id))) return rc;
     if ((rc = gate_open(call, e, id, "prompt_id", rq->prompt_id, 0, 1, &g)) ||
         (rc = wrong_door(call, "prompt_id", g_kind(&g), "user_prompt")))
@@ -827,7 +827,7 @@ static int record_decision(rpc_call *call, const ProtobufCMessage *req, Protobuf
     char *ids = NULL, err[512];
     cJSON *payload = NULL, *o = NULL;
     int won = 0;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "approval_id", rq->approval_id))) return rc;
     int approve = rq->decision == UPSQUAD__APPROVAL__V1__DECISION__DECISION_APPROVED;
     if (!approve && rq->decision != UPSQUAD__APPROVAL__V1__DECISION__DECISION_REJECTED)
@@ -918,7 +918,7 @@ static int get_approval(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     A(GetApprovalResponse) *out = (void *)resp;
     const auth_identity *id;
     gate g = {0};
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "approval_id", rq->approval_id))) return rc;
     if (!(rc = gate_open(call, ud, id, "approval_id", rq->approval_id, 0, 0, &g)))
         out->approval = approval_msg(call, &g, id);

@@ -133,7 +133,7 @@ static int create_workflow(rpc_call *call, const ProtobufCMessage *req, Protobuf
     char err[512], uuid[37], *def = NULL;
     db_tx *tx = NULL;
     PGresult *r = NULL;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc) return rc;
     if (!rq->name || !rq->name[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "name is required");
     if (wfr_utf8_chars(rq->name) > NAME_MAX_CHARS)
@@ -176,7 +176,7 @@ static int get_workflow(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     char err[512];
     db_tx *tx = NULL;
     PGresult *r = NULL;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err)) ||
         (rc = st_wf_get(tx, rq->workflow_id, id->sub, 0, &r, err, sizeof err))) {
@@ -207,7 +207,7 @@ static int list_workflows(rpc_call *call, const ProtobufCMessage *req, ProtobufC
     char err[512];
     db_tx *tx = NULL;
     PGresult *r = NULL;
-    int total = 0, rc = wfr_caller(call, &id);
+    int total = 0, rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc) return rc;
     if (rq->team_id[0] && !ids_uuid_valid(rq->team_id))
         return rpc_error(call, RPC_INVALID_ARGUMENT, "team_id must be a UUID");
@@ -257,7 +257,7 @@ static int update_definition(rpc_call *call, const ProtobufCMessage *req, Protob
     char err[512], *def = NULL;
     db_tx *tx = NULL;
     PGresult *r = NULL, *r2 = NULL;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     if ((rc = validate_definition(call, e, rq->definition, "definition", &def))) return rc;
     if ((rc = wf_locked(call, e, id, rq->workflow_id, &tx, &r))) goto done;
@@ -289,7 +289,7 @@ static int update_status(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     char err[512];
     db_tx *tx = NULL;
     PGresult *r = NULL, *r2 = NULL;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     if (!rq->status[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "status is required");
     if (!valid_wf_status(rq->status))
@@ -323,7 +323,7 @@ static int set_enabled(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
     db_tx *tx = NULL;
     PGresult *r = NULL, *r2 = NULL;
     int64_t next = 0;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     const char *type = rq->trigger_type[0] ? rq->trigger_type : "manual";
     if (strcmp(type, "manual") && strcmp(type, "schedule"))
@@ -382,7 +382,7 @@ static int delete_workflow(rpc_call *call, const ProtobufCMessage *req, Protobuf
     char err[512];
     db_tx *tx = NULL;
     PGresult *r = NULL;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     if ((rc = wf_locked(call, e, id, rq->workflow_id, &tx, &r))) goto done;
     /* soft delete: runs, actions and logs stay, readable by id */
@@ -501,7 +501,7 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
     cJSON *def = NULL, *cj = NULL;
     wf_run run = {0};
     int found = 0;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     cj = rq->context ? pbjson_struct_to_json(rq->context) : cJSON_CreateObject();
     if (!cj) return rpc_error(call, RPC_INVALID_ARGUMENT, "context nests too deeply");
@@ -569,7 +569,7 @@ static int get_status(rpc_call *call, const ProtobufCMessage *req, ProtobufCMess
     db_tx *tx = NULL;
     PGresult *a = NULL;
     wf_run run = {0};
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "run_id", rq->run_id))) return rc;
     /* the hot read (clients poll it): pipelined, so its reads are prepared statements */
     if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT | DB_TX_PIPELINE, &tx, err,
@@ -676,7 +676,7 @@ static int list_runs(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessa
     db_tx *tx = NULL;
     PGresult *w = NULL, *r = NULL;
     int n = 0;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
         rc = wfr_db_fail(call, rc, err);
@@ -725,7 +725,7 @@ static int list_visible_runs(rpc_call *call, const ProtobufCMessage *req, Protob
     db_tx *tx = NULL;
     PGresult *r = NULL;
     int n = 0;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc) return rc;
     if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, ST_SNAPSHOT, &tx, err, sizeof err))) {
         rc = wfr_db_fail(call, rc, err);
@@ -767,7 +767,7 @@ static int run_control(rpc_call *call, wf_engine *e, int op, const char *run_id,
     char err[512];
     db_tx *tx = NULL;
     wf_run run = {0};
-    int rc = wfr_caller(call, &id), woke = 0;
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id), woke = 0;
     if (rc || (rc = wfr_need_id(call, "run_id", run_id))) return rc;
     if (wfr_utf8_chars(reason) > REASON_MAX)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "reason must be at most %d characters",
@@ -862,7 +862,7 @@ static int deliver_event(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     db_tx *tx = NULL;
     wf_run run = {0};
     int inserted = 0;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "run_id", rq->run_id))) return rc;
     if (!rq->event_key[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "event_key is required");
     if (strlen(rq->event_key) > EVENT_KEY_MAX || !key_char_ok(rq->event_key))
@@ -981,7 +981,7 @@ static int get_node_io(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
     PGresult *a = NULL;
     wf_run run = {0};
     cJSON *in = NULL, *o = NULL;
-    int rc = wfr_caller(call, &id);
+    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "run_id", rq->run_id)) ||
         (rc = wfr_need_id(call, "node_id", rq->node_id)))
         return rc;

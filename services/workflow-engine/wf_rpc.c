@@ -67,13 +67,6 @@ int wfr_need_id(rpc_call *call, const char *field, const char *v) {
     return RPC_OK;
 }
 
-int wfr_caller(rpc_call *call, const auth_identity **id) {
-    *id = rpc_identity(call);
-    if (!*id || !ids_uuid_valid((*id)->org_id) || !ids_uuid_valid((*id)->sub))
-        return rpc_error(call, RPC_UNAUTHENTICATED, "the token's org_id and sub must be UUIDs");
-    return RPC_OK;
-}
-
 size_t wfr_utf8_chars(const char *s) {
     size_t n = 0;
     for (; s && *s; s++)

@@ -29,8 +29,6 @@ Upsquad__Workflow__V1__WorkflowAction *wfr_action_msg(rpc_call *call, const PGre
 int wfr_db_fail(rpc_call *call, int rc, const char *err);
 /* INVALID_ARGUMENT naming field unless v is a UUID. */
 int wfr_need_id(rpc_call *call, const char *field, const char *v);
-/* The caller (borrowed): org and member from the verified token, both UUIDs. */
-int wfr_caller(rpc_call *call, const auth_identity **id);
 /* Characters (code points) of valid UTF-8 text. */
 size_t wfr_utf8_chars(const char *s);
 

@@ -225,6 +225,9 @@ class StreamHub(unittest.TestCase):
                 self.assertFailsFirst(self.read(srv, method, req, other), grpc.StatusCode.NOT_FOUND)
             unknown = type(req)(run_id=uid())
             self.assertFailsFirst(self.read(self.a, method, unknown, org), grpc.StatusCode.NOT_FOUND)
+            # a token whose org is not a tenant UUID is a bad token, as in every service
+            self.assertFailsFirst(self.read(self.a, method, req, "not-a-tenant"),
+                                  grpc.StatusCode.UNAUTHENTICATED)
             # spec: run_id is "the workflow run UUID (required)"; a malformed one is bad input,
             # the same answer the workflow-engine gives for GetWorkflowStatus
             bad_id = self.read(self.a, method, type(req)(run_id="not-a-uuid"), org)
@@ -234,6 +237,8 @@ class StreamHub(unittest.TestCase):
                                   grpc.StatusCode.INVALID_ARGUMENT)
             r = Reader(self.stub(self.a, method), req, ())
             self.assertFailsFirst(r, grpc.StatusCode.UNAUTHENTICATED)
+        self.assertFailsFirst(self.read(self.a, "StreamVisibleRuns", W.StreamVisibleRunsRequest(),
+                                        "not-a-tenant"), grpc.StatusCode.UNAUTHENTICATED)
         with self.assertRaises(grpc.RpcError) as e:
             self.transcript(self.a, other, run, "plan")
         self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
