@@ -147,11 +147,11 @@ void dw_session_init(dw_worker *w, const char *id, const char *tenant, const cha
 /* Records a suspension to resume (InitWorkerSession with a suspended checkpoint). */
 void dw_session_set_resume(dw_worker *w, const char *id, int32_t at, const char *sha,
                            const char *call_id, const char *tool);
-/* Takes the pending suspension of a session (cleared either way): 1 with *at, call_id and tool
- * filled when the step's message is the suspended one (sha), else 0. */
 /* Counts one more step of the message whose SHA-256 hex is sha on this worker; returns the
  * count including this one (1 the first time; a message forgotten by the ring starts again). */
 long long dw_message_run(dw_worker *w, const char *sha);
+/* Takes the pending suspension of a session (cleared either way): 1 with *at, call_id and tool
+ * filled when the step's message is the suspended one (sha), else 0. */
 int dw_session_take_resume(dw_worker *w, const char *id, const char *sha, int32_t *at,
                            char call_id[DW_ID_MAX], char tool[DW_ID_MAX]);
 /* Forgets the session and marks its in-flight steps terminated. */

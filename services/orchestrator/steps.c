@@ -284,11 +284,10 @@ static int tee_poll(void *ud) {
         bus_in_progress(t->msg);
         t->last_progress = now;
     }
-    if (now - t->last_handback >= HANDBACK_MS) {
-        hand_back(t->pull);
-        t->last_handback = now;
-    }
+    int handback = now - t->last_handback >= HANDBACK_MS;
+    if (handback) t->last_handback = now;
     pthread_mutex_unlock(&t->mu);
+    if (handback) hand_back(t->pull); /* a fetch and naks: not under the lock the tee takes */
     return t->cancelled && atomic_load(t->cancelled); /* non-zero: the worker call is cancelled */
 }
 
@@ -764,6 +763,7 @@ void orch_steps_stop(orch *o) {
         bus_unsubscribe(s->cancel_sub);
         for (int i = 0; i < STEPS_MAX_THREADS; i++)
             bus_pull_close(s->pull[i]);
+        pthread_mutex_destroy(&s->cmu); /* threads joined, cancel callback done */
         free(s);
         o->steps = NULL;
     }
