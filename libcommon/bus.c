@@ -14,6 +14,7 @@
 
 #include "ctx.h"
 #include "log.h"
+#include "util.h"
 
 #define BUS_TOKEN_MAX 128
 #define BUS_FETCH_MAX 256        /* messages per fetch */
@@ -220,7 +221,7 @@ int bus_connect_ex(const char *url, const char *name, const bus_opts *opts, bus 
     snprintf(b->name, sizeof b->name, "%s", name && *name ? name : "upsquad");
     pthread_mutex_init(&b->mu, NULL);
     pthread_mutex_init(&b->batch_mu, NULL);
-    pthread_cond_init(&b->cv, NULL);
+    util_cond_init_monotonic(&b->cv);
     natsOptions *no = NULL;
     int rc = bus__options(url, b, &no, err, errlen);
     if (rc != BUS_OK) {
@@ -255,8 +256,7 @@ int bus_connect(const char *url, const char *name, bus **out, char *err, size_t 
 /* Waits (bounded) for flag to become 1 under mu. 1 when it did. */
 static int bus__wait_flag(pthread_mutex_t *mu, pthread_cond_t *cv, int *flag) {
     struct timespec dl;
-    clock_gettime(CLOCK_REALTIME, &dl);
-    dl.tv_sec += BUS_CLOSE_WAIT_MS / 1000;
+    util_deadline(&dl, BUS_CLOSE_WAIT_MS);
     pthread_mutex_lock(mu);
     while (!*flag)
         if (pthread_cond_timedwait(cv, mu, &dl) == ETIMEDOUT) break;
@@ -417,7 +417,7 @@ static bus_sub *sub_new(bus *b, bus_msg_cb cb, void *ud, char *err, size_t errle
     s->cb = cb;
     s->ud = ud;
     pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
+    util_cond_init_monotonic(&s->cv);
     return s;
 }
 

@@ -11,6 +11,7 @@
 
 #include "ctx.h"
 #include "log.h"
+#include "util.h"
 
 #define DB__SIZE_MAX 1000
 /* statement_timeout fires on the server's clock a little before or after ours */
@@ -266,11 +267,7 @@ int db_pool_open_ex(const char *conninfo, const db_pool_opts *opts, db_pool **ou
     p->slots = calloc((size_t)o.size, sizeof *p->slots);
     if (!p->conninfo || !p->slots) goto nomem;
     pthread_mutex_init(&p->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&p->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    util_cond_init_monotonic(&p->cv);
     p->slots[0].conn = db__connect(p, err, errlen);
     if (!p->slots[0].conn) {
         db_pool_close(p);
@@ -325,16 +322,6 @@ void db_pool_stats(db_pool *p, int *open, int *in_use) {
     if (in_use) *in_use = u;
 }
 
-static void db__deadline(struct timespec *ts, int ms) {
-    clock_gettime(CLOCK_MONOTONIC, ts);
-    ts->tv_sec += ms / 1000;
-    ts->tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
-}
-
 /* Claims a free slot, preferring one with an open connection. -1 when none is free. */
 static int db__claim(db_pool *p) {
     int empty = -1;
@@ -361,7 +348,7 @@ int db__acquire(db_pool *p, int timeout_ms, PGconn **out, char *err, size_t errl
     *out = NULL;
     if (timeout_ms < 0) timeout_ms = p->o.acquire_timeout_ms;
     struct timespec dl;
-    db__deadline(&dl, timeout_ms);
+    util_deadline(&dl, timeout_ms);
     pthread_mutex_lock(&p->mu);
     int i;
     while ((i = db__claim(p)) < 0) {

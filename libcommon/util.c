@@ -149,3 +149,24 @@ uint64_t util_fnv1a(uint64_t h, const void *p, size_t n) {
         h = (h ^ b[i]) * 1099511628211ULL;
     return h;
 }
+
+int util_cond_init_monotonic(pthread_cond_t *cv) {
+    pthread_condattr_t ca;
+    int rc = pthread_condattr_init(&ca);
+    if (rc) return rc;
+    rc = pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    if (!rc) rc = pthread_cond_init(cv, &ca);
+    pthread_condattr_destroy(&ca);
+    return rc;
+}
+
+void util_deadline(struct timespec *ts, int64_t ms) {
+    if (ms < 0) ms = 0;
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    ts->tv_sec += (time_t)(ms / 1000);
+    ts->tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}

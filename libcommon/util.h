@@ -2,8 +2,10 @@
 #ifndef UPSQUAD_UTIL_H
 #define UPSQUAD_UTIL_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 /* Formats into err (when err && errlen) and returns code: `return util_errf(err, n, -1, ...)`
  * attaches the message where the failure happens. */
@@ -39,5 +41,13 @@ const char *util_json_object_end(const char *s);
  * caches and tables; not a checksum against an adversary. */
 #define UTIL_FNV1A_INIT 14695981039346656037ULL
 uint64_t util_fnv1a(uint64_t h, const void *p, size_t n);
+
+/* Timed waits. Every timed condition wait in the tree runs on CLOCK_MONOTONIC, so a step of
+ * the wall clock (NTP, an operator) neither cuts a delay short nor stretches it:
+ * util_cond_init_monotonic() makes such a condition variable (0, or the pthread error), and
+ * util_deadline() the absolute time, ms from now on that clock, that pthread_cond_timedwait
+ * takes (ms < 0 counts as 0). */
+int util_cond_init_monotonic(pthread_cond_t *cv);
+void util_deadline(struct timespec *ts, int64_t ms);
 
 #endif

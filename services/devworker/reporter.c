@@ -35,6 +35,7 @@
 #include "log.h"
 #include "upsquad/runtime/v1/runtime.pb-c.h"
 #include "worker.h"
+#include "util.h"
 
 #define SVC "/upsquad.runtime.v1.RuntimeService/"
 #define HB_MAX_SESSIONS 64
@@ -321,13 +322,7 @@ static void wait_until(dw_worker *w, int64_t deadline, int want_queue) {
         int64_t left = deadline - mono_ms();
         if (left <= 0) break;
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_sec += left / 1000;
-        ts.tv_nsec += (left % 1000) * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        util_deadline(&ts, left);
         pthread_cond_timedwait(&w->cv, &w->mu, &ts);
     }
     pthread_mutex_unlock(&w->mu);

@@ -344,7 +344,7 @@ int dw_worker_start(dw_worker *w, const dw_config *cfg, rpc_server *srv, char *e
     w->cfg = cfg;
     w->srv = srv;
     pthread_mutex_init(&w->mu, NULL);
-    pthread_cond_init(&w->cv, NULL);
+    util_cond_init_monotonic(&w->cv);
     register_metrics(w);
     if (cfg_load(signing_vars, N_SIGNING, err, errlen) != 0) return -1;
     w->sessions = calloc((size_t)cfg->max_sessions, sizeof *w->sessions);

@@ -180,16 +180,6 @@ static int load_file(mr_registry *r, char *err, size_t errlen) {
 
 /* ---- the worker ---- */
 
-static void deadline_after_ms(struct timespec *ts, long long ms) {
-    clock_gettime(CLOCK_REALTIME, ts);
-    ts->tv_sec += (time_t)(ms / 1000);
-    ts->tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
-}
-
 /* Milliseconds until the next poll or the start of the day a scheduled price applies. */
 static long long wait_ms(mr_registry *r) {
     long long ms = r->cfg->poll_ms;
@@ -231,7 +221,7 @@ static void *worker(void *arg) {
     for (;;) {
         if (!(r->want & MR_WANT_STOP) && !(r->want & (MR_WANT_FILE | MR_WANT_DB))) {
             struct timespec ts;
-            deadline_after_ms(&ts, wait_ms(r));
+            util_deadline(&ts, wait_ms(r));
             int w = 0;
             while (!r->want && w != ETIMEDOUT)
                 w = pthread_cond_timedwait(&r->cv, &r->mu, &ts);
@@ -317,7 +307,7 @@ int mr_registry_start(mr_registry *r, const mr_config *cfg, char *err, size_t er
     r->cfg = cfg;
     mr_holder_init(&r->holder);
     pthread_mutex_init(&r->mu, NULL);
-    pthread_cond_init(&r->cv, NULL);
+    util_cond_init_monotonic(&r->cv);
     gethostname(host, sizeof host - 1);
     snprintf(r->instance, sizeof r->instance, "%s:%d", host, (int)getpid());
     register_metrics(r);

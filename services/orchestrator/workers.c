@@ -159,13 +159,7 @@ static void *probe_main(void *arg) {
         probe_round(p);
         pthread_mutex_lock(&p->mu);
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_sec += (time_t)(p->probe_ms / 1000);
-        ts.tv_nsec += (long)(p->probe_ms % 1000) * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        util_deadline(&ts, p->probe_ms);
         if (!p->stop) pthread_cond_timedwait(&p->cv, &p->mu, &ts);
     }
     pthread_mutex_unlock(&p->mu);
@@ -178,7 +172,7 @@ int orch_workers_start(const char *targets, long long probe_ms, const char *redi
     if (!p) return util_errf(err, errlen, -1, "out of memory");
     p->tls = tls;
     pthread_mutex_init(&p->mu, NULL);
-    pthread_cond_init(&p->cv, NULL);
+    util_cond_init_monotonic(&p->cv);
     p->targets = strdup(targets ? targets : "");
     p->redis_url = redis_url ? strdup(redis_url) : NULL;
     p->probe_ms = probe_ms > 0 ? probe_ms : 1000;

@@ -229,9 +229,9 @@ int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen
     memset(e, 0, sizeof *e);
     e->cfg = cfg;
     pthread_mutex_init(&e->mu, NULL);
-    pthread_cond_init(&e->cv, NULL);
-    pthread_cond_init(&e->relay_cv, NULL);
-    pthread_cond_init(&e->sched_cv, NULL);
+    util_cond_init_monotonic(&e->cv);
+    util_cond_init_monotonic(&e->relay_cv);
+    util_cond_init_monotonic(&e->sched_cv);
     pthread_mutex_init(&e->tools_mu, NULL);
     gethostname(host, sizeof host - 1);
     char u[37];

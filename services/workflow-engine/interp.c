@@ -28,6 +28,7 @@
 #include "upsquad/internal/v1/node_io.pb-c.h"
 #include "upsquad/internal/v1/tool.pb-c.h"
 #include "wf_expr.h"
+#include "util.h"
 
 enum { SCOPE_DONE, SCOPE_BUSY, SCOPE_FAILED };
 
@@ -1431,13 +1432,7 @@ static void process_run(wf_engine *e, const char *run_id, const char *org, int64
 
 static void idle_wait(wf_engine *e, long long ms) {
     struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += ms / 1000;
-    ts.tv_nsec += (ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
+    util_deadline(&ts, ms);
     pthread_mutex_lock(&e->mu);
     /* only a run kick or the poll interval send an idle thread to claim (the relay and the
      * scheduler sleep on condition variables of their own) */
@@ -1779,14 +1774,7 @@ void *wf_scheduler_thread(void *arg) {
     while (!e->stop) {
         if (!fire_one(e)) {
             struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            long long ms = e->cfg->schedule_poll_ms;
-            ts.tv_sec += ms / 1000;
-            ts.tv_nsec += (ms % 1000) * 1000000L;
-            if (ts.tv_nsec >= 1000000000L) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000L;
-            }
+            util_deadline(&ts, e->cfg->schedule_poll_ms);
             pthread_mutex_lock(&e->mu); /* only stop or the interval end this */
             while (!e->stop && pthread_cond_timedwait(&e->sched_cv, &e->mu, &ts) != ETIMEDOUT) {
             }

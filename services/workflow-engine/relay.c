@@ -195,16 +195,6 @@ done:
     return sent;
 }
 
-static void deadline_in(struct timespec *ts, long long ms) {
-    clock_gettime(CLOCK_REALTIME, ts);
-    ts->tv_sec += ms / 1000;
-    ts->tv_nsec += (ms % 1000) * 1000000L;
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
-}
-
 static int64_t mono_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -228,7 +218,7 @@ void *wf_relay_thread(void *arg) {
         }
         /* then sleep until a commit kicks us (or the poll interval: another replica's rows) */
         struct timespec ts;
-        deadline_in(&ts, e->cfg->idle_poll_ms);
+        util_deadline(&ts, e->cfg->idle_poll_ms);
         pthread_mutex_lock(&e->mu);
         e->relay_waiting = 1;
         while (!e->stop && !e->relay_kick &&

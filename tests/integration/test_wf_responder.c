@@ -23,6 +23,7 @@
 #include "log.h"
 #include "pbjson.h"
 #include "subjects.h"
+#include "util.h"
 #include "upsquad/internal/v1/agent_step.pb-c.h"
 
 #define ORG "0d5e0000-0000-0000-0000-000000000001"
@@ -40,7 +41,7 @@ static bus_sub *g_sub;
 
 /* Results received, by arrival. */
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t g_cv; /* monotonic: setup() */
 static res_t *g_res[MAXR];
 static int g_nres;
 
@@ -76,12 +77,7 @@ static const res_t *result_for(const char *key, int wait_ms) {
             }
         if (now_ms() >= end) break;
         struct timespec dl;
-        clock_gettime(CLOCK_REALTIME, &dl);
-        dl.tv_nsec += 50 * 1000000L;
-        if (dl.tv_nsec >= 1000000000L) {
-            dl.tv_sec++;
-            dl.tv_nsec -= 1000000000L;
-        }
+        util_deadline(&dl, 50);
         pthread_cond_timedwait(&g_cv, &g_mu, &dl);
     }
     pthread_mutex_unlock(&g_mu);
@@ -382,6 +378,7 @@ static void test_stats_by_run(void **state) {
 }
 
 static int setup(void **state) {
+    util_cond_init_monotonic(&g_cv);
     (void)state;
     char err[256], subject[128];
     if (bus_connect(getenv("UPSQUAD_NATS_URL"), "test_wf_responder", &g_bus, err, sizeof err) !=

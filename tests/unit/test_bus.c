@@ -23,6 +23,7 @@
 
 #include "bus.h"
 #include "log.h"
+#include "util.h"
 
 extern char **environ;
 
@@ -55,7 +56,7 @@ typedef struct collector {
 static void collector_init(collector *c) {
     memset(c, 0, sizeof *c);
     pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->cv, NULL);
+    util_cond_init_monotonic(&c->cv);
 }
 
 static void collector_destroy(collector *c) {
@@ -83,13 +84,7 @@ static void collect_cb(bus *b, natsMsg *m, void *ud) {
 /* Waits until c->n >= n or timeout; returns c->n. */
 static int wait_count(collector *c, int n, int timeout_ms) {
     struct timespec dl;
-    clock_gettime(CLOCK_REALTIME, &dl);
-    dl.tv_sec += timeout_ms / 1000;
-    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (dl.tv_nsec >= 1000000000L) {
-        dl.tv_sec++;
-        dl.tv_nsec -= 1000000000L;
-    }
+    util_deadline(&dl, timeout_ms);
     pthread_mutex_lock(&c->mu);
     while (c->n < n)
         if (pthread_cond_timedwait(&c->cv, &c->mu, &dl) == ETIMEDOUT) break;

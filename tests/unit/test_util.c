@@ -1,4 +1,6 @@
 /* libcommon/util.c: UTF-8 checking and cutting, the one file reader, the one error formatter. */
+#include <errno.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -8,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "ids.h"
@@ -133,12 +136,46 @@ static void test_fnv1a(void **state) {
                 util_fnv1a(UTIL_FNV1A_INIT, "foobar", 6));
 }
 
+static int64_t mono_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* A deadline from util_deadline() on a condition variable from util_cond_init_monotonic()
+ * ends the wait after its delay: on a cond variable of the default (realtime) clock the same
+ * deadline lies decades in the past and the wait would end at once. */
+static void test_timed_wait_monotonic(void **state) {
+    (void)state;
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t cv;
+    assert_int_equal(util_cond_init_monotonic(&cv), 0);
+    struct timespec dl;
+    int64_t t0 = mono_ms();
+    util_deadline(&dl, 60);
+    pthread_mutex_lock(&mu);
+    int rc;
+    while ((rc = pthread_cond_timedwait(&cv, &mu, &dl)) == 0) {
+    }
+    pthread_mutex_unlock(&mu);
+    int64_t waited = mono_ms() - t0;
+    assert_int_equal(rc, ETIMEDOUT);
+    assert_true(waited >= 59);
+    assert_true(waited < 5000);
+    /* a negative delay is now, and a second past the nanosecond carry stays normalized */
+    util_deadline(&dl, -5);
+    assert_true(dl.tv_nsec >= 0 && dl.tv_nsec < 1000000000L);
+    util_deadline(&dl, 1999);
+    assert_true(dl.tv_nsec >= 0 && dl.tv_nsec < 1000000000L);
+    pthread_cond_destroy(&cv);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_json_object_end), cmocka_unit_test(test_utf8_check),
         cmocka_unit_test(test_utf8_cut),        cmocka_unit_test(test_errf_cuts_on_a_boundary),
         cmocka_unit_test(test_read_file),       cmocka_unit_test(test_sha256),
-        cmocka_unit_test(test_fnv1a),
+        cmocka_unit_test(test_fnv1a),           cmocka_unit_test(test_timed_wait_monotonic),
     };
     return cmocka_run_group_tests_name("util", tests, NULL, NULL);
 }

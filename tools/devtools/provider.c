@@ -100,13 +100,7 @@ static int64_t now_ms(void) {
 /* Sleeps up to ms; returns 1 early when the provider stops. */
 static int nap(dt_provider *p, long long ms) {
     struct timespec dl;
-    clock_gettime(CLOCK_MONOTONIC, &dl); /* the cvs run on the monotonic clock */
-    dl.tv_sec += ms / 1000;
-    dl.tv_nsec += (ms % 1000) * 1000000L;
-    if (dl.tv_nsec >= 1000000000L) {
-        dl.tv_sec++;
-        dl.tv_nsec -= 1000000000L;
-    }
+    util_deadline(&dl, ms);
     pthread_mutex_lock(&p->mu);
     while (!p->stopping)
         if (pthread_cond_timedwait(&p->stop_cv, &p->mu, &dl) == ETIMEDOUT) break;
@@ -470,15 +464,7 @@ static int await_key(dt_provider *p, dt_job *j) {
     int64_t wait_ms = to > 0 ? (int64_t)to * 8 / 10 : DT_WAIT_DEFAULT_MS;
     int64_t left = j->t0_ms + wait_ms - now_ms();
     struct timespec dl;
-    clock_gettime(CLOCK_MONOTONIC, &dl); /* the cvs run on the monotonic clock */
-    if (left > 0) {
-        dl.tv_sec += left / 1000;
-        dl.tv_nsec += (left % 1000) * 1000000L;
-        if (dl.tv_nsec >= 1000000000L) {
-            dl.tv_sec++;
-            dl.tv_nsec -= 1000000000L;
-        }
-    }
+    util_deadline(&dl, left);
     pthread_mutex_lock(&p->mu);
     for (;;) {
         const dt_rec *r = lru_get(p->rec, j->req->idempotency_key);
@@ -735,12 +721,8 @@ int dt_provider_start(bus *b, const dt_catalog *c, const dt_opts *o, dt_provider
     pthread_cond_init(&p->qcv, NULL);
     /* timed waits (cue delays, a duplicate waiting for its key) on the monotonic clock: a wall
      * clock step must not cut a delay short */
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&p->stop_cv, &ca);
-    pthread_cond_init(&p->key_cv, &ca);
-    pthread_condattr_destroy(&ca);
+    util_cond_init_monotonic(&p->stop_cv);
+    util_cond_init_monotonic(&p->key_cv);
     lru_opts lo = {.max_entries = (size_t)o->dedup_keys,
                    .max_bytes = (size_t)o->dedup_bytes,
                    .free_val = rec_free,

@@ -10,6 +10,7 @@
 #include <cmocka.h>
 
 #include "../../../services/devworker/worker.h"
+#include "util.h"
 
 static dw_config cfg;
 static dw_worker w;
@@ -22,7 +23,7 @@ static int setup(void **st) {
     cfg.checkpoint_queue = 2;
     w.cfg = &cfg;
     pthread_mutex_init(&w.mu, NULL);
-    pthread_cond_init(&w.cv, NULL);
+    util_cond_init_monotonic(&w.cv);
     w.sessions = calloc(3, sizeof *w.sessions);
     w.ckq_cap = 2;
     w.ckq = calloc(2, sizeof *w.ckq);
