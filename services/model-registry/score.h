@@ -80,7 +80,9 @@ int mr_recommend(const mr_snapshot *s, const mr_rec_request *rq, mr_rec_result *
 
 /* ---- ListModels and CompareModels ---- */
 
-#define MR_COMPARE_MAX 10 /* most model_ids a CompareModels request may carry */
+/* Most model_ids a CompareModels request may carry. The spec sets no limit; this one is a bound
+ * on the work and the answer (every catalogue entry at once fits many times over) */
+#define MR_COMPARE_MAX 100
 
 /* Entries of `provider_filter` (case-insensitive, trimmed; "" = all) in ListModels order into
  * out (capacity s->n). An unknown provider yields 0 entries. Returns the count. */

@@ -277,6 +277,8 @@ typedef struct chat {
     orch_arena a;
     int error_relayed;
     int gone;
+    int ended;  /* a completion or an error was relayed: the step is over for the caller */
+    int status; /* the AgentStatus last stored (the turn began THINKING) */
 } chat;
 
 static void audit_event(chat *c, const ExecuteStepEvent *ev) {
@@ -344,6 +346,13 @@ static int chat_event(void *ud, const ExecuteStepEvent *ev) {
     AgentEvent ae;
     const char *why;
     if (c->gone) return -1;
+    /* "completion signals the step has finished": whatever a worker sends after its completion
+     * (or its error) never reaches the caller */
+    if (c->ended) {
+        log_debug("relay.after_end", "session %s: event %d after the step's end dropped", c->sid,
+                  (int)ev->event_case);
+        return 0;
+    }
     int fwd = relay_project(&c->a, ev, &ae, &why);
     if (!fwd) {
         if (why &&
@@ -361,7 +370,20 @@ static int chat_event(void *ud, const ExecuteStepEvent *ev) {
         return -1;
     }
     if (ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_ERROR) c->error_relayed = 1;
+    if (ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_ERROR ||
+        ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_COMPLETION)
+        c->ended = 1;
     metric_inc(c->o->m_relayed);
+    /* GetSession reports "the current session status": a transition the worker announces is
+     * stored (a write per change; a turn has a handful) */
+    if (ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STATUS &&
+        (int)ev->status->status != c->status) {
+        char err[256];
+        c->status = (int)ev->status->status;
+        if (orch_store_session_status(c->o->pool, c->org, c->sid, c->status, err, sizeof err) !=
+            DB_OK)
+            log_warn("store.status", "session %s: %s", c->sid, err);
+    }
     return 1;
 }
 
@@ -453,8 +475,13 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
         rc = rpc_error(call, RPC_INTERNAL, "the session snapshot could not be read");
         goto done;
     }
-    chat c = {
-        .o = o, .call = call, .org = id->org_id, .sid = sid, .agent = s.agent_id, .parent = parent};
+    chat c = {.o = o,
+              .call = call,
+              .org = id->org_id,
+              .sid = sid,
+              .agent = s.agent_id,
+              .parent = parent,
+              .status = 1 /* THINKING: orch_store_turn_begin */};
     orch_sink sink = {chat_event, chat_cancelled, &c};
     int64_t left = rpc_deadline_ms(call);
     int64_t timeout = o->cfg->step_timeout_ms;
@@ -462,15 +489,8 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     orch_turn_run(o, ereq, timeout, &sink, &res);
     orch_request_wipe(ereq);
     orch_arena_free(&c.a);
-    orch_turn_end e = {.ok = res.outcome == TURN_COMPLETED,
-                       .final_text = res.final_text,
-                       .agent_status = res.outcome == TURN_COMPLETED ? 3 : 4,
-                       .loop_iterations = res.loop_iterations,
-                       .loop_base = s.loop_count,
-                       .input_tokens = res.input_tokens,
-                       .output_tokens = res.output_tokens,
-                       .cost_usd = res.cost_usd,
-                       .worker = res.worker};
+    orch_turn_end e;
+    orch_turn_end_of(&res, s.loop_count, &e);
     rc = RPC_OK;
     switch (res.outcome) {
     case TURN_COMPLETED:

@@ -123,7 +123,8 @@ int relay_project(orch_arena *a, const ExecuteStepEvent *ev, AgentEvent *out, co
         e->tool_name = clamped(a, ev->interrupt_required->tool_name, RELAY_WC_ACTION_TYPE * 2);
         e->tool_call_id =
             clamped(a, ev->interrupt_required->tool_call_id, RELAY_WC_APPROVAL_ID * 2);
-        e->reason = orch_arena_strdup(a, "requires approval");
+        /* reason stays empty: "Empty when no specific reason is known beyond 'requires
+         * approval'", and the worker's InterruptRequired carries none */
         if (a->failed) return *why = "out of memory", 0;
         out->event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_INTERRUPT_REQUIRED;
         out->interrupt_required = e;

@@ -1,8 +1,9 @@
 /* RuntimeService, worker -> orchestrator side: Heartbeat and Checkpoint (spec
- * runtime.proto). Both require a worker token: a valid bearer (signature, aud, exp as for any
- * caller) whose `scope` claim holds "runtime.worker" (docs/orchestrator.md, "Worker tokens").
- * A user's token is PERMISSION_DENIED. The other RuntimeService methods are the worker's: this
- * service answers them UNIMPLEMENTED. */
+ * runtime.proto). A worker token (a valid bearer whose `scope` claim holds "runtime.worker",
+ * docs/orchestrator.md, "Worker tokens") reaches the sessions of every org by id, since a
+ * worker serves them all; any other verified token reaches only its own org's sessions
+ * (another org's is NOT_FOUND, as everywhere) and records no worker liveness. The other
+ * RuntimeService methods are the worker's: this service answers them UNIMPLEMENTED. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,10 +27,15 @@ static int worker_scope(rpc_call *call) {
     return auth_bearer_has_scope(rpc_metadata(call, "authorization"), ORCH_WORKER_SCOPE);
 }
 
-static int require_worker(rpc_call *call) {
+/* *org: NULL for a worker token (every org), else the caller's tenant (borrowed from the
+ * call's identity); a token naming no tenant is UNAUTHENTICATED. */
+static int caller_scope(rpc_call *call, const char **org) {
+    const auth_identity *id;
+    *org = NULL;
     if (worker_scope(call)) return RPC_OK;
-    return rpc_error(call, RPC_PERMISSION_DENIED,
-                     "this method is for agent workers: the token needs scope " ORCH_WORKER_SCOPE);
+    int rc = rpc_tenant(call, 0, &id);
+    if (rc == RPC_OK) *org = id->org_id;
+    return rc;
 }
 
 static int heartbeat(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
@@ -37,23 +43,30 @@ static int heartbeat(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessa
     orch *o = ud;
     const HeartbeatRequest *rq = (const HeartbeatRequest *)req;
     char err[512], key[256], val[32];
-    int rc = require_worker(call);
+    const char *org;
+    int rc = caller_scope(call, &org);
     if (rc) return rc;
-    if (!rq->worker_id[0] || strlen(rq->worker_id) > 128)
-        return rpc_error(call, RPC_INVALID_ARGUMENT, "worker_id: required, at most 128 bytes");
+    if (strlen(rq->worker_id) > 128)
+        return rpc_error(call, RPC_INVALID_ARGUMENT, "worker_id: at most 128 bytes");
+    if (!rq->worker_id[0] && !rq->session_id[0])
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "session_id or worker_id: one of them is required");
     if (rq->active_sessions < 0)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "active_sessions: must not be negative");
     if (rq->session_id[0] && !ids_uuid_valid(rq->session_id))
         return rpc_error(call, RPC_INVALID_ARGUMENT, "session_id: not a UUID");
-    /* liveness and load: a key that expires unless the next heartbeat refreshes it */
+    /* liveness and load, a key that expires unless the next heartbeat refreshes it: only a
+     * worker's token speaks for a worker (it decides where turns run) */
     kv *k = orch_kv(o);
-    snprintf(key, sizeof key, ORCH_WORKER_KEY "%s", rq->worker_id);
-    snprintf(val, sizeof val, "%d", rq->active_sessions);
-    if (!k || kv_set_ttl(k, key, val, strlen(val), (int)o->cfg->worker_ttl_ms) != KV_OK)
-        log_warn("heartbeat.redis", "worker %s: liveness not recorded (Redis unreachable)",
-                 rq->worker_id);
+    if (!org && rq->worker_id[0]) {
+        snprintf(key, sizeof key, ORCH_WORKER_KEY "%s", rq->worker_id);
+        snprintf(val, sizeof val, "%d", rq->active_sessions);
+        if (!k || kv_set_ttl(k, key, val, strlen(val), (int)o->cfg->worker_ttl_ms) != KV_OK)
+            log_warn("heartbeat.redis", "worker %s: liveness not recorded (Redis unreachable)",
+                     rq->worker_id);
+    }
     if (rq->session_id[0]) {
-        rc = orch_store_heartbeat(o->pool, rq->session_id, err, sizeof err);
+        rc = orch_store_heartbeat(o->pool, org, rq->session_id, err, sizeof err);
         if (rc == ORCH_ENOTFOUND)
             return rpc_error(call, RPC_NOT_FOUND, "session_id: no session %s", rq->session_id);
         if (rc != DB_OK) {
@@ -80,7 +93,8 @@ static int checkpoint(rpc_call *call, const ProtobufCMessage *req, ProtobufCMess
     const CheckpointRequest *rq = (const CheckpointRequest *)req;
     CheckpointResponse *out = (CheckpointResponse *)resp;
     char err[512], hex[65], want[65];
-    int rc = require_worker(call);
+    const char *org;
+    int rc = caller_scope(call, &org);
     if (rc) return rc;
     if (!ids_uuid_valid(rq->session_id))
         return rpc_error(call, RPC_INVALID_ARGUMENT, "session_id: not a UUID");
@@ -93,10 +107,9 @@ static int checkpoint(rpc_call *call, const ProtobufCMessage *req, ProtobufCMess
     if ((long long)rq->bytes.len > o->cfg->checkpoint_max)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "bytes: %zu bytes, more than the %lld allowed",
                          rq->bytes.len, o->cfg->checkpoint_max);
+    /* any version: the blob is opaque to the orchestrator, which only records it */
     const uint8_t *b = rq->bytes.data;
     uint32_t version = (uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 | (uint32_t)b[2] << 8 | b[3];
-    if (version == 0)
-        return rpc_error(call, RPC_INVALID_ARGUMENT, "bytes: schema version prefix is 0");
     if (!hexdigest_ok(rq->bytes_sha256))
         return rpc_error(call, RPC_INVALID_ARGUMENT, "bytes_sha256: not a SHA-256 hex digest");
     ids_sha256_hex(rq->bytes.data, rq->bytes.len, hex);
@@ -106,12 +119,16 @@ static int checkpoint(rpc_call *call, const ProtobufCMessage *req, ProtobufCMess
     if (strcmp(hex, want))
         return rpc_error(call, RPC_INVALID_ARGUMENT,
                          "bytes_sha256: does not match the bytes (integrity check failed)");
-    rc = orch_store_checkpoint(o->pool, rq->session_id, rq->loop_iteration, version, rq->bytes.data,
-                               rq->bytes.len, hex, (int)o->cfg->checkpoints_keep, err, sizeof err);
+    rc = orch_store_checkpoint(o->pool, org, rq->session_id, rq->loop_iteration, version,
+                               rq->bytes.data, rq->bytes.len, hex, (int)o->cfg->checkpoints_keep,
+                               err, sizeof err);
     switch (rc) {
     case DB_OK:
     case ORCH_EREPLAY: /* same (session, iteration, hash): the idempotent replay */
         metric_inc(o->m_checkpoints);
+        /* "CheckpointResponse carries the serialized worker state": the stored blob and its
+         * digest (borrowed from the request, which outlives the response's encoding) */
+        out->state = rq->bytes;
         out->hash = rpc_strdup(call, hex);
         return RPC_OK;
     case ORCH_ECONFLICT:

@@ -575,16 +575,8 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
              res.error_message ? res.error_message : "", res.retryable);
         break;
     }
-    orch_turn_end e = {.ok = res.outcome == TURN_COMPLETED,
-                       .final_text = res.final_text,
-                       .agent_status = res.outcome == TURN_COMPLETED ? 3 : 4,
-                       .loop_iterations = res.loop_iterations,
-                       .input_tokens = res.input_tokens,
-                       .output_tokens = res.output_tokens,
-                       .cost_usd = res.cost_usd,
-                       .worker = res.worker,
-                       .error_code = res.error_code,
-                       .error_msg = res.error_message};
+    orch_turn_end e;
+    orch_turn_end_of(&res, 0, &e);
     if (orch_store_turn_end(o->pool, d->org_id, sid, NULL, &e, err, sizeof err) != DB_OK)
         log_error("steps.turn_end", "%s", err);
 record:;

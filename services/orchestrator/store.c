@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "ids.h"
 #include "util.h"
@@ -289,9 +290,9 @@ int orch_store_session_create(db_pool *p, const orch_session_new *n, char *actio
     rc = db_exec_bin(c,
                      "INSERT INTO sessions (session_id, org_id, user_id, agent_id, state,"
                      " execution_mode, model_id, snapshot, snapshot_hash, max_loops, agent_status,"
-                     " kind, root_session_id, worker)"
+                     " kind, root_session_id, worker, last_heartbeat)"
                      " VALUES ($1, current_org(), $2, $3, 'active', $4, $5, $6, $7, $8, $9, $10,"
-                     " $1, $11)",
+                     " $1, $11, CASE WHEN $11 <> '' THEN now() END)",
                      11, v, len, fmt, 0, NULL, err, errlen);
     if (rc == DB_OK) {
         const char *d[] = {n->session_id};
@@ -600,13 +601,18 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
                        outt,
                        cost,
                        e->ok ? "" : (e->error_msg ? e->error_msg : ""),
-                       e->worker ? e->worker : ""};
+                       e->worker ? e->worker : "",
+                       e->worker_answered ? "t" : "f"};
     if (rc == DB_OK)
         rc = db_exec(c,
                      /* loop_count only grows to a count: the turn's iterations on top of the
                       * count it began with, or what the checkpoints already showed (they race
-                      * the turn's end: orch_store_checkpoint), whichever is more */
-                     "UPDATE sessions SET agent_status = $2::int,"
+                      * the turn's end: orch_store_checkpoint), whichever is more. A session
+                      * terminated while the turn ran keeps the status its termination
+                      * reported ("the final session status"). */
+                     "UPDATE sessions SET agent_status = CASE WHEN state = 'terminated'"
+                     " THEN agent_status ELSE $2::int END,"
+                     " last_heartbeat = CASE WHEN $9::bool THEN now() ELSE last_heartbeat END,"
                      " loop_count = greatest(loop_count, $3::int),"
                      " input_tokens = input_tokens + $4::bigint,"
                      " output_tokens = output_tokens + $5::bigint,"
@@ -614,7 +620,7 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
                      " last_error = CASE WHEN $7 = '' THEN last_error ELSE left($7, 1024) END,"
                      " worker = $8"
                      " WHERE session_id = $1::uuid RETURNING turns, agent_id",
-                     8, v, &r, err, errlen);
+                     9, v, &r, err, errlen);
     if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
     char agent[37] = "";
     int turns = 0;
@@ -669,21 +675,27 @@ int orch_store_session_status(db_pool *p, const char *org, const char *session_i
     snprintf(st, sizeof st, "%d", status);
     TX_BEGIN(org);
     const char *v[] = {session_id, st};
-    rc = db_exec(c, "UPDATE sessions SET agent_status = $2::int WHERE session_id = $1::uuid", 2, v,
-                 NULL, err, errlen);
+    /* a terminated session keeps the status its termination reported */
+    rc = db_exec(c,
+                 "UPDATE sessions SET agent_status = $2::int"
+                 " WHERE session_id = $1::uuid AND state <> 'terminated'",
+                 2, v, NULL, err, errlen);
     return tx_end(tx, rc, err, errlen);
 }
 
 /* ---- worker paths ---- */
 
-/* The org of a session, read without a tenant (session_directory has no tenant data). */
-static int org_of(db_pool *p, const char *session_id, char org[37], char *err, size_t errlen) {
+/* The org of a session, read without a tenant (session_directory has no tenant data); with
+ * only_org set, a session of another org is ORCH_ENOTFOUND, as it would be under RLS. */
+static int org_of(db_pool *p, const char *only_org, const char *session_id, char org[37], char *err,
+                  size_t errlen) {
     PGresult *r = NULL;
     TX_BEGIN(NULL);
     rc = db_exec(c, "SELECT org_id FROM session_directory WHERE session_id = $1::uuid", 1,
                  &session_id, &r, err, errlen);
     if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
     if (rc == DB_OK) copy(org, 37, PQgetvalue(r, 0, 0));
+    if (rc == DB_OK && only_org && strcasecmp(org, only_org) != 0) rc = ORCH_ENOTFOUND;
     PQclear(r);
     if (rc == ORCH_ENOTFOUND) {
         db_tx_rollback(tx);
@@ -692,10 +704,11 @@ static int org_of(db_pool *p, const char *session_id, char org[37], char *err, s
     return tx_end(tx, rc, err, errlen);
 }
 
-int orch_store_heartbeat(db_pool *p, const char *session_id, char *err, size_t errlen) {
+int orch_store_heartbeat(db_pool *p, const char *only_org, const char *session_id, char *err,
+                         size_t errlen) {
     char org[37];
     PGresult *r = NULL;
-    int rc0 = org_of(p, session_id, org, err, errlen);
+    int rc0 = org_of(p, only_org, session_id, org, err, errlen);
     if (rc0 != DB_OK) return rc0;
     TX_BEGIN(org);
     rc = db_exec(c,
@@ -711,12 +724,12 @@ int orch_store_heartbeat(db_pool *p, const char *session_id, char *err, size_t e
     return tx_end(tx, rc, err, errlen);
 }
 
-int orch_store_checkpoint(db_pool *p, const char *session_id, int loop_iteration,
-                          uint32_t schema_version, const unsigned char *state, size_t len,
-                          const char *sha256_hex, int keep, char *err, size_t errlen) {
+int orch_store_checkpoint(db_pool *p, const char *only_org, const char *session_id,
+                          int loop_iteration, uint32_t schema_version, const unsigned char *state,
+                          size_t len, const char *sha256_hex, int keep, char *err, size_t errlen) {
     char org[37], iter[16], ver[16], keeps[16];
     PGresult *r = NULL;
-    int rc0 = org_of(p, session_id, org, err, errlen);
+    int rc0 = org_of(p, only_org, session_id, org, err, errlen);
     if (rc0 != DB_OK) return rc0;
     snprintf(iter, sizeof iter, "%d", loop_iteration);
     snprintf(ver, sizeof ver, "%u", schema_version);

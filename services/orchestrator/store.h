@@ -135,6 +135,7 @@ typedef struct orch_turn_end {
     int64_t input_tokens, output_tokens;
     double cost_usd;
     const char *worker;
+    int worker_answered; /* the worker streamed events: its liveness is news (last_heartbeat) */
 } orch_turn_end;
 
 int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
@@ -145,20 +146,22 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
 int orch_store_audit(db_pool *p, const char *org, const char *session_id, const char *type,
                      const char *agent_id, const char *parent_action_id, const char *detail_json,
                      char *action_id, char *err, size_t errlen);
-/* Sets the session's AgentStatus as relayed (cheap; no audit). */
+/* Sets the session's AgentStatus as relayed (cheap; no audit; not on a terminated session). */
 int orch_store_session_status(db_pool *p, const char *org, const char *session_id, int status,
                               char *err, size_t errlen);
 
-/* ---- worker paths ---- */
+/* ---- worker paths: only_org NULL reaches every org's sessions (a worker's token), else only
+ * that org's (ORCH_ENOTFOUND for another's) ---- */
 /* Records a heartbeat on the session (last_heartbeat = now). ORCH_ENOTFOUND when unknown. */
-int orch_store_heartbeat(db_pool *p, const char *session_id, char *err, size_t errlen);
+int orch_store_heartbeat(db_pool *p, const char *only_org, const char *session_id, char *err,
+                         size_t errlen);
 
 /* Upserts a checkpoint; keeps the newest `keep` per session. DB_OK (stored), ORCH_EREPLAY (same
  * hash already stored: nothing changes), ORCH_ECONFLICT (another hash at that key),
  * ORCH_ENOTFOUND (no such session). */
-int orch_store_checkpoint(db_pool *p, const char *session_id, int loop_iteration,
-                          uint32_t schema_version, const unsigned char *state, size_t len,
-                          const char *sha256_hex, int keep, char *err, size_t errlen);
+int orch_store_checkpoint(db_pool *p, const char *only_org, const char *session_id,
+                          int loop_iteration, uint32_t schema_version, const unsigned char *state,
+                          size_t len, const char *sha256_hex, int keep, char *err, size_t errlen);
 /* The latest checkpoint (tests, resume). *state heap. ORCH_ENOTFOUND when none. */
 int orch_store_checkpoint_latest(db_pool *p, const char *org, const char *session_id,
                                  int *loop_iteration, unsigned char **state, size_t *len, char *err,

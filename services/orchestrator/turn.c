@@ -94,6 +94,22 @@ void orch_turn_result_clear(orch_turn_result *r) {
     memset(r, 0, sizeof *r);
 }
 
+void orch_turn_end_of(const orch_turn_result *res, int loop_base, orch_turn_end *e) {
+    memset(e, 0, sizeof *e);
+    e->ok = res->outcome == TURN_COMPLETED;
+    e->final_text = res->final_text;
+    e->agent_status = e->ok ? 3 /* COMPLETE */ : 4 /* ERROR */;
+    e->loop_iterations = res->loop_iterations;
+    e->loop_base = loop_base;
+    e->input_tokens = res->input_tokens;
+    e->output_tokens = res->output_tokens;
+    e->cost_usd = res->cost_usd;
+    e->worker = res->worker;
+    e->worker_answered = res->worker_answered;
+    e->error_code = res->error_code;
+    e->error_msg = res->error_message;
+}
+
 static void set_error(orch_turn_result *r, const char *code, const char *msg, int retryable) {
     snprintf(r->error_code, sizeof r->error_code, "%s", code);
     free(r->error_message);
@@ -129,6 +145,7 @@ static int attempt(orch *o, orch_worker *k, ExecuteStepRequest *req, int64_t tim
         ProtobufCMessage *m = NULL;
         int n = rpc_reader_next(rd, &m);
         if (n <= 0) break;
+        r->worker_answered = 1;
         ExecuteStepEvent *ev = (ExecuteStepEvent *)m;
         int keep = 0;
         switch (ev->event_case) {

@@ -9,6 +9,7 @@
 
 #include "orch.h"
 #include "relay.h"
+#include "store.h"
 
 typedef Upsquad__Runtime__V1__ExecuteStepRequest ExecuteStepRequest;
 
@@ -42,6 +43,7 @@ typedef struct orch_turn_result {
     char *error_message; /* heap */
     int retryable;
     char worker[128];       /* the worker that ran it */
+    int worker_answered;    /* the worker sent at least one event (it was alive) */
     ExecuteStepEvent *stop; /* input_required / interrupt_required event (caller frees) */
 } orch_turn_result;
 
@@ -50,6 +52,9 @@ typedef struct orch_turn_result {
 int orch_turn_run(orch *o, ExecuteStepRequest *req, int64_t timeout_ms, const orch_sink *sink,
                   orch_turn_result *out);
 void orch_turn_result_clear(orch_turn_result *r);
+/* The session's side of a turn's end, from its result (borrowed: e points into res).
+ * loop_base: the session's loop_count when the turn began. */
+void orch_turn_end_of(const orch_turn_result *res, int loop_base, orch_turn_end *e);
 
 /* Starts/stops the cancellation watcher (one thread per process). */
 int orch_turn_watcher_start(void);

@@ -62,7 +62,7 @@ ROLE_WEIGHTS = {  # reasoning, code_generation, structured_ops, long_context, to
 }
 PRICE_WEIGHT = {"quality": 0.05, "balanced": 0.20, "cost": 0.50}
 ALTERNATIVES = 4
-COMPARE_MAX = 10
+COMPARE_MAX = 100
 
 
 def blended(i, o):
@@ -432,7 +432,7 @@ class ModelRegistry(unittest.TestCase):
         self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.ca.compare, [],
                         contains="model_ids")
         self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.ca.compare,
-                        ["gpt-5.5"] * (COMPARE_MAX + 1), contains="at most 10")
+                        ["gpt-5.5"] * (COMPARE_MAX + 1), contains="at most 100")
         self.assertEqual(len(self.ca.compare(["gpt-5.5"] * COMPARE_MAX)), 1)
         self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.ca.compare, ["gpt-5.5", ""],
                         contains="model_ids[1]")

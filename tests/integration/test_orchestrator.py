@@ -444,7 +444,50 @@ class Orch(unittest.TestCase):
         self.assertEqual([e.WhichOneof("event") for e in evs], ["token", "interrupt_required"])
         ir = evs[1].interrupt_required
         self.assertEqual((ir.tool_name, ir.tool_call_id), ("deploy", "call-7"))
+        self.assertEqual(ir.reason, "")  # no reason known beyond "requires approval"
         self.assertNotIn(b"SECRET-INTENT", b"".join(e.SerializeToString() for e in evs))
+
+    def test_nothing_after_the_end(self):
+        """"completion signals the step has finished": a worker's events after its completion
+        (or its error) never reach the caller."""
+        tok = {"token": {"text": "a", "index": 0}}
+        evs = self.fake_turn([tok, {"completion": {"finalResponse": "a"}}, {"token": {"text": "late", "index": 1}}])
+        self.assertEqual([e.WhichOneof("event") for e in evs], ["token", "completion"])
+        evs = self.fake_turn([tok, {"error": {"code": "E", "message": "m"}}, {"completion": {"finalResponse": "x"}}])
+        self.assertEqual([e.WhichOneof("event") for e in evs], ["token", "error"])
+
+    def test_status_follows_the_worker(self):
+        """GetSession.status is "the current session status": a StatusEvent the worker relays
+        mid-turn is what GetSession reports until the turn ends (COMPLETE)."""
+        sid = self.create().session_id
+        self.assertTrue(self.get(sid).HasField("last_heartbeat"))  # the worker answered InitWorkerSession
+        out = []
+        t = threading.Thread(target=lambda: out.extend(self.fake_turn(
+            [{"status": {"status": "AGENT_STATUS_ACTING", "detail": "tool"}}, {"sleepMs": 1500},
+             {"completion": {"finalResponse": "done"}}], sid=sid)))
+        t.start()
+        seen, t0 = set(), time.time()
+        while t.is_alive() and time.time() - t0 < 10:
+            seen.add(self.get(sid).status)
+            time.sleep(0.05)
+        t.join()
+        self.assertIn(2, seen)  # AGENT_STATUS_ACTING
+        self.assertEqual(self.get(sid).status, 3)  # AGENT_STATUS_COMPLETE
+
+    def test_terminate_during_a_turn(self):
+        """TerminateSession's status is "the final session status after termination": the turn
+        it cuts short does not overwrite it when it ends."""
+        sid = self.create().session_id
+        fn = self.ch.unary_stream(LC + "SendMessage", request_serializer=L.SendMessageRequest.SerializeToString,
+                                  response_deserializer=L.AgentEvent.FromString)
+        call = fn(L.SendMessageRequest(session_id=sid, message="#!hang"),
+                  metadata=[("authorization", "Bearer " + self.tok())], timeout=30)
+        self.assertEqual(next(call).token.text, "waiting")
+        r = self.unary("TerminateSession", L.TerminateLifecycleSessionRequest(session_id=sid, reason="stop"),
+                       L.TerminateLifecycleSessionResponse)
+        call.cancel()  # the turn ends (cancelled), after the termination
+        time.sleep(0.5)
+        self.assertEqual(self.get(sid).status, r.status)
 
     def test_retry_on_another_worker(self):
         msg = "#!fail-once\nretried " + uuid.uuid4().hex
@@ -531,10 +574,19 @@ class Orch(unittest.TestCase):
         self.assertTrue(r.acknowledged)
         g = self.get(sid)
         self.assertAlmostEqual(g.last_heartbeat.seconds, time.time(), delta=30)
-        c, _ = self.code(lambda: self.rt("Heartbeat", R.HeartbeatRequest(worker_id="w"), R.HeartbeatResponse,
-                                         token=self.tok()))
-        self.assertEqual(c, grpc.StatusCode.PERMISSION_DENIED)
+        # any verified token reaches its own org's sessions (worker_id optional with a session)...
+        before = self.get(sid).last_heartbeat.ToNanoseconds()
+        time.sleep(0.01)
+        r = self.rt("Heartbeat", R.HeartbeatRequest(session_id=sid), R.HeartbeatResponse, token=self.tok())
+        self.assertTrue(r.acknowledged)
+        self.assertGreater(self.get(sid).last_heartbeat.ToNanoseconds(), before)
+        # ... and never another org's
+        c, _ = self.code(lambda: self.rt("Heartbeat", R.HeartbeatRequest(session_id=sid), R.HeartbeatResponse,
+                                         token=self.tok(org=self.org2)))
+        self.assertEqual(c, grpc.StatusCode.NOT_FOUND)
         c, _ = self.code(lambda: self.rt("Heartbeat", R.HeartbeatRequest(), R.HeartbeatResponse))
+        self.assertEqual(c, grpc.StatusCode.INVALID_ARGUMENT)
+        c, _ = self.code(lambda: self.rt("Heartbeat", R.HeartbeatRequest(worker_id="w" * 129), R.HeartbeatResponse))
         self.assertEqual(c, grpc.StatusCode.INVALID_ARGUMENT)
         c, _ = self.code(lambda: self.rt("Heartbeat", R.HeartbeatRequest(worker_id="w", session_id=str(uuid.uuid4())),
                                          R.HeartbeatResponse))
@@ -563,8 +615,9 @@ class Orch(unittest.TestCase):
         sha = hashlib.sha256(blob).hexdigest()
         req = R.CheckpointRequest(session_id=sid, bytes=blob, bytes_sha256=sha, loop_iteration=1)
         r = self.rt("Checkpoint", req, R.CheckpointResponse)
-        self.assertEqual(r.hash, sha)
-        self.rt("Checkpoint", req, R.CheckpointResponse)  # idempotent replay
+        self.assertEqual((r.hash, r.state), (sha, blob))  # "carries the serialized worker state"
+        r = self.rt("Checkpoint", req, R.CheckpointResponse)  # idempotent replay
+        self.assertEqual((r.hash, r.state), (sha, blob))
         other = struct.pack(">I", 1) + b"different"
         c, _ = self.code(lambda: self.rt("Checkpoint", R.CheckpointRequest(
             session_id=sid, bytes=other, bytes_sha256=hashlib.sha256(other).hexdigest(), loop_iteration=1),
@@ -582,8 +635,10 @@ class Orch(unittest.TestCase):
             session_id=sid, bytes=huge, bytes_sha256=hashlib.sha256(huge).hexdigest(), loop_iteration=3),
             R.CheckpointResponse))
         self.assertIn(c, (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED))
-        c, _ = self.code(lambda: self.rt("Checkpoint", req, R.CheckpointResponse, token=self.tok()))
-        self.assertEqual(c, grpc.StatusCode.PERMISSION_DENIED)
+        # a user's token: its own org's session (replay: OK), another org's: NOT_FOUND
+        self.assertEqual(self.rt("Checkpoint", req, R.CheckpointResponse, token=self.tok()).hash, sha)
+        c, _ = self.code(lambda: self.rt("Checkpoint", req, R.CheckpointResponse, token=self.tok(org=self.org2)))
+        self.assertEqual(c, grpc.StatusCode.NOT_FOUND)
         c, _ = self.code(lambda: self.rt("Checkpoint", R.CheckpointRequest(
             session_id=str(uuid.uuid4()), bytes=blob, bytes_sha256=sha, loop_iteration=1), R.CheckpointResponse))
         self.assertEqual(c, grpc.StatusCode.NOT_FOUND)
@@ -600,6 +655,11 @@ class Orch(unittest.TestCase):
                                  capture_output=True, text=True).stdout.strip()
             self.assertEqual(its, "5,6,7,8,9")
         self.assertEqual(self.get(sid).loop_count, 10)  # iterations 0..9: ten completed
+        # the schema version prefix is opaque: version 0 is stored like any other
+        zero = struct.pack(">I", 0) + b"v0"
+        r = self.rt("Checkpoint", R.CheckpointRequest(session_id=sid, bytes=zero, bytes_sha256=hashlib.sha256(zero).hexdigest(),
+                                                      loop_iteration=20), R.CheckpointResponse)
+        self.assertEqual(r.state, zero)
 
     def test_turn_end_races_checkpoints(self):
         """A worker checkpoints while the turn it serves ends (the devworker does, from its

@@ -2,7 +2,8 @@
 what a worker sends: hostile payloads, a failure before or after the first event, a hang.
 
 The behaviour of a turn is picked by the user message's first line:
-  #!fake <json list of ExecuteStepEvent dicts (json_format)>   sent in order
+  #!fake <json list of ExecuteStepEvent dicts (json_format)>   sent in order ({"sleepMs": N}
+                                                                in the list pauses N ms)
   #!fail-before                                                 abort UNAVAILABLE at once
   #!fail-after                                                  one token, then abort
   #!hang                                                        one token, then wait for cancel
@@ -63,6 +64,9 @@ class FakeWorker:
         first, _, rest = msg.partition("\n")
         if first.startswith("#!fake"):
             for ev in json.loads(first[len("#!fake"):].strip() or rest):
+                if "sleepMs" in ev:
+                    time.sleep(ev["sleepMs"] / 1000)
+                    continue
                 yield json_format.ParseDict(ev, R.ExecuteStepEvent())
             return
         if first == "#!fail-once":

@@ -308,12 +308,12 @@ static void test_compare(void **state) {
     assert_int_equal(mr_compare(s, NULL, 0, out, &n, err, sizeof err), MR_EINVAL);
     assert_non_null(strstr(err, "model_ids: at least one"));
 
-    const char *eleven[11];
-    for (size_t i = 0; i < 11; i++)
-        eleven[i] = "big-a";
-    assert_int_equal(mr_compare(s, eleven, 11, out, &n, err, sizeof err), MR_EINVAL);
-    assert_non_null(strstr(err, "model_ids: at most 10 ids per request (got 11)"));
-    assert_int_equal(mr_compare(s, eleven, 10, out, &n, err, sizeof err), MR_OK);
+    const char *many[MR_COMPARE_MAX + 1];
+    for (size_t i = 0; i < MR_COMPARE_MAX + 1; i++)
+        many[i] = "big-a";
+    assert_int_equal(mr_compare(s, many, MR_COMPARE_MAX + 1, out, &n, err, sizeof err), MR_EINVAL);
+    assert_non_null(strstr(err, "model_ids: at most 100 ids per request (got 101)"));
+    assert_int_equal(mr_compare(s, many, MR_COMPARE_MAX, out, &n, err, sizeof err), MR_OK);
     assert_int_equal(n, 1);
 
     const char *blank[] = {"big-a", ""};
