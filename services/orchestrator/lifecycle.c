@@ -9,6 +9,7 @@
 
 #include "ids.h"
 #include "log.h"
+#include "pause.h"
 #include "pbjson.h"
 #include "session.h"
 #include "util.h"
@@ -270,6 +271,8 @@ static int terminate_session(rpc_call *call, const ProtobufCMessage *req, Protob
 
 /* ---- SendMessage ---- */
 
+#define CHAT_CALLS 16
+
 typedef struct chat {
     orch *o;
     rpc_call *call;
@@ -277,12 +280,30 @@ typedef struct chat {
     orch_arena a;
     int error_relayed;
     int gone;
+    /* the turn's newest tool calls (a ring) and their audit rows: a tool's result and an
+     * interrupt on it name the call as their parent (GetProvenanceChain walks it) */
+    struct {
+        char tool_call_id[65];
+        char action_id[37];
+    } calls[CHAT_CALLS];
+    unsigned ncalls;
 } chat;
+
+/* The audit row of the turn's tool call id, else the turn's message_received. */
+static const char *call_parent(const chat *c, const char *tool_call_id) {
+    unsigned n = c->ncalls < CHAT_CALLS ? c->ncalls : CHAT_CALLS;
+    for (unsigned i = 0; tool_call_id && tool_call_id[0] && i < n; i++) {
+        unsigned k = (c->ncalls - 1 - i) % CHAT_CALLS;
+        if (!strncmp(c->calls[k].tool_call_id, tool_call_id, sizeof c->calls[k].tool_call_id - 1))
+            return c->calls[k].action_id;
+    }
+    return c->parent;
+}
 
 static void audit_event(chat *c, const ExecuteStepEvent *ev) {
     char err[256];
     cJSON *d = NULL;
-    const char *type = NULL;
+    const char *type = NULL, *parent = c->parent, *call_id = NULL;
     switch (ev->event_case) {
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOKEN: /* the hot path: nothing */
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STATUS:
@@ -296,11 +317,13 @@ static void audit_event(chat *c, const ExecuteStepEvent *ev) {
     switch (ev->event_case) {
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_CALL:
         type = "tool_call";
+        call_id = ev->tool_call->tool_call_id;
         cJSON_AddStringToObject(d, "tool_name", ev->tool_call->tool_name);
         cJSON_AddStringToObject(d, "tool_call_id", ev->tool_call->tool_call_id);
         break;
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_RESULT:
         type = "tool_result";
+        parent = call_parent(c, ev->tool_result->tool_call_id);
         cJSON_AddStringToObject(d, "tool_name", ev->tool_result->tool_name);
         cJSON_AddStringToObject(d, "tool_call_id", ev->tool_result->tool_call_id);
         cJSON_AddBoolToObject(d, "is_error", ev->tool_result->is_error);
@@ -316,6 +339,7 @@ static void audit_event(chat *c, const ExecuteStepEvent *ev) {
         break;
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INTERRUPT_REQUIRED:
         type = "interrupt_required";
+        parent = call_parent(c, ev->interrupt_required->tool_call_id);
         cJSON_AddStringToObject(d, "tool_name", ev->interrupt_required->tool_name);
         cJSON_AddStringToObject(d, "tool_call_id", ev->interrupt_required->tool_call_id);
         break;
@@ -330,10 +354,15 @@ static void audit_event(chat *c, const ExecuteStepEvent *ev) {
         break;
     }
     if (type) {
-        char *json = cJSON_PrintUnformatted(d);
-        if (json && orch_store_audit(c->o->pool, c->org, c->sid, type, c->agent, c->parent, json,
-                                     NULL, err, sizeof err) != DB_OK)
+        char *json = cJSON_PrintUnformatted(d), action[37] = "";
+        if (json && orch_store_audit(c->o->pool, c->org, c->sid, type, c->agent, parent, json,
+                                     action, err, sizeof err) != DB_OK)
             log_error("audit.append", "session %s %s: %s", c->sid, type, err);
+        else if (json && call_id && call_id[0]) {
+            unsigned k = c->ncalls++ % CHAT_CALLS;
+            snprintf(c->calls[k].tool_call_id, sizeof c->calls[k].tool_call_id, "%s", call_id);
+            memcpy(c->calls[k].action_id, action, sizeof action);
+        }
         free(json);
     }
     cJSON_Delete(d);
@@ -432,9 +461,12 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
                        s.agent_id);
         goto done;
     }
+    int64_t left = rpc_deadline_ms(call);
+    int64_t timeout = o->cfg->step_timeout_ms;
+    if (left < timeout) timeout = left > 0 ? left : 1;
     rc = orch_store_turn_begin(o->pool, id->org_id, sid, rq->message, (int)o->cfg->prior_turns,
-                               (size_t)o->cfg->prior_bytes, &turns, &nturns, parent, state, err,
-                               sizeof err);
+                               (size_t)o->cfg->prior_bytes, timeout, &turns, &nturns, parent, state,
+                               err, sizeof err);
     if (rc == ORCH_ESTATE) {
         rc = rpc_error(call, RPC_FAILED_PRECONDITION, "session %s is %s: it takes no messages", sid,
                        state);
@@ -456,12 +488,10 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     chat c = {
         .o = o, .call = call, .org = id->org_id, .sid = sid, .agent = s.agent_id, .parent = parent};
     orch_sink sink = {chat_event, chat_cancelled, &c};
-    int64_t left = rpc_deadline_ms(call);
-    int64_t timeout = o->cfg->step_timeout_ms;
-    if (left < timeout) timeout = left > 0 ? left : 1;
     orch_turn_run(o, ereq, timeout, &sink, &res);
     orch_request_wipe(ereq);
     orch_arena_free(&c.a);
+    orch_pause paused = {0};
     orch_turn_end e = {.ok = res.outcome == TURN_COMPLETED,
                        .final_text = res.final_text,
                        .agent_status = res.outcome == TURN_COMPLETED ? 3 : 4,
@@ -470,7 +500,8 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
                        .input_tokens = res.input_tokens,
                        .output_tokens = res.output_tokens,
                        .cost_usd = res.cost_usd,
-                       .worker = res.worker};
+                       .worker = res.worker,
+                       .paused = &paused};
     rc = RPC_OK;
     switch (res.outcome) {
     case TURN_COMPLETED:
@@ -507,6 +538,9 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     metric_add(o->m_out_tokens, (double)res.output_tokens);
     if (orch_store_turn_end(o->pool, id->org_id, sid, parent, &e, err, sizeof err) != DB_OK)
         log_error("store.turn_end", "session %s: %s", sid, err);
+    /* a pause asked for during the turn committed at its end: the stream says so last (it
+     * then ends; the caller resumes with ResumeSession and a new SendMessage) */
+    if (paused.committed && res.outcome != TURN_CANCELLED) orch_pause_send_event(call, &paused);
 done:
     orch_turn_result_clear(&res);
     if (snap) protobuf_c_message_free_unpacked(&snap->base, NULL);
@@ -544,14 +578,13 @@ int orch_lifecycle_register(rpc_server *srv, orch *o) {
         {SVC "TerminateSession", RPC_UNARY, RPC_AUTH_REQUIRED,
          DESC(terminate_lifecycle_session_request), DESC(terminate_lifecycle_session_response),
          terminate_session, NULL, o, .flags = RPC_BLOCKING},
-        UNIMPL("GetProvenanceChain", get_provenance_chain_request, get_provenance_chain_response),
-        UNIMPL("PauseSession", pause_session_request, pause_session_response),
-        UNIMPL("ResumeSession", resume_session_request, resume_session_response),
         UNIMPL("ListChildren", list_children_request, list_children_response),
         UNIMPL("GetParentSession", get_parent_session_request, get_parent_session_response),
         UNIMPL("GetSubagentTree", get_subagent_tree_request, get_subagent_tree_response),
         UNIMPL("TerminateSubagentTree", terminate_subagent_tree_request,
                terminate_subagent_tree_response),
     };
-    return rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
+    int rc = rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
+    if (rc == RPC_OK) rc = orch_pause_register(srv, o);
+    return rc;
 }

@@ -709,10 +709,7 @@ class Orch(unittest.TestCase):
 
     # ---- the other seven ----
     def test_unimplemented(self):
-        for m, req, resp in (("PauseSession", L.PauseSessionRequest, L.PauseSessionResponse),
-                             ("ResumeSession", L.ResumeSessionRequest, L.ResumeSessionResponse),
-                             ("GetProvenanceChain", L.GetProvenanceChainRequest, L.GetProvenanceChainResponse),
-                             ("ListChildren", L.ListChildrenRequest, L.ListChildrenResponse),
+        for m, req, resp in (("ListChildren", L.ListChildrenRequest, L.ListChildrenResponse),
                              ("GetParentSession", L.GetParentSessionRequest, L.GetParentSessionResponse),
                              ("GetSubagentTree", L.GetSubagentTreeRequest, L.GetSubagentTreeResponse),
                              ("TerminateSubagentTree", L.TerminateSubagentTreeRequest, L.TerminateSubagentTreeResponse)):
