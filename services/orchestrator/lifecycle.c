@@ -287,6 +287,10 @@ typedef struct chat {
         char action_id[37];
     } calls[CHAT_CALLS];
     unsigned ncalls;
+    /* an interrupt_required: the approval the session is parked on (spec: InterruptRequiredEvent
+     * .approval_id, the correlation id of the SessionPausedEvent that follows) */
+    char approval_id[37];
+    char gated_tool[129];
 } chat;
 
 /* The audit row of the turn's tool call id, else the turn's message_received. */
@@ -342,6 +346,7 @@ static void audit_event(chat *c, const ExecuteStepEvent *ev) {
         parent = call_parent(c, ev->interrupt_required->tool_call_id);
         cJSON_AddStringToObject(d, "tool_name", ev->interrupt_required->tool_name);
         cJSON_AddStringToObject(d, "tool_call_id", ev->interrupt_required->tool_call_id);
+        cJSON_AddStringToObject(d, "approval_id", c->approval_id);
         break;
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INPUT_REQUIRED:
         type = "input_required";
@@ -374,6 +379,14 @@ static int chat_event(void *ud, const ExecuteStepEvent *ev) {
     const char *why;
     if (c->gone) return -1;
     int fwd = relay_project(&c->a, ev, &ae, &why);
+    if (fwd && ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_INTERRUPT_REQUIRED) {
+        /* the session parks on this approval at the turn's end: one id per turn (the worker
+         * suspends at the first gate) */
+        if (!c->approval_id[0] && ids_uuid_v4(c->approval_id)) c->approval_id[0] = 0;
+        snprintf(c->gated_tool, sizeof c->gated_tool, "%s", ae.interrupt_required->tool_name);
+        ae.interrupt_required->approval_id = c->approval_id;
+        audit_event(c, ev);
+    }
     if (!fwd) {
         if (why &&
             ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STRUCTURED_ANSWER) {
@@ -492,6 +505,7 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     orch_request_wipe(ereq);
     orch_arena_free(&c.a);
     orch_pause paused = {0};
+    char park_reason[192];
     orch_turn_end e = {.ok = res.outcome == TURN_COMPLETED,
                        .final_text = res.final_text,
                        .agent_status = res.outcome == TURN_COMPLETED ? 3 : 4,
@@ -518,9 +532,17 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
         rc = rpc_error(call, RPC_UNAVAILABLE, "no live worker: the agent runtime is not reachable");
         break;
     case TURN_INTERRUPT:
-        /* relayed as InterruptRequiredEvent; parking the session comes with pause/resume */
+        /* relayed as InterruptRequiredEvent; the session parks on the approval (spec: the
+         * InterruptRequiredEvent comes just before SessionPaused(PAUSE_SOURCE_APPROVAL)) */
         e.error_code = "APPROVAL_REQUIRED";
         e.error_msg = "a tool call needs approval";
+        if (c.approval_id[0]) {
+            e.park_source = UPSQUAD__RUNTIME__V1__PAUSE_SOURCE__PAUSE_SOURCE_APPROVAL;
+            e.park_reason = park_reason;
+            e.park_correlation = c.approval_id;
+            snprintf(park_reason, sizeof park_reason, "tool call %s requires approval",
+                     c.gated_tool);
+        }
         break;
     case TURN_INPUT_REQUIRED:
         e.error_code = "INPUT_REQUIRED";

@@ -125,7 +125,8 @@ static int pause_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
             else
                 rc = rpc_error(call, RPC_FAILED_PRECONDITION,
                                "session %s is %s%s: only an active session can be paused",
-                               rq->session_id, state, waited ? " (ended before the pause committed)" : "");
+                               rq->session_id, state,
+                               waited ? " (ended before the pause committed)" : "");
             break;
         }
         if (rc != DB_OK) {
@@ -253,8 +254,8 @@ static ChainLink *chain_link(rpc_call *call, const orch_audit_link *l) {
     return k;
 }
 
-static int get_provenance_chain(rpc_call *call, const ProtobufCMessage *req,
-                                ProtobufCMessage *resp, void *ud) {
+static int get_provenance_chain(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
+                                void *ud) {
     orch *o = ud;
     const ChainRequest *rq = (const ChainRequest *)req;
     ChainResponse *out = (ChainResponse *)resp;
@@ -298,8 +299,8 @@ static int get_provenance_chain(rpc_call *call, const ProtobufCMessage *req,
     snprintf(sid, sizeof sid, "%s", rq->session_id);
     for (int hops = 1; rq->cross_session && hops < CHAIN_SESSIONS_MAX && n < CHAIN_MAX; hops++) {
         int ok = 0;
-        rc = orch_store_audit_anchor(o->pool, id->org_id, sid, parent, anchor, &ok, err,
-                                     sizeof err);
+        rc =
+            orch_store_audit_anchor(o->pool, id->org_id, sid, parent, anchor, &ok, err, sizeof err);
         if (rc != DB_OK) {
             rc = store_error(call, "reading the session's parent", err);
             goto done;
@@ -364,9 +365,8 @@ int orch_pause_register(rpc_server *srv, orch *o) {
          DESC(pause_session_response), pause_session, NULL, o, .flags = RPC_BLOCKING},
         {SVC "ResumeSession", RPC_UNARY, RPC_AUTH_REQUIRED, DESC(resume_session_request),
          DESC(resume_session_response), resume_session, NULL, o, .flags = RPC_BLOCKING},
-        {SVC "GetProvenanceChain", RPC_UNARY, RPC_AUTH_REQUIRED,
-         DESC(get_provenance_chain_request), DESC(get_provenance_chain_response),
-         get_provenance_chain, NULL, o, .flags = RPC_BLOCKING},
+        {SVC "GetProvenanceChain", RPC_UNARY, RPC_AUTH_REQUIRED, DESC(get_provenance_chain_request),
+         DESC(get_provenance_chain_response), get_provenance_chain, NULL, o, .flags = RPC_BLOCKING},
     };
     return rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
 }

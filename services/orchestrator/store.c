@@ -678,6 +678,17 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
     }
     /* the message boundary: the last turn in flight ending commits a pending pause (a session
      * terminated meanwhile drops it) */
+    if (rc == DB_OK && parent_action_id && e->park_source > 0) {
+        char src[16];
+        snprintf(src, sizeof src, "%d", e->park_source);
+        const char *v[] = {session_id, e->park_reason ? e->park_reason : "", src,
+                           e->park_correlation ? e->park_correlation : ""};
+        rc = db_exec(c,
+                     "UPDATE sessions SET pause_pending = true, pause_reason = left($2, 1024),"
+                     " pause_source = $3::int, pause_correlation_id = left($4, 256)"
+                     " WHERE session_id = $1::uuid AND state = 'active'",
+                     4, v, NULL, err, errlen);
+    }
     if (rc == DB_OK && parent_action_id) {
         rc = db_exec(c,
                      "UPDATE sessions SET turns_running = greatest(turns_running - 1, 0),"

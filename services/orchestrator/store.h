@@ -150,6 +150,10 @@ typedef struct orch_turn_end {
     /* out (NULL: not wanted): a pause pending on the session commits at the end of its last
      * turn in flight, in the same transaction; then filled with committed = 1 */
     orch_pause *paused;
+    /* > 0: the turn parks the session (a PauseSource, e.g. APPROVAL on an interrupt): a pause
+     * with this source, reason and correlation id is pending from this turn's end */
+    int park_source;
+    const char *park_reason, *park_correlation;
 } orch_turn_end;
 
 int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,

@@ -386,6 +386,41 @@ class Pause(unittest.TestCase):
         self.assertEqual(res["r"].status, SUSPENDED)
         self.assertEqual(self.get(sid).status, SUSPENDED)
 
+    # ---- an interrupt parks the session on its approval ----
+    def test_interrupt_parks_session(self):
+        sid = self.create()
+        steps = [{"token": "checking"},
+                 {"tool_call": {"tool_name": "deploy", "tool_call_id": "g1", "arguments": {"env": "prod"}}},
+                 {"interrupt": {"tool_name": "deploy", "tool_call_id": "g1", "pending_tool_intent": "SECRET-INTENT"}}]
+        evs = self.stream_of(script(steps), sid)
+        self.assertEqual([e.WhichOneof("event") for e in evs], ["token", "interrupt_required", "session_paused"])
+        ir, p = evs[1].interrupt_required, evs[2].session_paused
+        self.assertEqual((ir.tool_name, ir.tool_call_id), ("deploy", "g1"))
+        self.assertRegex(ir.approval_id, "^[0-9a-f-]{36}$")
+        self.assertEqual(p.pause_source, L.PAUSE_SOURCE_APPROVAL)
+        self.assertEqual(p.correlation_id, ir.approval_id)
+        self.assertIn("deploy", p.reason)
+        self.assertNotIn(b"SECRET-INTENT", b"".join(e.SerializeToString() for e in evs))
+        self.assertEqual(self.get(sid).status, SUSPENDED)
+        c, d = self.code(lambda: self.stream_of("go on", sid))
+        self.assertEqual(c, grpc.StatusCode.FAILED_PRECONDITION)
+        # audited: the interrupt names its tool call and the approval; the pause its correlation
+        rows = self.audit(sid)
+        self.assertEqual([x[1] for x in rows], ["session_started", "message_received", "tool_call",
+                                                "interrupt_required", "error", "session_paused"])
+        self.assertEqual(rows[3][2], rows[2][0])
+        self.assertEqual(rows[3][3]["approval_id"], ir.approval_id)
+        self.assertEqual(rows[5][3]["correlation_id"], ir.approval_id)
+        self.assertEqual(rows[5][3]["pause_source"], "PAUSE_SOURCE_APPROVAL")
+        self.assertEqual([k.action_type for k in self.chain(sid, rows[3][0]).chain],
+                         ["message_received", "tool_call", "interrupt_required"])
+        # pausing again is the same pause; the approval decided, the session resumes
+        again = self.pause(sid)
+        self.assertTrue(again.was_already_suspended)
+        self.assertEqual(again.paused_at, p.paused_at)
+        self.resume(sid, resume_reason="approved " + ir.approval_id)
+        self.assertTrue(any(e.HasField("completion") for e in self.stream_of("go on", sid)))
+
     # ---- GetProvenanceChain ----
     def test_provenance_chain(self):
         sid = self.create()
