@@ -386,6 +386,52 @@ class Pause(unittest.TestCase):
         self.assertEqual(res["r"].status, SUSPENDED)
         self.assertEqual(self.get(sid).status, SUSPENDED)
 
+    def test_pause_then_terminate(self):
+        """A session terminated while its pause waits for the turn: the pause is dropped."""
+        sid = self.create()
+        stream = self.open_stream(script([{"token": "t"}, {"hang": True}]), sid)
+        self.assertEqual(next(stream).token.text, "t")
+        res = {}
+
+        def do_pause():
+            try:
+                self.pause(sid, ch=self.cha, timeout=15)
+            except grpc.RpcError as e:
+                res["e"] = e
+        th = threading.Thread(target=do_pause)
+        th.start()
+        time.sleep(0.3)
+        self.unary("TerminateSession", L.TerminateLifecycleSessionRequest(session_id=sid, reason="stop"),
+                   L.TerminateLifecycleSessionResponse)
+        th.join(20)
+        self.assertEqual(res["e"].code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("terminated", res["e"].details())
+        stream.cancel()
+        deadline = time.time() + 10
+        while time.time() < deadline and sql(self.org, "SELECT turns_running FROM orchestrator.sessions"
+                                              " WHERE session_id = '%s'" % sid)[0][0] != "0":
+            time.sleep(0.05)
+        self.assertNotIn("session_paused", [x[1] for x in self.audit(sid)])
+        self.assertEqual(sql(self.org, "SELECT state, pause_pending FROM orchestrator.sessions"
+                             " WHERE session_id = '%s'" % sid), [["terminated", "f"]])
+
+    def test_pause_after_lost_turn(self):
+        """A turn counted in flight past its bound (its replica died) holds no pause back."""
+        sid = self.create()
+        sql(self.org, "UPDATE orchestrator.sessions SET turns_running = 1, turn_deadline = now() - interval '1 s'"
+            " WHERE session_id = '%s'" % sid)
+        t = time.time()
+        self.assertEqual(self.pause(sid).status, SUSPENDED)
+        self.assertLess(time.time() - t, 2)
+        self.resume(sid)
+        # one still within its bound is waited for
+        sql(self.org, "UPDATE orchestrator.sessions SET turns_running = 1, turn_deadline = now() + interval '1 min'"
+            " WHERE session_id = '%s'" % sid)
+        c, _ = self.code(lambda: self.pause(sid, timeout=0.6))
+        self.assertEqual(c, grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertEqual(sql(self.org, "SELECT state, pause_pending FROM orchestrator.sessions"
+                             " WHERE session_id = '%s'" % sid), [["active", "t"]])
+
     # ---- an interrupt parks the session on its approval ----
     def test_interrupt_parks_session(self):
         sid = self.create()
