@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 
 #include "ids.h"
 #include "log.h"
@@ -291,7 +292,45 @@ typedef struct chat {
      * .approval_id, the correlation id of the SessionPausedEvent that follows) */
     char approval_id[37];
     char gated_tool[129];
+    /* a pause asked for while the turn runs (on any replica: read from the session row at
+     * most every PAUSE_LOOK_MS, when the worker sends something) is announced once */
+    int64_t pause_look_ms;
+    int pause_told;
 } chat;
+
+#define PAUSE_LOOK_MS 250
+
+static int64_t mono_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* spec StatusEvent.pending_pause: a pause was requested and the session finishes its current
+ * step before it becomes SUSPENDED */
+static int tell_pending_pause(chat *c) {
+    char err[256];
+    int pending = 0;
+    int64_t now = mono_ms();
+    if (c->pause_told || now < c->pause_look_ms) return RPC_OK;
+    c->pause_look_ms = now + PAUSE_LOOK_MS;
+    if (orch_store_pause_pending(c->o->pool, c->org, c->sid, &pending, err, sizeof err) != DB_OK ||
+        !pending)
+        return RPC_OK;
+    c->pause_told = 1;
+    Upsquad__Runtime__V1__StatusEvent st = UPSQUAD__RUNTIME__V1__STATUS_EVENT__INIT;
+    Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    AgentEvent ae;
+    upsquad__runtime__v1__agent_event__init(&ae);
+    pbjson_ts_now(&at);
+    st.status = UPSQUAD__RUNTIME__V1__AGENT_STATUS__AGENT_STATUS_THINKING;
+    st.detail = (char *)"a pause is pending: the session is suspended when this turn ends";
+    st.timestamp = &at;
+    st.pending_pause = 1;
+    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_STATUS;
+    ae.status = &st;
+    return rpc_stream_send(c->call, &ae.base);
+}
 
 /* The audit row of the turn's tool call id, else the turn's message_received. */
 static const char *call_parent(const chat *c, const char *tool_call_id) {
@@ -378,6 +417,10 @@ static int chat_event(void *ud, const ExecuteStepEvent *ev) {
     AgentEvent ae;
     const char *why;
     if (c->gone) return -1;
+    if (tell_pending_pause(c) != RPC_OK) {
+        c->gone = 1;
+        return -1;
+    }
     int fwd = relay_project(&c->a, ev, &ae, &why);
     if (fwd && ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_INTERRUPT_REQUIRED) {
         /* the session parks on this approval at the turn's end: one id per turn (the worker

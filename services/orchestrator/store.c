@@ -996,6 +996,18 @@ int orch_store_pause(db_pool *p, const char *org, const char *session_id, const 
     return tx_end(tx, rc, err, errlen);
 }
 
+int orch_store_pause_pending(db_pool *p, const char *org, const char *session_id, int *pending,
+                             char *err, size_t errlen) {
+    PGresult *r = NULL;
+    *pending = 0;
+    TX_BEGIN(org);
+    rc = db_exec(c, "SELECT pause_pending FROM sessions WHERE session_id = $1::uuid", 1,
+                 &session_id, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 1) *pending = PQgetvalue(r, 0, 0)[0] == 't';
+    PQclear(r);
+    return tx_end(tx, rc, err, errlen);
+}
+
 int orch_store_resume(db_pool *p, const char *org, const char *session_id, const char *reason,
                       const char *operator_input, orch_resume *out, char *state_out, char *err,
                       size_t errlen) {

@@ -198,6 +198,10 @@ int orch_store_pause(db_pool *p, const char *org, const char *session_id, const 
                      int source, const char *correlation_id, int *outcome, orch_pause *out,
                      char *state_out, char *err, size_t errlen);
 
+/* *pending 1 when a pause waits for the session's turns in flight (a cheap read). */
+int orch_store_pause_pending(db_pool *p, const char *org, const char *session_id, int *pending,
+                             char *err, size_t errlen);
+
 typedef struct orch_resume {
     int agent_status;    /* the status given back (the one the session had when paused) */
     int resumed_at_loop; /* loop_iteration of the newest checkpoint, 0 when none */

@@ -341,6 +341,12 @@ class Pause(unittest.TestCase):
         kinds = [e.WhichOneof("event") for e in events]
         self.assertEqual(kinds[-2:], ["completion", "session_paused"])
         self.assertEqual(events[-2].completion.final_response, "done")
+        # the stream was told the pause is pending (once), while the turn still ran
+        pend = [i for i, e in enumerate(events) if e.HasField("status") and e.status.pending_pause]
+        self.assertEqual(len(pend), 1)
+        self.assertLess(pend[0], kinds.index("completion"))
+        self.assertEqual(events[pend[0]].status.status, R.AGENT_STATUS_THINKING)
+        self.assertFalse(events[0].status.pending_pause)
         p = events[-1].session_paused
         self.assertEqual((p.reason, p.pause_source, p.correlation_id), ("hold on", L.PAUSE_SOURCE_APPROVAL, "appr-7"))
         self.assertEqual(p.checkpoint_key, r.checkpoint_key)
