@@ -541,8 +541,15 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
         rc = rpc_error(call, RPC_INTERNAL, "the session snapshot could not be read");
         goto done;
     }
-    chat c = {
-        .o = o, .call = call, .org = id->org_id, .sid = sid, .agent = s.agent_id, .parent = parent};
+    /* no pause is pending when a turn starts (orch_store_turn_begin refuses then): the first
+     * look is due PAUSE_LOOK_MS in, so short turns never look */
+    chat c = {.o = o,
+              .call = call,
+              .org = id->org_id,
+              .sid = sid,
+              .agent = s.agent_id,
+              .parent = parent,
+              .pause_look_ms = mono_ms() + PAUSE_LOOK_MS};
     orch_sink sink = {chat_event, chat_cancelled, &c};
     orch_turn_run(o, ereq, timeout, &sink, &res);
     orch_request_wipe(ereq);
