@@ -6,9 +6,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 
 #include "ids.h"
 #include "log.h"
+#include "pause.h"
 #include "pbjson.h"
 #include "session.h"
 #include "util.h"
@@ -270,6 +272,8 @@ static int terminate_session(rpc_call *call, const ProtobufCMessage *req, Protob
 
 /* ---- SendMessage ---- */
 
+#define CHAT_CALLS 16
+
 typedef struct chat {
     orch *o;
     rpc_call *call;
@@ -279,12 +283,72 @@ typedef struct chat {
     int gone;
     int ended;  /* a completion or an error was relayed: the step is over for the caller */
     int status; /* the AgentStatus last stored (the turn began THINKING) */
+    /* the turn's newest tool calls (a ring) and their audit rows: a tool's result and an
+     * interrupt on it name the call as their parent (GetProvenanceChain walks it) */
+    struct {
+        char tool_call_id[65];
+        char action_id[37];
+    } calls[CHAT_CALLS];
+    unsigned ncalls;
+    /* an interrupt_required: the approval the session is parked on (spec: InterruptRequiredEvent
+     * .approval_id, the correlation id of the SessionPausedEvent that follows) */
+    char approval_id[37];
+    char gated_tool[129];
+    /* a pause asked for while the turn runs (on any replica: read from the session row at
+     * most every PAUSE_LOOK_MS, when the worker sends something) is announced once */
+    int64_t pause_look_ms;
+    int pause_told;
 } chat;
+
+#define PAUSE_LOOK_MS 250
+
+static int64_t mono_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* spec StatusEvent.pending_pause: a pause was requested and the session finishes its current
+ * step before it becomes SUSPENDED */
+static int tell_pending_pause(chat *c) {
+    char err[256];
+    int pending = 0;
+    int64_t now = mono_ms();
+    if (c->pause_told || now < c->pause_look_ms) return RPC_OK;
+    c->pause_look_ms = now + PAUSE_LOOK_MS;
+    if (orch_store_pause_pending(c->o->pool, c->org, c->sid, &pending, err, sizeof err) != DB_OK ||
+        !pending)
+        return RPC_OK;
+    c->pause_told = 1;
+    Upsquad__Runtime__V1__StatusEvent st = UPSQUAD__RUNTIME__V1__STATUS_EVENT__INIT;
+    Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    AgentEvent ae;
+    upsquad__runtime__v1__agent_event__init(&ae);
+    pbjson_ts_now(&at);
+    st.status = UPSQUAD__RUNTIME__V1__AGENT_STATUS__AGENT_STATUS_THINKING;
+    st.detail = (char *)"a pause is pending: the session is suspended when this turn ends";
+    st.timestamp = &at;
+    st.pending_pause = 1;
+    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_STATUS;
+    ae.status = &st;
+    return rpc_stream_send(c->call, &ae.base);
+}
+
+/* The audit row of the turn's tool call id, else the turn's message_received. */
+static const char *call_parent(const chat *c, const char *tool_call_id) {
+    unsigned n = c->ncalls < CHAT_CALLS ? c->ncalls : CHAT_CALLS;
+    for (unsigned i = 0; tool_call_id && tool_call_id[0] && i < n; i++) {
+        unsigned k = (c->ncalls - 1 - i) % CHAT_CALLS;
+        if (!strncmp(c->calls[k].tool_call_id, tool_call_id, sizeof c->calls[k].tool_call_id - 1))
+            return c->calls[k].action_id;
+    }
+    return c->parent;
+}
 
 static void audit_event(chat *c, const ExecuteStepEvent *ev) {
     char err[256];
     cJSON *d = NULL;
-    const char *type = NULL;
+    const char *type = NULL, *parent = c->parent, *call_id = NULL;
     switch (ev->event_case) {
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOKEN: /* the hot path: nothing */
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STATUS:
@@ -298,11 +362,13 @@ static void audit_event(chat *c, const ExecuteStepEvent *ev) {
     switch (ev->event_case) {
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_CALL:
         type = "tool_call";
+        call_id = ev->tool_call->tool_call_id;
         cJSON_AddStringToObject(d, "tool_name", ev->tool_call->tool_name);
         cJSON_AddStringToObject(d, "tool_call_id", ev->tool_call->tool_call_id);
         break;
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_RESULT:
         type = "tool_result";
+        parent = call_parent(c, ev->tool_result->tool_call_id);
         cJSON_AddStringToObject(d, "tool_name", ev->tool_result->tool_name);
         cJSON_AddStringToObject(d, "tool_call_id", ev->tool_result->tool_call_id);
         cJSON_AddBoolToObject(d, "is_error", ev->tool_result->is_error);
@@ -318,8 +384,10 @@ static void audit_event(chat *c, const ExecuteStepEvent *ev) {
         break;
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INTERRUPT_REQUIRED:
         type = "interrupt_required";
+        parent = call_parent(c, ev->interrupt_required->tool_call_id);
         cJSON_AddStringToObject(d, "tool_name", ev->interrupt_required->tool_name);
         cJSON_AddStringToObject(d, "tool_call_id", ev->interrupt_required->tool_call_id);
+        cJSON_AddStringToObject(d, "approval_id", c->approval_id);
         break;
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INPUT_REQUIRED:
         type = "input_required";
@@ -332,10 +400,15 @@ static void audit_event(chat *c, const ExecuteStepEvent *ev) {
         break;
     }
     if (type) {
-        char *json = cJSON_PrintUnformatted(d);
-        if (json && orch_store_audit(c->o->pool, c->org, c->sid, type, c->agent, c->parent, json,
-                                     NULL, err, sizeof err) != DB_OK)
+        char *json = cJSON_PrintUnformatted(d), action[37] = "";
+        if (json && orch_store_audit(c->o->pool, c->org, c->sid, type, c->agent, parent, json,
+                                     action, err, sizeof err) != DB_OK)
             log_error("audit.append", "session %s %s: %s", c->sid, type, err);
+        else if (json && call_id && call_id[0]) {
+            unsigned k = c->ncalls++ % CHAT_CALLS;
+            snprintf(c->calls[k].tool_call_id, sizeof c->calls[k].tool_call_id, "%s", call_id);
+            memcpy(c->calls[k].action_id, action, sizeof action);
+        }
         free(json);
     }
     cJSON_Delete(d);
@@ -353,7 +426,19 @@ static int chat_event(void *ud, const ExecuteStepEvent *ev) {
                   (int)ev->event_case);
         return 0;
     }
+    if (tell_pending_pause(c) != RPC_OK) {
+        c->gone = 1;
+        return -1;
+    }
     int fwd = relay_project(&c->a, ev, &ae, &why);
+    if (fwd && ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_INTERRUPT_REQUIRED) {
+        /* the session parks on this approval at the turn's end: one id per turn (the worker
+         * suspends at the first gate) */
+        if (!c->approval_id[0] && ids_uuid_v4(c->approval_id)) c->approval_id[0] = 0;
+        snprintf(c->gated_tool, sizeof c->gated_tool, "%s", ae.interrupt_required->tool_name);
+        ae.interrupt_required->approval_id = c->approval_id;
+        audit_event(c, ev);
+    }
     if (!fwd) {
         if (why &&
             ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STRUCTURED_ANSWER) {
@@ -454,9 +539,12 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
                        s.agent_id);
         goto done;
     }
+    int64_t left = rpc_deadline_ms(call);
+    int64_t timeout = o->cfg->step_timeout_ms;
+    if (left < timeout) timeout = left > 0 ? left : 1;
     rc = orch_store_turn_begin(o->pool, id->org_id, sid, rq->message, (int)o->cfg->prior_turns,
-                               (size_t)o->cfg->prior_bytes, &turns, &nturns, parent, state, err,
-                               sizeof err);
+                               (size_t)o->cfg->prior_bytes, timeout, &turns, &nturns, parent, state,
+                               err, sizeof err);
     if (rc == ORCH_ESTATE) {
         rc = rpc_error(call, RPC_FAILED_PRECONDITION, "session %s is %s: it takes no messages", sid,
                        state);
@@ -475,22 +563,25 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
         rc = rpc_error(call, RPC_INTERNAL, "the session snapshot could not be read");
         goto done;
     }
+    /* no pause is pending when a turn starts (orch_store_turn_begin refuses then): the first
+     * look is due PAUSE_LOOK_MS in, so short turns never look */
     chat c = {.o = o,
               .call = call,
               .org = id->org_id,
               .sid = sid,
               .agent = s.agent_id,
               .parent = parent,
-              .status = 1 /* THINKING: orch_store_turn_begin */};
+              .status = 1, /* THINKING: orch_store_turn_begin */
+              .pause_look_ms = mono_ms() + PAUSE_LOOK_MS};
     orch_sink sink = {chat_event, chat_cancelled, &c};
-    int64_t left = rpc_deadline_ms(call);
-    int64_t timeout = o->cfg->step_timeout_ms;
-    if (left < timeout) timeout = left > 0 ? left : 1;
     orch_turn_run(o, ereq, timeout, &sink, &res);
     orch_request_wipe(ereq);
     orch_arena_free(&c.a);
+    orch_pause paused = {0};
+    char park_reason[192];
     orch_turn_end e;
     orch_turn_end_of(&res, s.loop_count, &e);
+    e.paused = &paused;
     rc = RPC_OK;
     switch (res.outcome) {
     case TURN_COMPLETED:
@@ -507,9 +598,17 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
         rc = rpc_error(call, RPC_UNAVAILABLE, "no live worker: the agent runtime is not reachable");
         break;
     case TURN_INTERRUPT:
-        /* relayed as InterruptRequiredEvent; parking the session comes with pause/resume */
+        /* relayed as InterruptRequiredEvent; the session parks on the approval (spec: the
+         * InterruptRequiredEvent comes just before SessionPaused(PAUSE_SOURCE_APPROVAL)) */
         e.error_code = "APPROVAL_REQUIRED";
         e.error_msg = "a tool call needs approval";
+        if (c.approval_id[0]) {
+            e.park_source = UPSQUAD__RUNTIME__V1__PAUSE_SOURCE__PAUSE_SOURCE_APPROVAL;
+            e.park_reason = park_reason;
+            e.park_correlation = c.approval_id;
+            snprintf(park_reason, sizeof park_reason, "tool call %s requires approval",
+                     c.gated_tool);
+        }
         break;
     case TURN_INPUT_REQUIRED:
         e.error_code = "INPUT_REQUIRED";
@@ -527,6 +626,9 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     metric_add(o->m_out_tokens, (double)res.output_tokens);
     if (orch_store_turn_end(o->pool, id->org_id, sid, parent, &e, err, sizeof err) != DB_OK)
         log_error("store.turn_end", "session %s: %s", sid, err);
+    /* a pause asked for during the turn committed at its end: the stream says so last (it
+     * then ends; the caller resumes with ResumeSession and a new SendMessage) */
+    if (paused.committed && res.outcome != TURN_CANCELLED) orch_pause_send_event(call, &paused);
 done:
     orch_turn_result_clear(&res);
     if (snap) protobuf_c_message_free_unpacked(&snap->base, NULL);
@@ -564,14 +666,13 @@ int orch_lifecycle_register(rpc_server *srv, orch *o) {
         {SVC "TerminateSession", RPC_UNARY, RPC_AUTH_REQUIRED,
          DESC(terminate_lifecycle_session_request), DESC(terminate_lifecycle_session_response),
          terminate_session, NULL, o, .flags = RPC_BLOCKING},
-        UNIMPL("GetProvenanceChain", get_provenance_chain_request, get_provenance_chain_response),
-        UNIMPL("PauseSession", pause_session_request, pause_session_response),
-        UNIMPL("ResumeSession", resume_session_request, resume_session_response),
         UNIMPL("ListChildren", list_children_request, list_children_response),
         UNIMPL("GetParentSession", get_parent_session_request, get_parent_session_response),
         UNIMPL("GetSubagentTree", get_subagent_tree_request, get_subagent_tree_response),
         UNIMPL("TerminateSubagentTree", terminate_subagent_tree_request,
                terminate_subagent_tree_response),
     };
-    return rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
+    int rc = rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
+    if (rc == RPC_OK) rc = orch_pause_register(srv, o);
+    return rc;
 }

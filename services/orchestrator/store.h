@@ -113,14 +113,26 @@ typedef struct orch_turn {
     char *text;
 } orch_turn;
 
-/* Starts a turn: refuses a terminal session (ORCH_ESTATE, state in final_state), reads the
- * newest prior turns (at most max_turns and max_bytes of text in total, oldest first), stores
- * the user turn and audits message_received. *turns heap: orch_turns_free. action_id out: the
- * message_received row (the parent of what the turn does). */
+/* Starts a turn: refuses a terminal or suspended session, and one with a pause pending
+ * (ORCH_ESTATE, state in final_state: "pausing" for the latter), reads the newest prior turns
+ * (at most max_turns and max_bytes of text in total, oldest first), stores the user turn,
+ * counts the turn as in flight for at most timeout_ms (what a pause waits for) and audits
+ * message_received. *turns heap: orch_turns_free. action_id out: the message_received row (the
+ * parent of what the turn does). */
 int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, const char *message,
-                          int max_turns, size_t max_bytes, orch_turn **turns, size_t *n,
-                          char *action_id, char *final_state, char *err, size_t errlen);
+                          int max_turns, size_t max_bytes, int64_t timeout_ms, orch_turn **turns,
+                          size_t *n, char *action_id, char *final_state, char *err, size_t errlen);
 void orch_turns_free(orch_turn *t, size_t n);
+
+/* A committed pause (PauseSession, or a pending pause committed by a turn's end). */
+typedef struct orch_pause {
+    int committed; /* orch_turn_end.paused: 1 when this turn's end committed a pause */
+    int source;    /* PauseSource number */
+    char reason[1025];
+    char correlation_id[257];
+    char checkpoint_key[64]; /* "<session_id>:<loop_iteration>", "" when none */
+    int64_t paused_ms;
+} orch_pause;
 
 typedef struct orch_turn_end {
     int ok;                 /* 1 completed, 0 failed */
@@ -136,6 +148,13 @@ typedef struct orch_turn_end {
     double cost_usd;
     const char *worker;
     int worker_answered; /* the worker streamed events: its liveness is news (last_heartbeat) */
+    /* out (NULL: not wanted): a pause pending on the session commits at the end of its last
+     * turn in flight, in the same transaction; then filled with committed = 1 */
+    orch_pause *paused;
+    /* > 0: the turn parks the session (a PauseSource, e.g. APPROVAL on an interrupt): a pause
+     * with this source, reason and correlation id is pending from this turn's end */
+    int park_source;
+    const char *park_reason, *park_correlation;
 } orch_turn_end;
 
 int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
@@ -166,6 +185,59 @@ int orch_store_checkpoint(db_pool *p, const char *only_org, const char *session_
 int orch_store_checkpoint_latest(db_pool *p, const char *org, const char *session_id,
                                  int *loop_iteration, unsigned char **state, size_t *len, char *err,
                                  size_t errlen);
+
+/* ---- pause, resume, provenance (docs/orchestrator.md, "Pause, resume and provenance") ---- */
+enum { ORCH_PAUSED = 0, ORCH_PAUSE_ALREADY = 1, ORCH_PAUSE_PENDING = 2 };
+
+/* Pauses a chat session at a message boundary. No turn in flight: the pause commits now
+ * (state suspended, AgentStatus SUSPENDED, checkpoint key, audit session_paused), *outcome
+ * ORCH_PAUSED. A turn in flight: the pause is recorded (a pause already pending keeps its
+ * reason, source and correlation id) and that turn's end commits it, *outcome
+ * ORCH_PAUSE_PENDING: call again to learn when it committed. Already suspended:
+ * ORCH_PAUSE_ALREADY. *out holds the committed pause (ORCH_PAUSED / ORCH_PAUSE_ALREADY).
+ * ORCH_ESTATE (state in state_out: a terminal state, "initializing", or "step" for a
+ * workflow step's session), ORCH_ENOTFOUND. */
+int orch_store_pause(db_pool *p, const char *org, const char *session_id, const char *reason,
+                     int source, const char *correlation_id, int *outcome, orch_pause *out,
+                     char *state_out, char *err, size_t errlen);
+
+/* *pending 1 when a pause waits for the session's turns in flight (a cheap read). */
+int orch_store_pause_pending(db_pool *p, const char *org, const char *session_id, int *pending,
+                             char *err, size_t errlen);
+
+typedef struct orch_resume {
+    int agent_status;    /* the status given back (the one the session had when paused) */
+    int resumed_at_loop; /* loop_iteration of the newest checkpoint, 0 when none */
+    int64_t resumed_ms;
+} orch_resume;
+
+/* Resumes a suspended session (state active, audit session_resumed with the reason). With
+ * operator_input (compact JSON text, NULL: none) a system-tagged turn is stored, the newest of
+ * the next turn's prior_turns. ORCH_ESTATE (state in state_out) when not suspended,
+ * ORCH_ENOTFOUND. */
+int orch_store_resume(db_pool *p, const char *org, const char *session_id, const char *reason,
+                      const char *operator_input, orch_resume *out, char *state_out, char *err,
+                      size_t errlen);
+
+typedef struct orch_audit_link {
+    char action_id[37], session_id[37], agent_id[37], parent_action_id[37];
+    char action_type[64];
+    int64_t created_ms;
+    int verified; /* the row's hash recomputes and its prev_hash is its predecessor's hash */
+} orch_audit_link;
+
+/* The audit row action_id of session_id and its ancestors through parent_action_id within that
+ * session, newest first, at most max rows (out: caller's array). *n 0: no such row. */
+int orch_store_audit_chain(db_pool *p, const char *org, const char *session_id,
+                           const char *action_id, size_t max, orch_audit_link *out, size_t *n,
+                           char *err, size_t errlen);
+
+/* A session's parent and its anchor there: the parent's audit row named by spawn_action_id,
+ * else the parent's newest row at or before the child's start. *parent "" for a root session.
+ * *anchor_ok 1 when the anchor row exists in the parent, verifies in the parent's hash chain
+ * and (when the child recorded one) still carries spawn_anchor_hash. */
+int orch_store_audit_anchor(db_pool *p, const char *org, const char *session_id, char parent[37],
+                            char anchor_action[37], int *anchor_ok, char *err, size_t errlen);
 
 /* ---- workflow agent steps ---- */
 /* Claims a dispatch: DB_OK when new (row 'running' inserted) or a stale 'running' one; ORCH_EREPLAY
