@@ -211,8 +211,8 @@ static int list_sessions(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
 
 /* ---- TerminateSession ---- */
 
-static void tell_worker(orch *o, const char *org, const char *worker, const char *sid,
-                        const char *reason) {
+void orch_session_tell_end(orch *o, const char *org, const char *worker, const char *sid,
+                           const char *reason) {
     orch_worker *k = worker && worker[0] ? orch_workers_find(o->workers, worker) : NULL;
     if (!k) {
         k = orch_workers_pick(o->workers, NULL);
@@ -261,7 +261,7 @@ static int terminate_session(rpc_call *call, const ProtobufCMessage *req, Protob
     if (orch_store_session_get(o->pool, org, rq->session_id, 0, &s, err, sizeof err) == DB_OK) {
         out->status = (Upsquad__Runtime__V1__AgentStatus)s.agent_status;
         /* the worker of its last turn (no affinity: else any live one) releases it */
-        if (!was) tell_worker(o, org, s.worker, rq->session_id, rq->reason);
+        if (!was) orch_session_tell_end(o, org, s.worker, rq->session_id, rq->reason);
         orch_session_clear(&s);
     }
     out->success = 1;
@@ -547,11 +547,6 @@ int orch_lifecycle_register(rpc_server *srv, orch *o) {
         UNIMPL("GetProvenanceChain", get_provenance_chain_request, get_provenance_chain_response),
         UNIMPL("PauseSession", pause_session_request, pause_session_response),
         UNIMPL("ResumeSession", resume_session_request, resume_session_response),
-        UNIMPL("ListChildren", list_children_request, list_children_response),
-        UNIMPL("GetParentSession", get_parent_session_request, get_parent_session_response),
-        UNIMPL("GetSubagentTree", get_subagent_tree_request, get_subagent_tree_response),
-        UNIMPL("TerminateSubagentTree", terminate_subagent_tree_request,
-               terminate_subagent_tree_response),
     };
     return rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
 }

@@ -10,7 +10,8 @@ static orch state;
 static int init(void *st, rpc_server *srv, char *err, size_t errlen) {
     orch *o = st;
     if (orch_start(o, orch_config_get(), err, errlen)) return -1;
-    if (orch_lifecycle_register(srv, o) != RPC_OK || orch_runtime_register(srv, o) != RPC_OK) {
+    if (orch_lifecycle_register(srv, o) != RPC_OK || orch_tree_register(srv, o) != RPC_OK ||
+        orch_runtime_register(srv, o) != RPC_OK) {
         snprintf(err, errlen, "cannot register LifecycleService / RuntimeService");
         return -1;
     }

@@ -711,11 +711,7 @@ class Orch(unittest.TestCase):
     def test_unimplemented(self):
         for m, req, resp in (("PauseSession", L.PauseSessionRequest, L.PauseSessionResponse),
                              ("ResumeSession", L.ResumeSessionRequest, L.ResumeSessionResponse),
-                             ("GetProvenanceChain", L.GetProvenanceChainRequest, L.GetProvenanceChainResponse),
-                             ("ListChildren", L.ListChildrenRequest, L.ListChildrenResponse),
-                             ("GetParentSession", L.GetParentSessionRequest, L.GetParentSessionResponse),
-                             ("GetSubagentTree", L.GetSubagentTreeRequest, L.GetSubagentTreeResponse),
-                             ("TerminateSubagentTree", L.TerminateSubagentTreeRequest, L.TerminateSubagentTreeResponse)):
+                             ("GetProvenanceChain", L.GetProvenanceChainRequest, L.GetProvenanceChainResponse)):
             c, _ = self.code(lambda: self.unary(m, req(), resp))
             self.assertEqual(c, grpc.StatusCode.UNIMPLEMENTED, m)
 
