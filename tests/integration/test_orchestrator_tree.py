@@ -127,6 +127,27 @@ class Tree(unittest.TestCase):
         psql(org, "\n".join(sql))
         return out
 
+    def fan(self, parents, n):
+        """n bare children (bridge rows pending) under each of parents, in three set-based
+        statements. Returns the new ids, parent by parent, each parent's in order."""
+        rows = [(str(uuid.uuid4()), str(uuid.uuid4()), p, next(self.clock)) for p in parents for _ in range(n)]
+        v = ",".join("('%s','%s','%s',%d)" % r for r in rows)
+        psql(self.org, "\n".join((
+            "INSERT INTO sessions (session_id, org_id, user_id, agent_id, state, kind, execution_mode,"
+            " model_id, snapshot, snapshot_hash, max_loops, parent_session_id, root_session_id,"
+            " delegation_depth, started_at)"
+            " SELECT v.id::uuid, p.org_id, p.user_id, p.agent_id, 'active', p.kind, p.execution_mode,"
+            " p.model_id, p.snapshot, p.snapshot_hash, p.max_loops, p.session_id,"
+            " coalesce(p.root_session_id, p.session_id), p.delegation_depth + 1,"
+            " p.started_at + v.n * interval '1 second'"
+            " FROM (VALUES %s) v(id, inv, parent, n) JOIN sessions p ON p.session_id = v.parent::uuid;" % v,
+            "INSERT INTO session_directory (session_id, org_id) SELECT id::uuid, current_org()"
+            " FROM (VALUES %s) v(id, inv, parent, n);" % v,
+            "INSERT INTO subagent_invocations (id, org_id, parent_session_id, child_session_id, subagent_role)"
+            " SELECT inv::uuid, current_org(), parent::uuid, id::uuid, 'bulk'"
+            " FROM (VALUES %s) v(id, inv, parent, n);" % v)))
+        return [r[0] for r in rows]
+
     def child(self, parent, org=None, **spec):
         return self.children(parent, [spec], org=org)[0][0]
 
@@ -314,6 +335,27 @@ class Tree(unittest.TestCase):
         lc = self.list(r, page_size=100)
         self.assertEqual(lc.total_count, 51)
         self.assertEqual(lc.children[-1].session_id, extra)
+
+    def test_node_and_cascade_bounds(self):
+        r = self.root()
+        level1 = self.fan([r], 50)
+        level2 = self.fan(level1, 20)  # 1 + 50 + 1000 nodes: above the 1000-node bound
+        t = self.tree(r, max_depth=2)
+        ids = [n.session_id for n in t.nodes]
+        self.assertEqual(len(ids), 1000)
+        self.assertTrue(t.truncated_at_fanout)  # no node has more than 50 children: the node bound
+        self.assertEqual(t.truncated_at_depth, 0)
+        self.assertEqual(ids[:23], [r, level1[0]] + level2[:20] + [level1[1]])  # DFS
+        self.assertEqual(len(set(ids)), 1000)
+        # the cascade refuses more than 1000 sessions, changing nothing
+        c, d = self.code(lambda: self.terminate(r, include_root=True))
+        self.assertEqual(c, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("1000", d)
+        self.assertEqual({n.status for n in self.tree(r, max_depth=2).nodes}, {"active"})
+        # a subtree goes
+        t = self.terminate(level1[0], include_root=True)
+        self.assertEqual(len(t.terminated_session_ids), 21)
+        self.assertEqual(t.updated_bridge_row_count, 21)
 
     # ---- TerminateSubagentTree ----
     def audit(self, sid):
