@@ -857,19 +857,19 @@ int orch_store_step_finish(db_pool *p, const char *org, const char *key, const c
 /* ---- subagent trees (ListChildren, GetParentSession, GetSubagentTree,
  *      TerminateSubagentTree; migrations/002_subagents.sql) ---- */
 
-/* started_at/ended_at in whole microseconds (timestamptz's resolution): the keyset of
- * ListChildren's page tokens compares this very expression */
-#define US(col) "(extract(epoch FROM " col ") * 1000000)::bigint"
-/* a SubagentLink: the sessions row s joined with its bridge row b (link_row's columns) */
+/* started_at in whole microseconds (timestamptz's resolution): the keyset of ListChildren's
+ * page tokens compares this very expression */
+#define US_STARTED "(extract(epoch FROM s.started_at) * 1000000)::bigint"
+/* a SubagentLink: the sessions row s joined with its bridge row b (link_row's 12 columns) */
+// clang-format off
 #define LINK_COLS                                                                                  \
     "s.session_id::text, coalesce(s.parent_session_id::text, ''),"                                 \
     " coalesce(s.root_session_id, s.session_id)::text, s.delegation_depth, s.agent_id::text,"      \
-    " s.state, " US("s.started_at") ", coalesce(" US(                                              \
-        "s.ended_at") ", 0),"                                                                      \
-                      " coalesce(b.id::text, ''), coalesce(b.subagent_role, ''), "                 \
-                      "coalesce(b.status, ''),"                                                    \
-                      " CASE WHEN b.status <> 'ok' THEN b.error_code ELSE '' END"
-#define LINK_NCOLS 12
+    " s.state, " US_STARTED ","                                                                    \
+    " coalesce((extract(epoch FROM s.ended_at) * 1000000)::bigint, 0),"                            \
+    " coalesce(b.id::text, ''), coalesce(b.subagent_role, ''), coalesce(b.status, ''),"            \
+    " CASE WHEN b.status <> 'ok' THEN b.error_code ELSE '' END"
+// clang-format on
 #define LINK_FROM                                                                                  \
     " FROM sessions s LEFT JOIN subagent_invocations b ON b.child_session_id = s.session_id"
 
@@ -950,14 +950,12 @@ int orch_store_children(db_pool *p, const char *org, const char *parent_id, int6
     if (rc == DB_OK) {
         const char *v[] = {parent_id, after_id && after_id[0] ? us : NULL,
                            after_id && after_id[0] ? after_id : NULL, lim};
-        rc = db_exec(
-            c,
-            "SELECT " LINK_COLS LINK_FROM " WHERE s.parent_session_id = $1::uuid"
-            " AND ($2::bigint IS NULL"
-            "      OR (" US("s.started_at") ", s.session_id) > ($2::bigint, $3::uuid))"
-                                            " ORDER BY " US(
-                                                "s.started_at") ", s.session_id LIMIT $4::int",
-            4, v, &r, err, errlen);
+        rc = db_exec(c,
+                     "SELECT " LINK_COLS LINK_FROM " WHERE s.parent_session_id = $1::uuid"
+                     " AND ($2::bigint IS NULL"
+                     "      OR (" US_STARTED ", s.session_id) > ($2::bigint, $3::uuid))"
+                     " ORDER BY " US_STARTED ", s.session_id LIMIT $4::int",
+                     4, v, &r, err, errlen);
     }
     if (rc == DB_OK) {
         int m = PQntuples(r);
@@ -976,10 +974,13 @@ int orch_store_children(db_pool *p, const char *org, const char *parent_id, int6
     return tx_end_read(tx, rc, err, errlen);
 }
 
-/* One statement: a recursive walk that reads at most fanout + 1 children of each node (the
- * extra one only marks the cut and is never descended into), stops at max_depth, and orders
- * the nodes depth-first by the path of sibling ranks. Columns: over (the fan-out cut happened
- * anywhere), cut (a node at max_depth that has children), then the link. */
+/* One statement: a recursive walk, one level per step, that reads at most fanout + 1 children
+ * of each node (the extra one only marks the cut and is never descended into), stops at
+ * max_depth, and orders the nodes depth-first by the path of sibling ranks. A level's nodes
+ * past its first max_nodes in that order are pruned (they and their subtrees come after the
+ * first max_nodes of the DFS order), so a step reads at most max_nodes * (fanout + 1) rows
+ * whatever the size of the tree. Columns: over (the fan-out cut happened anywhere), cut (a
+ * node at max_depth that has children), then the link. */
 int orch_store_tree(db_pool *p, const char *org, const char *session_id, int max_depth, int fanout,
                     int max_nodes, orch_link **rows, size_t *n, int *cut_depth, int *cut_fanout,
                     char *err, size_t errlen) {
@@ -996,22 +997,25 @@ int orch_store_tree(db_pool *p, const char *org, const char *session_id, int max
     const char *v[] = {session_id, depth, fan, cap};
     rc = db_exec(c,
                  "WITH RECURSIVE t AS ("
-                 "   SELECT session_id, 0 AS lvl, ARRAY[]::bigint[] AS path, false AS over"
+                 "   SELECT session_id, 0 AS lvl, ARRAY[]::bigint[] AS path, false AS over,"
+                 "          false AS pruned"
                  "   FROM sessions WHERE session_id = $1::uuid"
                  " UNION ALL"
-                 "   SELECT k.session_id, t.lvl + 1, t.path || k.rn, k.rn > $3::int"
+                 "   SELECT k.session_id, t.lvl + 1, t.path || k.rn, k.rn > $3::int,"
+                 "          row_number() OVER (ORDER BY k.rn > $3::int, t.path || k.rn)"
+                 "            > $4::int - 1"
                  "   FROM t CROSS JOIN LATERAL ("
                  "     SELECT x.session_id, row_number() OVER (ORDER BY x.started_at,"
                  "            x.session_id) AS rn"
                  "     FROM sessions x WHERE x.parent_session_id = t.session_id"
                  "     ORDER BY x.started_at, x.session_id LIMIT $3::int + 1) k"
-                 "   WHERE t.lvl < $2::int AND NOT t.over)"
+                 "   WHERE t.lvl < $2::int AND NOT t.over AND NOT t.pruned)"
                  " SELECT (SELECT bool_or(over) FROM t),"
                  "   t.lvl = $2::int AND EXISTS (SELECT 1 FROM sessions y"
                  "                               WHERE y.parent_session_id = t.session_id),"
                  "   " LINK_COLS " FROM t JOIN sessions s ON s.session_id = t.session_id"
                  " LEFT JOIN subagent_invocations b ON b.child_session_id = s.session_id"
-                 " WHERE NOT t.over ORDER BY t.path LIMIT $4::int",
+                 " WHERE NOT t.over AND NOT t.pruned ORDER BY t.path LIMIT $4::int",
                  4, v, &r, err, errlen);
     if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
     if (rc == DB_OK) {

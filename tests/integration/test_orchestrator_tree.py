@@ -339,14 +339,17 @@ class Tree(unittest.TestCase):
     def test_node_and_cascade_bounds(self):
         r = self.root()
         level1 = self.fan([r], 50)
-        level2 = self.fan(level1, 20)  # 1 + 50 + 1000 nodes: above the 1000-node bound
+        level2 = self.fan(level1, 21)  # 1 + 50 + 1050 nodes: above the 1000-node bound
         t = self.tree(r, max_depth=2)
         ids = [n.session_id for n in t.nodes]
         self.assertEqual(len(ids), 1000)
         self.assertTrue(t.truncated_at_fanout)  # no node has more than 50 children: the node bound
         self.assertEqual(t.truncated_at_depth, 0)
-        self.assertEqual(ids[:23], [r, level1[0]] + level2[:20] + [level1[1]])  # DFS
-        self.assertEqual(len(set(ids)), 1000)
+        self.assertEqual(ids[:24], [r, level1[0]] + level2[:21] + [level1[1]])  # DFS
+        want = [r]
+        for i, p in enumerate(level1):
+            want += [p] + level2[21 * i:21 * (i + 1)]
+        self.assertEqual(ids, want[:1000])
         # the cascade refuses more than 1000 sessions, changing nothing
         c, d = self.code(lambda: self.terminate(r, include_root=True))
         self.assertEqual(c, grpc.StatusCode.FAILED_PRECONDITION)
@@ -354,8 +357,8 @@ class Tree(unittest.TestCase):
         self.assertEqual({n.status for n in self.tree(r, max_depth=2).nodes}, {"active"})
         # a subtree goes
         t = self.terminate(level1[0], include_root=True)
-        self.assertEqual(len(t.terminated_session_ids), 21)
-        self.assertEqual(t.updated_bridge_row_count, 21)
+        self.assertEqual(len(t.terminated_session_ids), 22)
+        self.assertEqual(t.updated_bridge_row_count, 22)
 
     # ---- TerminateSubagentTree ----
     def audit(self, sid):
