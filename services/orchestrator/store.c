@@ -868,7 +868,7 @@ int orch_store_step_finish(db_pool *p, const char *org, const char *key, const c
     " s.state, " US_STARTED ","                                                                    \
     " coalesce((extract(epoch FROM s.ended_at) * 1000000)::bigint, 0),"                            \
     " coalesce(b.id::text, ''), coalesce(b.subagent_role, ''), coalesce(b.status, ''),"            \
-    " CASE WHEN b.status <> 'ok' THEN b.error_code ELSE '' END"
+    " CASE WHEN b.status <> 'ok' THEN coalesce(b.error_code, '') ELSE '' END"
 // clang-format on
 #define LINK_FROM                                                                                  \
     " FROM sessions s LEFT JOIN subagent_invocations b ON b.child_session_id = s.session_id"
@@ -1039,16 +1039,18 @@ int orch_store_tree(db_pool *p, const char *org, const char *session_id, int max
     return tx_end_read(tx, rc, err, errlen);
 }
 
-/* The subtree (cycle-safe: UNION drops a session met again), its rows locked in one order
- * (parents before children, then by start) so two overlapping cascades queue rather than
- * deadlock. */
+/* The subtree (cycle-safe: UNION drops a session met again; the walk stops once it has found
+ * one session more than the bound, $3 being the bound + 1, with the node itself), its rows
+ * locked in one order (parents before children, then by start) so two overlapping cascades
+ * queue rather than deadlock. */
 static const char *SQL_SUBTREE =
     "WITH RECURSIVE d AS ("
     "   SELECT $1::uuid AS session_id"
     " UNION"
     "   SELECT x.session_id FROM sessions x JOIN d ON x.parent_session_id = d.session_id)"
     " SELECT s.session_id, s.state, s.agent_id, s.worker FROM sessions s"
-    " WHERE s.session_id IN (SELECT session_id FROM d) AND ($2::bool OR s.session_id <> $1::uuid)"
+    " WHERE s.session_id IN (SELECT session_id FROM d LIMIT $3::int + 1)"
+    "   AND ($2::bool OR s.session_id <> $1::uuid)"
     " ORDER BY s.delegation_depth, s.started_at, s.session_id LIMIT $3::int FOR UPDATE OF s";
 
 int orch_store_tree_terminate(db_pool *p, const char *org, const char *session_id, int include_root,

@@ -9,14 +9,14 @@
 -- set it names exactly one invocation (a session is created by at most one delegation).
 
 CREATE TABLE subagent_invocations (
-    id                uuid PRIMARY KEY,
+    id                uuid PRIMARY KEY DEFAULT gen_random_uuid(),
     org_id            uuid NOT NULL,
     parent_session_id uuid NOT NULL REFERENCES sessions (session_id) ON DELETE CASCADE,
     child_session_id  uuid UNIQUE REFERENCES sessions (session_id) ON DELETE CASCADE,
-    subagent_role     text NOT NULL CHECK (length(subagent_role) BETWEEN 1 AND 64),
+    subagent_role     text NOT NULL CHECK (length(subagent_role) <= 64),
     status            text NOT NULL DEFAULT 'pending'
                       CHECK (status IN ('pending', 'ok', 'error', 'timeout', 'cancelled')),
-    error_code        text NOT NULL DEFAULT '' CHECK (length(error_code) <= 128),
+    error_code        text CHECK (length(error_code) <= 128),
     created_at        timestamptz NOT NULL DEFAULT now(),
     finished_at       timestamptz
 );
