@@ -253,8 +253,8 @@ static int terminate_subagent_tree(rpc_call *call, const ProtobufCMessage *req,
 
 /* The page-token key: sha256 over a label and the service's token secret (the signing key,
  * else UPSQUAD_JWT_SECRET); without either, a random per-process key (tokens then only work
- * on the replica that issued them, and a warning says so). */
-static void page_key_init(const orch *o) {
+ * on the replica that issued them, and a warning says so). -1 when hashing fails. */
+static int page_key_init(const orch *o) {
     const char *k = o->cfg && o->cfg->token_key && o->cfg->token_key[0]
                         ? o->cfg->token_key
                         : getenv("UPSQUAD_JWT_SECRET");
@@ -265,11 +265,10 @@ static void page_key_init(const orch *o) {
         log_warn("tree.page_key", "no token secret: ListChildren page tokens are per process");
     }
     ids_sha256 h;
-    if (ids_sha256_init(&h) == 0) {
-        ids_sha256_update_str(&h, "orchestrator ListChildren page tokens:");
-        ids_sha256_update_str(&h, k);
-        ids_sha256_final_raw(&h, page_key);
-    }
+    if (ids_sha256_init(&h) != 0) return -1;
+    ids_sha256_update_str(&h, "orchestrator ListChildren page tokens:");
+    ids_sha256_update_str(&h, k);
+    return ids_sha256_final_raw(&h, page_key) == 0 ? 0 : -1;
 }
 
 #define SVC "/upsquad.runtime.v1.LifecycleService/"
@@ -281,7 +280,10 @@ static void page_key_init(const orch *o) {
     }
 
 int orch_tree_register(rpc_server *srv, orch *o) {
-    page_key_init(o);
+    if (page_key_init(o)) {
+        log_error("tree.page_key", "the page-token key could not be derived");
+        return RPC_INTERNAL;
+    }
     const rpc_method methods[] = {
         METHOD("ListChildren", list_children_request, list_children_response, list_children),
         METHOD("GetParentSession", get_parent_session_request, get_parent_session_response,
