@@ -213,8 +213,8 @@ static int list_sessions(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
 
 /* ---- TerminateSession ---- */
 
-static void tell_worker(orch *o, const char *org, const char *worker, const char *sid,
-                        const char *reason) {
+void orch_session_tell_end(orch *o, const char *org, const char *worker, const char *sid,
+                           const char *reason) {
     orch_worker *k = worker && worker[0] ? orch_workers_find(o->workers, worker) : NULL;
     if (!k) {
         k = orch_workers_pick(o->workers, NULL);
@@ -263,7 +263,7 @@ static int terminate_session(rpc_call *call, const ProtobufCMessage *req, Protob
     if (orch_store_session_get(o->pool, org, rq->session_id, 0, &s, err, sizeof err) == DB_OK) {
         out->status = (Upsquad__Runtime__V1__AgentStatus)s.agent_status;
         /* the worker of its last turn (no affinity: else any live one) releases it */
-        if (!was) tell_worker(o, org, s.worker, rq->session_id, rq->reason);
+        if (!was) orch_session_tell_end(o, org, s.worker, rq->session_id, rq->reason);
         orch_session_clear(&s);
     }
     out->success = 1;
@@ -638,20 +638,11 @@ done:
     return rc;
 }
 
-/* ---- the rest of LifecycleService comes with the next issue ---- */
-
-static int unimplemented(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
-                         void *ud) {
-    (void)req;
-    (void)resp;
-    (void)ud;
-    return rpc_error(call, RPC_UNIMPLEMENTED, "%s is not served yet", rpc_method_path(call));
-}
+/* ---- registration (PauseSession, ResumeSession, GetProvenanceChain: pause.c; the subagent
+ * tree methods: tree.c) ---- */
 
 #define SVC "/upsquad.runtime.v1.LifecycleService/"
 #define DESC(x) &upsquad__runtime__v1__##x##__descriptor
-#define UNIMPL(name, req, resp)                                                                    \
-    { SVC name, RPC_UNARY, RPC_AUTH_REQUIRED, DESC(req), DESC(resp), unimplemented, NULL, o }
 
 int orch_lifecycle_register(rpc_server *srv, orch *o) {
     const rpc_method methods[] = {
@@ -666,13 +657,6 @@ int orch_lifecycle_register(rpc_server *srv, orch *o) {
         {SVC "TerminateSession", RPC_UNARY, RPC_AUTH_REQUIRED,
          DESC(terminate_lifecycle_session_request), DESC(terminate_lifecycle_session_response),
          terminate_session, NULL, o, .flags = RPC_BLOCKING},
-        UNIMPL("ListChildren", list_children_request, list_children_response),
-        UNIMPL("GetParentSession", get_parent_session_request, get_parent_session_response),
-        UNIMPL("GetSubagentTree", get_subagent_tree_request, get_subagent_tree_response),
-        UNIMPL("TerminateSubagentTree", terminate_subagent_tree_request,
-               terminate_subagent_tree_response),
     };
-    int rc = rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
-    if (rc == RPC_OK) rc = orch_pause_register(srv, o);
-    return rc;
+    return rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
 }

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include "orch.h"
+#include "pause.h"
 #include "service.h"
 
 static orch state;
@@ -10,7 +11,8 @@ static orch state;
 static int init(void *st, rpc_server *srv, char *err, size_t errlen) {
     orch *o = st;
     if (orch_start(o, orch_config_get(), err, errlen)) return -1;
-    if (orch_lifecycle_register(srv, o) != RPC_OK || orch_runtime_register(srv, o) != RPC_OK) {
+    if (orch_lifecycle_register(srv, o) != RPC_OK || orch_pause_register(srv, o) != RPC_OK ||
+        orch_tree_register(srv, o) != RPC_OK || orch_runtime_register(srv, o) != RPC_OK) {
         snprintf(err, errlen, "cannot register LifecycleService / RuntimeService");
         return -1;
     }

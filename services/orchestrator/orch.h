@@ -90,6 +90,8 @@ char *orch_mint_call_token(const orch *o, const char *org);
 /* LifecycleService and RuntimeService handlers (lifecycle.c, runtime.c). */
 int orch_lifecycle_register(rpc_server *srv, orch *o);
 int orch_runtime_register(rpc_server *srv, orch *o);
+/* LifecycleService's subagent-tree methods (tree.c). */
+int orch_tree_register(rpc_server *srv, orch *o);
 
 /* Workflow agent steps (steps.c). */
 int orch_steps_start(orch *o, char *err, size_t errlen);

@@ -28,4 +28,9 @@ int orch_request_build(orch *o, orch_arena *a, const orch_session *s, const char
                        SessionSnapshot **snap);
 void orch_request_wipe(ExecuteStepRequest *r);
 
+/* Tells a worker that a session ended (the worker of its last turn; any live one when that one
+ * is gone): RuntimeService.TerminateSession, best effort, 3 s (lifecycle.c). */
+void orch_session_tell_end(orch *o, const char *org, const char *worker, const char *sid,
+                           const char *reason);
+
 #endif

@@ -247,4 +247,50 @@ int orch_store_step_claim(db_pool *p, const char *org, const char *key, const ch
 int orch_store_step_finish(db_pool *p, const char *org, const char *key, const char *session_id,
                            const unsigned char *result, size_t len, char *err, size_t errlen);
 
+/* ---- subagent trees (migrations/002_subagents.sql) ---- */
+/* One SubagentLink: a sessions row and the bridge row that created it (bridge fields empty
+ * when none, as on a root). */
+typedef struct orch_link {
+    char session_id[37], parent_session_id[37], root_session_id[37], agent_id[37];
+    int depth; /* delegation_depth */
+    char state[16];
+    int64_t started_us, ended_us; /* ended_us 0: live */
+    char invocation_id[37], role[65], result_status[16];
+    char error_code[129]; /* empty when the result is ok */
+} orch_link;
+
+/* The parent of session_id: *is_root 1 (parent untouched) when it has none; else *parent has
+ * the parent session's fields and the bridge fields of the edge parent -> session_id.
+ * ORCH_ENOTFOUND when session_id is not the org's. */
+int orch_store_parent_get(db_pool *p, const char *org, const char *session_id, int *is_root,
+                          orch_link *parent, char *err, size_t errlen);
+/* Direct children of parent_id in (started_at, session_id) order, after the keyset cursor
+ * (after_id NULL/"": first page), at most limit. *rows heap: free(). *more 1 when another page
+ * follows; *total every direct child. ORCH_ENOTFOUND when parent_id is not the org's. */
+int orch_store_children(db_pool *p, const char *org, const char *parent_id, int64_t after_us,
+                        const char *after_id, int limit, orch_link **rows, size_t *n, int *more,
+                        int64_t *total, char *err, size_t errlen);
+/* The tree under session_id in DFS order (the node first), at most max_depth levels below it,
+ * at most fanout children of any node and max_nodes in all. *cut_depth max_depth when a node
+ * at the last level has children (else 0); *cut_fanout 1 when a node had more than fanout
+ * children or the node bound cut the walk. *rows heap: free(). ORCH_ENOTFOUND when absent. */
+int orch_store_tree(db_pool *p, const char *org, const char *session_id, int max_depth, int fanout,
+                    int max_nodes, orch_link **rows, size_t *n, int *cut_depth, int *cut_fanout,
+                    char *err, size_t errlen);
+
+typedef struct orch_ended {
+    char session_id[37];
+    char worker[128]; /* the worker of its last turn ("" none) */
+    int terminated;   /* 1: ended by this call; 0: already terminal (skipped) */
+} orch_ended;
+
+/* In one transaction: terminates every descendant of session_id (and session_id itself with
+ * include_root) as orch_store_session_terminate does (audited with reason), and flips the
+ * still-pending bridge rows of the sessions it ended to 'cancelled' (*bridge_rows). *out heap
+ * (free()): every session of the subtree, parents first. ORCH_ENOTFOUND when session_id is not
+ * the org's; ORCH_ESTATE (nothing changed) when the subtree has more than max_sessions. */
+int orch_store_tree_terminate(db_pool *p, const char *org, const char *session_id, int include_root,
+                              const char *reason, int max_sessions, orch_ended **out, size_t *n,
+                              int *bridge_rows, char *err, size_t errlen);
+
 #endif

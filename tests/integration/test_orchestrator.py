@@ -768,15 +768,6 @@ class Orch(unittest.TestCase):
                                          token=forged))
         self.assertEqual(c, grpc.StatusCode.UNAUTHENTICATED)
 
-    # ---- the other seven ----
-    def test_unimplemented(self):
-        for m, req, resp in (("ListChildren", L.ListChildrenRequest, L.ListChildrenResponse),
-                             ("GetParentSession", L.GetParentSessionRequest, L.GetParentSessionResponse),
-                             ("GetSubagentTree", L.GetSubagentTreeRequest, L.GetSubagentTreeResponse),
-                             ("TerminateSubagentTree", L.TerminateSubagentTreeRequest, L.TerminateSubagentTreeResponse)):
-            c, _ = self.code(lambda: self.unary(m, req(), resp))
-            self.assertEqual(c, grpc.StatusCode.UNIMPLEMENTED, m)
-
 
 def drain(server):
     """Keeps a process's stderr (its log) flowing into server.log, so a full pipe never blocks
