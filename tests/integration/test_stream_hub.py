@@ -583,6 +583,33 @@ class StreamHub(unittest.TestCase):
         self.assertFalse(t_hi.session_missing)
         self.assertTrue(self.transcript(self.a, org, run, "nobody").session_missing)
 
+    def test_transcript_by_action_id_is_every_attempt_of_its_step(self):
+        # spec GetNodeTranscriptRequest.node_id: the step name or the workflow_action UUID,
+        # "Both map to the node's step_name"; the response holds the node's events "across ALL
+        # of its attempts". A loop lap is an action of its own: asking by lap 1's action id
+        # answers lap 2's session too, exactly like asking by the step name.
+        org = uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        lap1, lap2 = uid(), uid()
+        for session, action, lap in (("s-lap1", lap1, 1), ("s-lap2", lap2, 2)):
+            self.pub("io", org=org, run=run, node="coder", session=session, seq=1, iteration=lap,
+                     action_id=action, no_frame=True, transcript={
+                         "event_type": "assistant_message", "content": {"text": "lap %d" % lap}})
+        self.pub("io", org=org, run=run, node="reviewer", session="s-other", seq=1,
+                 action_id=uid(), no_frame=True,
+                 transcript={"event_type": "assistant_message", "content": {"text": "other"}})
+        wait_until(lambda: len(self.transcript(self.a, org, run, "coder").events) == 2, 10,
+                   "the transcript")
+        by_step = self.transcript(self.a, org, run, "coder")
+        for node in (lap1, lap2):
+            by_action = self.transcript(self.a, org, run, node)
+            self.assertEqual([(e.session_id, e.seq) for e in by_action.events],
+                             [(e.session_id, e.seq) for e in by_step.events])
+            self.assertEqual(sorted(e.session_id for e in by_action.events), ["s-lap1", "s-lap2"])
+            self.assertFalse(by_action.session_missing)
+        self.assertTrue(self.transcript(self.a, org, run, uid()).session_missing)
+
     # ---- backpressure ----
     def test_stalled_subscriber_gets_a_gap_or_is_ended_while_a_fast_one_gets_everything(self):
         org = uid()
