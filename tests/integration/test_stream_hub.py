@@ -176,12 +176,12 @@ class StreamHub(unittest.TestCase):
     def read(self, srv, method, req, org, extra=(), **kw):
         return Reader(self.stub(srv, method), req, self.md(org, extra, **kw))
 
-    def transcript(self, srv, org, run, node, clearance=5):
+    def transcript(self, srv, org, run, node, clearance=5, sub=None):
         call = self.channel(srv).unary_unary(
             SVC + "GetNodeTranscript", request_serializer=W.GetNodeTranscriptRequest.SerializeToString,
             response_deserializer=W.GetNodeTranscriptResponse.FromString)
         return call(W.GetNodeTranscriptRequest(run_id=run, node_id=node),
-                    metadata=self.md(org, clearance=clearance), timeout=10)
+                    metadata=self.md(org, clearance=clearance, sub=sub), timeout=10)
 
     def projected(self, run, seq):
         """Waits until the projection holds the run's event `seq`."""
@@ -609,6 +609,34 @@ class StreamHub(unittest.TestCase):
             self.assertEqual(sorted(e.session_id for e in by_action.events), ["s-lap1", "s-lap2"])
             self.assertFalse(by_action.session_missing)
         self.assertTrue(self.transcript(self.a, org, run, uid()).session_missing)
+
+    def test_a_private_workflows_run_is_not_found_for_another_member(self):
+        # spec: GetNodeTranscript is "org-scoped and run-scoped fail-closed exactly like
+        # GetNodeIO", and the workflow-engine answers GetNodeIO / GetWorkflowStatus for a
+        # private workflow's run of another member NOT_FOUND: the hub reads runs the same way,
+        # on every stream too. The owner is served.
+        org, me, other = uid(), uid(), uid()
+        run = self.new_run(org, visibility="private", owner=me)
+        self.pub("node", org=org, run=run, seq=2, node_id="plan", status="running",
+                 visibility="private", owner=me)
+        self.pub("io", org=org, run=run, node="plan", session="s1", seq=1, no_frame=True,
+                 transcript={"event_type": "assistant_message", "content": {"text": "t"}})
+        self.projected(run, 2)
+        for method, req in (("StreamRunStatus", W.StreamRunStatusRequest(run_id=run)),
+                            ("StreamRunLogs", W.StreamRunLogsRequest(run_id=run)),
+                            ("StreamNodeIO", W.StreamNodeIORequest(run_id=run))):
+            self.assertFailsFirst(self.read(self.a, method, req, org, sub=other),
+                                  grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(grpc.RpcError) as e:
+            self.transcript(self.a, org, run, "plan", sub=other)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+        wait_until(lambda: len(self.transcript(self.a, org, run, "plan", sub=me).events) == 1, 10,
+                   "the owner's transcript")
+        mine = self.read(self.a, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org,
+                         sub=me)
+        wait_until(lambda: mine.msgs, 10, "the owner's snapshot")
+        mine.cancel()
+        self.assertEqual(mine.msgs[0].update.status, "running")
 
     # ---- backpressure ----
     def test_stalled_subscriber_gets_a_gap_or_is_ended_while_a_fast_one_gets_everything(self):
