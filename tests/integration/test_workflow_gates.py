@@ -138,6 +138,13 @@ class GatesTest(unittest.TestCase):
         self.assertEqual((mine[0].workflow_name, mine[0].action.status, mine[0].action.approval_id),
                          ("gates", "awaiting_approval", a.approval_id))
         self.assertGreaterEqual(lp.total_count, 1)
+        # spec: "limit controls pagination (default: 50, max: 100)", worded as ListWorkflows':
+        # the same clamp, a negative limit is the default (as ListWorkflows answers it)
+        for limit in (-1, 0, 1000):
+            for method, req in (("ListPendingApprovals", W.ListPendingApprovalsRequest(limit=limit)),
+                                ("ListWorkflows", W.ListWorkflowsRequest(limit=limit))):
+                self.assertGreaterEqual(self.A(method, req).total_count, 1, (method, limit))
+        self.err(C.INVALID_ARGUMENT, self.A, "ListPendingApprovals", W.ListPendingApprovalsRequest(offset=-1), contains="offset")
         # bad input
         self.err(C.INVALID_ARGUMENT, self.A, "ApproveAction", W.ApproveActionRequest(), contains="action_id")
         self.err(C.INVALID_ARGUMENT, self.A, "ApproveAction", W.ApproveActionRequest(action_id="nope"), contains="action_id")
