@@ -28,8 +28,9 @@ typedef Upsquad__Workflow__V1__TranscriptEvent Transcript;
 
 #define SVC "/upsquad.workflow.v1.WorkflowService/"
 
-/* The run, in the caller's org, or NOT_FOUND (never PERMISSION_DENIED: another org's run does
- * not exist for this caller). */
+/* The run, in the caller's org and visible to the caller (a private workflow's run only to its
+ * owner), or NOT_FOUND (never PERMISSION_DENIED: another org's run does not exist for this
+ * caller). */
 static int find_run(rpc_call *call, hub *h, const char *run_id, hs_run *run) {
     char err[256];
     int found = 0;
@@ -51,12 +52,17 @@ static int find_run(rpc_call *call, hub *h, const char *run_id, hs_run *run) {
             log_warn("hub.run", "%s", err);
             return rpc_error(call, RPC_UNAVAILABLE, "run lookup failed; retry");
         }
-        if (found) return RPC_OK;
+        if (found) break;
         if (waited >= h->cfg->new_run_grace_ms || rpc_cancelled(call) || h->stopping) break;
         struct timespec ts = {0, 50 * 1000000L};
         nanosleep(&ts, NULL);
         waited += 50;
     }
+    /* runs follow their workflow's visibility, as the workflow-engine reads them (GetNodeIO,
+     * GetWorkflowStatus; spec: GetNodeTranscript is "run-scoped fail-closed exactly like
+     * GetNodeIO"): a private workflow's run is another member's to see only if they own it */
+    if (found && (strcmp(run->visibility, "private") != 0 || strcmp(run->owner_id, who->sub) == 0))
+        return RPC_OK;
     return rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
 }
 

@@ -443,11 +443,16 @@ static int read_node_blobs(db_pool *p, const char *org, const char *sql, const c
     return read_blobs(p, org, sql, 3, v, out, NULL, NULL, err, errlen);
 }
 
+/* spec GetNodeTranscriptRequest.node_id: a step name or a workflow_action UUID, and "both map
+ * to the node's step_name", so an action id answers every attempt and every loop lap of its
+ * step (each lap is an action of its own), not only the events captured under that action. */
 int hs_transcript(db_pool *p, const char *org, const char *run_id, const char *node, int limit,
                   hs_blobs *out, char *err, size_t errlen) {
-    static const char sql[] = "SELECT seq, 't', body FROM session_events WHERE run_id = $1 "
-                              " AND ($2 = '' OR step_name = $2 OR action_id = $2) "
-                              "ORDER BY session_id, seq, created_at LIMIT $3";
+    static const char sql[] =
+        "SELECT seq, 't', body FROM session_events WHERE run_id = $1 "
+        " AND ($2 = '' OR step_name = $2 OR step_name = (SELECT a.step_name FROM session_events a "
+        "  WHERE a.run_id = $1 AND a.action_id = $2 LIMIT 1)) "
+        "ORDER BY session_id, seq, created_at LIMIT $3";
     return read_node_blobs(p, org, sql, run_id, node, limit, out, err, errlen);
 }
 

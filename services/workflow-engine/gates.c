@@ -461,9 +461,10 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     char err[512];
     int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc) return rc;
-    if (rq->limit < 0) return rpc_error(call, RPC_INVALID_ARGUMENT, "limit must be >= 0");
     if (rq->offset < 0) return rpc_error(call, RPC_INVALID_ARGUMENT, "offset must be >= 0");
-    int limit = rq->limit == 0            ? PENDING_DEFAULT
+    /* spec: "limit controls pagination (default: 50, max: 100)", the words ListWorkflows has:
+     * the same clamp (0 or less: the default; above 100: 100) */
+    int limit = rq->limit <= 0            ? PENDING_DEFAULT
                 : rq->limit > PENDING_MAX ? PENDING_MAX
                                           : rq->limit;
     if ((rc = st_begin_ex(e->pool, id->org_id, id->sub, DB_TX_REPEATABLE_READ | DB_TX_READ_ONLY,

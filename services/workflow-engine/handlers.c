@@ -999,7 +999,11 @@ static int get_node_io(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
         goto done;
     }
     in = cJSON_Parse(st_s(a, 0, AC_INPUT));
-    o = cJSON_Parse(st_s(a, 0, AC_OUTPUT));
+    /* spec GetNodeIOResponse.output: "Empty if the node has not produced output yet (queued /
+     * running / blocked)". What a node in those states holds is work in progress (a redone
+     * agent step's rejected output, a loop container's laps so far, a poll wait's last
+     * observation), not its output: only a resolved node answers one. */
+    o = wf_raw_terminal(st_s(a, 0, AC_STATUS)) ? cJSON_Parse(st_s(a, 0, AC_OUTPUT)) : NULL;
     size_t cap = (size_t)cJSON_GetArraySize(in) + (size_t)cJSON_GetArraySize(o) + 1, nred = 0;
     const char **red = rpc_alloc(call, cap * sizeof *red);
     int floor = classification_floor(run.classification);

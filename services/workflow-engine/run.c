@@ -192,7 +192,12 @@ int wf_emit_node(wf_run *r, const wf_node_ev *n, char *err, size_t errlen) {
     nt.step_name = (char *)n->step;
     nt.step_type = (char *)n->type;
     nt.raw_status = (char *)n->raw_status;
-    int parked = !strcmp(n->raw_status, "awaiting_approval") && n->prompt_kind;
+    /* parked on a governance row: awaiting_approval, or escalated (the same row, still open:
+     * spec VisibleRunEvent.needs_approval is "a governance_approvals row ... open on the run",
+     * and the snapshot's freshest open row is this one; only a decision clears it) */
+    int parked =
+        (!strcmp(n->raw_status, "awaiting_approval") || !strcmp(n->raw_status, "escalated")) &&
+        n->prompt_kind;
     nt.needs_input = parked && !strcmp(n->prompt_kind, "user_prompt");
     nt.needs_approval = parked && strcmp(n->prompt_kind, "user_prompt") != 0;
     nt.prompt_kind = parked ? prompt_kind_enum(n->prompt_kind) : 0;

@@ -176,12 +176,12 @@ class StreamHub(unittest.TestCase):
     def read(self, srv, method, req, org, extra=(), **kw):
         return Reader(self.stub(srv, method), req, self.md(org, extra, **kw))
 
-    def transcript(self, srv, org, run, node, clearance=5):
+    def transcript(self, srv, org, run, node, clearance=5, sub=None):
         call = self.channel(srv).unary_unary(
             SVC + "GetNodeTranscript", request_serializer=W.GetNodeTranscriptRequest.SerializeToString,
             response_deserializer=W.GetNodeTranscriptResponse.FromString)
         return call(W.GetNodeTranscriptRequest(run_id=run, node_id=node),
-                    metadata=self.md(org, clearance=clearance), timeout=10)
+                    metadata=self.md(org, clearance=clearance, sub=sub), timeout=10)
 
     def projected(self, run, seq):
         """Waits until the projection holds the run's event `seq`."""
@@ -582,6 +582,61 @@ class StreamHub(unittest.TestCase):
         self.assertTrue(all(e.session_id == "s1" for e in t_hi.events))
         self.assertFalse(t_hi.session_missing)
         self.assertTrue(self.transcript(self.a, org, run, "nobody").session_missing)
+
+    def test_transcript_by_action_id_is_every_attempt_of_its_step(self):
+        # spec GetNodeTranscriptRequest.node_id: the step name or the workflow_action UUID,
+        # "Both map to the node's step_name"; the response holds the node's events "across ALL
+        # of its attempts". A loop lap is an action of its own: asking by lap 1's action id
+        # answers lap 2's session too, exactly like asking by the step name.
+        org = uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        lap1, lap2 = uid(), uid()
+        for session, action, lap in (("s-lap1", lap1, 1), ("s-lap2", lap2, 2)):
+            self.pub("io", org=org, run=run, node="coder", session=session, seq=1, iteration=lap,
+                     action_id=action, no_frame=True, transcript={
+                         "event_type": "assistant_message", "content": {"text": "lap %d" % lap}})
+        self.pub("io", org=org, run=run, node="reviewer", session="s-other", seq=1,
+                 action_id=uid(), no_frame=True,
+                 transcript={"event_type": "assistant_message", "content": {"text": "other"}})
+        wait_until(lambda: len(self.transcript(self.a, org, run, "coder").events) == 2, 10,
+                   "the transcript")
+        by_step = self.transcript(self.a, org, run, "coder")
+        for node in (lap1, lap2):
+            by_action = self.transcript(self.a, org, run, node)
+            self.assertEqual([(e.session_id, e.seq) for e in by_action.events],
+                             [(e.session_id, e.seq) for e in by_step.events])
+            self.assertEqual(sorted(e.session_id for e in by_action.events), ["s-lap1", "s-lap2"])
+            self.assertFalse(by_action.session_missing)
+        self.assertTrue(self.transcript(self.a, org, run, uid()).session_missing)
+
+    def test_a_private_workflows_run_is_not_found_for_another_member(self):
+        # spec: GetNodeTranscript is "org-scoped and run-scoped fail-closed exactly like
+        # GetNodeIO", and the workflow-engine answers GetNodeIO / GetWorkflowStatus for a
+        # private workflow's run of another member NOT_FOUND: the hub reads runs the same way,
+        # on every stream too. The owner is served.
+        org, me, other = uid(), uid(), uid()
+        run = self.new_run(org, visibility="private", owner=me)
+        self.pub("node", org=org, run=run, seq=2, node_id="plan", status="running",
+                 visibility="private", owner=me)
+        self.pub("io", org=org, run=run, node="plan", session="s1", seq=1, no_frame=True,
+                 transcript={"event_type": "assistant_message", "content": {"text": "t"}})
+        self.projected(run, 2)
+        for method, req in (("StreamRunStatus", W.StreamRunStatusRequest(run_id=run)),
+                            ("StreamRunLogs", W.StreamRunLogsRequest(run_id=run)),
+                            ("StreamNodeIO", W.StreamNodeIORequest(run_id=run))):
+            self.assertFailsFirst(self.read(self.a, method, req, org, sub=other),
+                                  grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(grpc.RpcError) as e:
+            self.transcript(self.a, org, run, "plan", sub=other)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+        wait_until(lambda: len(self.transcript(self.a, org, run, "plan", sub=me).events) == 1, 10,
+                   "the owner's transcript")
+        mine = self.read(self.a, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org,
+                         sub=me)
+        wait_until(lambda: mine.msgs, 10, "the owner's snapshot")
+        mine.cancel()
+        self.assertEqual(mine.msgs[0].update.status, "running")
 
     # ---- backpressure ----
     def test_stalled_subscriber_gets_a_gap_or_is_ended_while_a_fast_one_gets_everything(self):

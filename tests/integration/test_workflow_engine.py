@@ -532,6 +532,29 @@ class EngineTest(unittest.TestCase):
         subjects = {s.split(".")[1] for s, _ in evs}
         self.assertEqual(subjects, {"status", "log"})
 
+    def test_05b_node_io_output_only_once_resolved(self):
+        # spec GetNodeIOResponse.output: "Empty if the node has not produced output yet (queued /
+        # running / blocked)". A loop container in its second lap holds its laps so far; that
+        # is not its output until the loop completes.
+        w = self.create(defn("l", {"l": {"type": "loop", "max_iterations": 2, "body": "w"},
+                                   "w": {"type": "wait", "mode": "signal", "event_key": "k"}}))
+        run = self.trigger(w.id)
+        io = lambda a: self.B("GetNodeIO", W.GetNodeIORequest(run_id=run.id, node_id=a.id))
+        deliver = lambda did: self.B("DeliverWorkflowEvent", W.DeliverWorkflowEventRequest(
+            run_id=run.id, event_key="k", delivery_id=did, payload=b'{"lap": "%s"}' % did.encode()))
+        deliver("1")
+        s = self.wait_for(run.id, lambda s: [a.status for a in s.actions[1:]] == ["completed", "waiting"])
+        loop, lap1, lap2 = s.actions
+        self.assertEqual(loop.status, "in_progress")
+        self.assertFalse(io(loop).HasField("output"))  # running
+        self.assertFalse(io(lap2).HasField("output"))  # blocked
+        self.assertEqual(js(io(lap1).output), {"lap": "1"})
+        deliver("2")
+        s = self.done(run.id)
+        self.assertEqual(s.run.status, "completed", self.acts(s))
+        self.assertEqual(js(io(s.actions[0]).output), {"iterations": 2})
+        self.assertEqual(js(io(s.actions[2]).output), {"lap": "2"})
+
     def test_06_run_control(self):
         w = self.create(defn("s", {"s": tool("create_comment", "t", number=1, body="slow __sleep_ms=600"),
                                    "t": tool("get_issue", number=1)}))

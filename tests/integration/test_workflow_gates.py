@@ -138,6 +138,13 @@ class GatesTest(unittest.TestCase):
         self.assertEqual((mine[0].workflow_name, mine[0].action.status, mine[0].action.approval_id),
                          ("gates", "awaiting_approval", a.approval_id))
         self.assertGreaterEqual(lp.total_count, 1)
+        # spec: "limit controls pagination (default: 50, max: 100)", worded as ListWorkflows':
+        # the same clamp, a negative limit is the default (as ListWorkflows answers it)
+        for limit in (-1, 0, 1000):
+            for method, req in (("ListPendingApprovals", W.ListPendingApprovalsRequest(limit=limit)),
+                                ("ListWorkflows", W.ListWorkflowsRequest(limit=limit))):
+                self.assertGreaterEqual(self.A(method, req).total_count, 1, (method, limit))
+        self.err(C.INVALID_ARGUMENT, self.A, "ListPendingApprovals", W.ListPendingApprovalsRequest(offset=-1), contains="offset")
         # bad input
         self.err(C.INVALID_ARGUMENT, self.A, "ApproveAction", W.ApproveActionRequest(), contains="action_id")
         self.err(C.INVALID_ARGUMENT, self.A, "ApproveAction", W.ApproveActionRequest(action_id="nope"), contains="action_id")
@@ -208,6 +215,40 @@ class GatesTest(unittest.TestCase):
         self.wait_for(run, lambda s: s.run.status == "completed")
         audit = self.psql("SELECT count(*) FROM workflow_engine.audit_log WHERE subject_id = '%s' AND action = 'gate.escalate'" % a.approval_id)
         self.assertEqual(audit.strip(), "3")
+
+    def test_02b_escalated_gate_is_still_an_open_gate_on_the_bus(self):
+        """An escalated gate is the same governance row, still open: its node event keeps
+        needs_approval / prompt_kind / prompt_id (spec VisibleRunEvent: needs_approval is a row
+        "open on the run", cleared by "gate resolved"), so stream-hub's snapshot, which rolls up
+        node events, agrees with ListVisibleRuns; the decision clears them."""
+        from upsquad.internal.v1 import run_events_pb2 as RE
+        sid, q = self.nc.subscribe("wf.status.%s.>" % self.org)
+        self.nc.flush()
+        run = self.start(defn("g", {"g": gate(2, on_approve="end"), "end": DONE}))
+        a = self.parked(run, "g")
+        self.A("EscalateAction", W.EscalateActionRequest(action_id=a.id))
+        self.wait_for(run, lambda s: s.actions[0].status == "escalated")
+        row = [r for r in self.A("ListVisibleRuns", W.ListVisibleRunsRequest(status_filter=1)).runs
+               if r.run.id == run][0]
+        self.assertEqual((row.prompt_kind, row.open_prompt_count), (W.RUN_PROMPT_KIND_APPROVAL_GATE, 1))
+        self.high("ApproveAction", W.ApproveActionRequest(action_id=a.id))
+        self.wait_for(run, lambda s: s.run.status == "completed")
+        end, nodes = time.time() + 10, {}
+        while time.time() < end and not {"escalated", "approved"} <= set(nodes):
+            try:
+                subj, _, _, data = q.get(timeout=0.5)
+            except Exception:
+                continue
+            ev = RE.RunEvent.FromString(data)
+            if subj.endswith(run) and ev.WhichOneof("event") == "node" and ev.node.step_name == "g":
+                nodes[ev.node.raw_status] = ev.node
+        self.nc.unsubscribe(sid)
+        esc = nodes["escalated"]
+        self.assertEqual((esc.update.status, esc.update.blocked_by), ("blocked", a.approval_id))
+        self.assertEqual((esc.needs_approval, esc.needs_input, esc.prompt_kind, esc.prompt_id),
+                         (True, False, W.RUN_PROMPT_KIND_APPROVAL_GATE, a.approval_id))
+        done = nodes["approved"]
+        self.assertEqual((done.needs_approval, done.prompt_kind, done.prompt_id), (False, 0, ""))
 
     # ---- prompts ----
     def test_03_prompt(self):
