@@ -11,7 +11,7 @@
 #include <cmocka.h>
 
 #include "../../../services/workflow-engine/interp.h"
-#include "../../../services/workflow-engine/pagetok.h"
+#include "pagetok.h"
 #include "../../../services/workflow-engine/wf.h"
 #include "../../../services/workflow-engine/wf_expr.h"
 

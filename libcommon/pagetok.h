@@ -1,8 +1,10 @@
 /* Opaque, tamper-evident keyset page tokens: base64url(payload) "." base64url(HMAC-SHA256).
  * The payload binds the cursor (started_at in microseconds, id) to a query digest (method,
- * org, member, filters), so a token from another query or org is refused. */
-#ifndef WF_PAGETOK_H
-#define WF_PAGETOK_H
+ * org, member, filters), so a token from another query or org is refused. Used by the
+ * workflow-engine's ListRuns/ListVisibleRuns and the orchestrator's ListChildren; the key is
+ * the same on every replica of a service (each derives it from its configuration). */
+#ifndef UPSQUAD_PAGETOK_H
+#define UPSQUAD_PAGETOK_H
 
 #include <stddef.h>
 #include <stdint.h>
