@@ -8,6 +8,7 @@
 #include <strings.h>
 #include <time.h>
 
+#include "fields.h"
 #include "ids.h"
 #include "log.h"
 #include "pause.h"
@@ -37,30 +38,10 @@ static const char *bearer_of(rpc_call *call) {
     return h;
 }
 
-static int uuid_field(rpc_call *call, const char *name, const char *v, int required) {
-    if (!v || !v[0]) {
-        if (required) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s: required", name);
-        return RPC_OK;
-    }
-    if (!ids_uuid_valid(v)) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s: not a UUID", name);
-    return RPC_OK;
-}
-
 static int mode_field(rpc_call *call, int mode) {
     if (mode < 0 || mode > 3)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "execution_mode: unknown value %d", mode);
     return RPC_OK;
-}
-
-static int store_error(rpc_call *call, const char *what, const char *err) {
-    log_error("store.error", "%s: %s", what, err);
-    return rpc_error(call, RPC_UNAVAILABLE, "%s failed; try again", what);
-}
-
-static Google__Protobuf__Timestamp *ts(rpc_call *call, int64_t ms) {
-    Google__Protobuf__Timestamp *t = rpc_alloc(call, sizeof *t);
-    if (t) pbjson_ts_from_ms(t, ms);
-    return t;
 }
 
 static void session_msg(rpc_call *call, const orch_session *s, GetSessionResponse *out) {
@@ -70,8 +51,8 @@ static void session_msg(rpc_call *call, const orch_session *s, GetSessionRespons
     out->status = (Upsquad__Runtime__V1__AgentStatus)s->agent_status;
     out->loop_count = s->loop_count;
     out->max_loops = s->max_loops;
-    out->started_at = ts(call, s->started_ms);
-    if (s->last_heartbeat_ms) out->last_heartbeat = ts(call, s->last_heartbeat_ms);
+    out->started_at = orch_ts_ms(call, s->started_ms);
+    if (s->last_heartbeat_ms) out->last_heartbeat = orch_ts_ms(call, s->last_heartbeat_ms);
     out->snapshot_hash = rpc_strdup(call, s->snapshot_hash);
     out->model_id = rpc_strdup(call, s->model_id);
 }
@@ -86,7 +67,8 @@ static int create_session(rpc_call *call, const ProtobufCMessage *req, ProtobufC
     const auth_identity *id;
     char sid[37], hash[65], msg[768];
     int rc;
-    if ((rc = rpc_tenant(call, 0, &id)) || (rc = uuid_field(call, "agent_id", rq->agent_id, 1)) ||
+    if ((rc = rpc_tenant(call, 0, &id)) ||
+        (rc = orch_uuid_field(call, "agent_id", rq->agent_id, 1)) ||
         (rc = mode_field(call, rq->execution_mode)))
         return rc;
     if (strlen(rq->model_override) > 96)
@@ -118,11 +100,11 @@ static int get_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
     orch_session s;
     char err[512];
     int rc = rpc_tenant(call, 0, &id);
-    if (rc || (rc = uuid_field(call, "session_id", rq->session_id, 1))) return rc;
+    if (rc || (rc = orch_uuid_field(call, "session_id", rq->session_id, 1))) return rc;
     rc = orch_store_session_get(o->pool, id->org_id, rq->session_id, 0, &s, err, sizeof err);
     if (rc == ORCH_ENOTFOUND)
         return rpc_error(call, RPC_NOT_FOUND, "session_id: no session %s", rq->session_id);
-    if (rc != DB_OK) return store_error(call, "reading the session", err);
+    if (rc != DB_OK) return orch_store_failed(call, "reading the session", err);
     session_msg(call, &s, (GetSessionResponse *)resp);
     orch_session_clear(&s);
     return RPC_OK;
@@ -174,7 +156,7 @@ static int list_sessions(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     const auth_identity *id;
     char after[37] = "", err[512];
     int rc = rpc_tenant(call, 0, &id);
-    if (rc || (rc = uuid_field(call, "agent_id", rq->agent_id, 0))) return rc;
+    if (rc || (rc = orch_uuid_field(call, "agent_id", rq->agent_id, 0))) return rc;
     if (parse_filter(rq->status_filter, &q.state, &q.agent_status))
         return rpc_error(call, RPC_INVALID_ARGUMENT,
                          "status_filter: unknown status \"%.64s\" (one of initializing, active, "
@@ -195,7 +177,7 @@ static int list_sessions(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     int64_t total = 0;
     rc =
         orch_store_session_list(o->pool, id->org_id, &q, &rows, &n, &more, &total, err, sizeof err);
-    if (rc != DB_OK) return store_error(call, "listing sessions", err);
+    if (rc != DB_OK) return orch_store_failed(call, "listing sessions", err);
     out->sessions = rpc_alloc(call, (n ? n : 1) * sizeof *out->sessions);
     for (size_t i = 0; i < n && out->sessions; i++) {
         out->sessions[i] = rpc_alloc(call, sizeof *out->sessions[i]);
@@ -249,16 +231,16 @@ static int terminate_session(rpc_call *call, const ProtobufCMessage *req, Protob
     char state[16] = "", err[512];
     int was = 0;
     int rc = rpc_tenant(call, 0, &id);
-    if (rc || (rc = uuid_field(call, "session_id", rq->session_id, 1))) return rc;
+    if (rc || (rc = orch_uuid_field(call, "session_id", rq->session_id, 1)) ||
+        (rc = orch_text_field(call, "reason", rq->reason, 1024)))
+        return rc;
     const char *org = id->org_id;
-    if (strlen(rq->reason) > 1024)
-        return rpc_error(call, RPC_INVALID_ARGUMENT, "reason: longer than 1024 bytes");
     rc = orch_store_session_terminate(o->pool, org, rq->session_id,
                                       rq->reason[0] ? rq->reason : "terminated by the user", &was,
                                       state, err, sizeof err);
     if (rc == ORCH_ENOTFOUND)
         return rpc_error(call, RPC_NOT_FOUND, "session_id: no session %s", rq->session_id);
-    if (rc != DB_OK) return store_error(call, "terminating the session", err);
+    if (rc != DB_OK) return orch_store_failed(call, "terminating the session", err);
     orch_session s;
     if (orch_store_session_get(o->pool, org, rq->session_id, 0, &s, err, sizeof err) == DB_OK) {
         out->status = (Upsquad__Runtime__V1__AgentStatus)s.agent_status;
@@ -503,8 +485,8 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     orch_turn_result res = {0};
     int rc;
     if ((rc = rpc_tenant(call, 0, &id)) ||
-        (rc = uuid_field(call, "session_id", rq->session_id, 0)) ||
-        (rc = uuid_field(call, "agent_id", rq->agent_id, !rq->session_id[0])) ||
+        (rc = orch_uuid_field(call, "session_id", rq->session_id, 0)) ||
+        (rc = orch_uuid_field(call, "agent_id", rq->agent_id, !rq->session_id[0])) ||
         (rc = mode_field(call, rq->execution_mode)))
         return rc;
     if (!rq->message[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "message: required");
@@ -533,7 +515,7 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     rc = orch_store_session_get(o->pool, id->org_id, sid, 1, &s, err, sizeof err);
     if (rc == ORCH_ENOTFOUND)
         return rpc_error(call, RPC_NOT_FOUND, "session_id: no session %s", sid);
-    if (rc != DB_OK) return store_error(call, "reading the session", err);
+    if (rc != DB_OK) return orch_store_failed(call, "reading the session", err);
     if (rq->agent_id[0] && strcasecmp(rq->agent_id, s.agent_id)) {
         rc = rpc_error(call, RPC_INVALID_ARGUMENT, "agent_id: session %s belongs to agent %s", sid,
                        s.agent_id);
@@ -555,7 +537,7 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
         goto done;
     }
     if (rc != DB_OK) {
-        rc = store_error(call, "recording the message", err);
+        rc = orch_store_failed(call, "recording the message", err);
         goto done;
     }
     if (orch_request_build(o, &a, &s, rq->message, rq->execution_mode, turns, nturns, &ereq,

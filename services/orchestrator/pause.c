@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fields.h"
 #include "ids.h"
 #include "log.h"
 #include "pbjson.h"
@@ -39,29 +40,6 @@ typedef Upsquad__Runtime__V1__ProvenanceChainLink ChainLink;
 
 static atomic_int waiters;
 
-static int uuid_field(rpc_call *call, const char *name, const char *v) {
-    if (!v || !v[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s: required", name);
-    if (!ids_uuid_valid(v)) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s: not a UUID", name);
-    return RPC_OK;
-}
-
-static int text_field(rpc_call *call, const char *name, const char *v, size_t max) {
-    if (strlen(v) > max)
-        return rpc_error(call, RPC_INVALID_ARGUMENT, "%s: longer than %zu bytes", name, max);
-    return RPC_OK;
-}
-
-static int store_error(rpc_call *call, const char *what, const char *err) {
-    log_error("store.error", "%s: %s", what, err);
-    return rpc_error(call, RPC_UNAVAILABLE, "%s failed; try again", what);
-}
-
-static Google__Protobuf__Timestamp *ts(rpc_call *call, int64_t ms) {
-    Google__Protobuf__Timestamp *t = rpc_alloc(call, sizeof *t);
-    if (t) pbjson_ts_from_ms(t, ms);
-    return t;
-}
-
 int orch_pause_send_event(rpc_call *call, const orch_pause *pz) {
     Upsquad__Runtime__V1__SessionPausedEvent e = UPSQUAD__RUNTIME__V1__SESSION_PAUSED_EVENT__INIT;
     Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
@@ -83,7 +61,7 @@ int orch_pause_send_event(rpc_call *call, const orch_pause *pz) {
 static void pause_reply(rpc_call *call, const orch_pause *pz, int was_already, PauseResponse *out) {
     out->status = UPSQUAD__RUNTIME__V1__AGENT_STATUS__AGENT_STATUS_SUSPENDED;
     out->checkpoint_key = rpc_strdup(call, pz->checkpoint_key);
-    out->paused_at = ts(call, pz->paused_ms);
+    out->paused_at = orch_ts_ms(call, pz->paused_ms);
     out->was_already_suspended = was_already;
 }
 
@@ -95,9 +73,10 @@ static int pause_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     orch_pause pz;
     char state[16] = "", err[512];
     int outcome, rc;
-    if ((rc = rpc_tenant(call, 0, &id)) || (rc = uuid_field(call, "session_id", rq->session_id)) ||
-        (rc = text_field(call, "reason", rq->reason, REASON_MAX)) ||
-        (rc = text_field(call, "correlation_id", rq->correlation_id, CORRELATION_MAX)))
+    if ((rc = rpc_tenant(call, 0, &id)) ||
+        (rc = orch_uuid_field(call, "session_id", rq->session_id, 1)) ||
+        (rc = orch_text_field(call, "reason", rq->reason, REASON_MAX)) ||
+        (rc = orch_text_field(call, "correlation_id", rq->correlation_id, CORRELATION_MAX)))
         return rc;
     if ((int)rq->pause_source < 0 || (int)rq->pause_source > 5)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "pause_source: unknown value %d",
@@ -130,7 +109,7 @@ static int pause_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
             break;
         }
         if (rc != DB_OK) {
-            rc = store_error(call, "pausing the session", err);
+            rc = orch_store_failed(call, "pausing the session", err);
             break;
         }
         if (outcome != ORCH_PAUSE_PENDING) {
@@ -214,8 +193,9 @@ static int resume_session(rpc_call *call, const ProtobufCMessage *req, ProtobufC
     orch_resume rs;
     char state[16] = "", err[512], *input = NULL;
     int rc;
-    if ((rc = rpc_tenant(call, 0, &id)) || (rc = uuid_field(call, "session_id", rq->session_id)) ||
-        (rc = text_field(call, "resume_reason", rq->resume_reason, REASON_MAX)) ||
+    if ((rc = rpc_tenant(call, 0, &id)) ||
+        (rc = orch_uuid_field(call, "session_id", rq->session_id, 1)) ||
+        (rc = orch_text_field(call, "resume_reason", rq->resume_reason, REASON_MAX)) ||
         (rc = operator_input(call, &rq->operator_input, &input)))
         return rc;
     rc = orch_store_resume(o->pool, id->org_id, rq->session_id,
@@ -228,10 +208,10 @@ static int resume_session(rpc_call *call, const ProtobufCMessage *req, ProtobufC
         return rpc_error(call, RPC_FAILED_PRECONDITION,
                          "session %s is %s: only a suspended session can be resumed",
                          rq->session_id, state);
-    if (rc != DB_OK) return store_error(call, "resuming the session", err);
+    if (rc != DB_OK) return orch_store_failed(call, "resuming the session", err);
     out->status = (Upsquad__Runtime__V1__AgentStatus)rs.agent_status;
     out->resumed_at_loop = rs.resumed_at_loop;
-    out->resumed_at = ts(call, rs.resumed_ms);
+    out->resumed_at = orch_ts_ms(call, rs.resumed_ms);
     log_info("session.resumed", "session %s org %s at loop %d", rq->session_id, id->org_id,
              rs.resumed_at_loop);
     return RPC_OK;
@@ -246,7 +226,7 @@ static ChainLink *chain_link(rpc_call *call, const orch_audit_link *l) {
     k->action_id = rpc_strdup(call, l->action_id);
     k->action_type = rpc_strdup(call, l->action_type);
     k->agent_id = rpc_strdup(call, l->agent_id);
-    k->created_at = ts(call, l->created_ms);
+    k->created_at = orch_ts_ms(call, l->created_ms);
     k->parent_action_id = rpc_strdup(call, l->parent_action_id);
     k->schema_version = (char *)"1";
     k->session_id = rpc_strdup(call, l->session_id);
@@ -265,8 +245,9 @@ static int get_provenance_chain(rpc_call *call, const ProtobufCMessage *req, Pro
      * verified, -1: its anchor failed */
     static _Thread_local signed char boundary[CHAIN_MAX];
     int rc, anchor_failed = 0;
-    if ((rc = rpc_tenant(call, 0, &id)) || (rc = uuid_field(call, "session_id", rq->session_id)) ||
-        (rc = uuid_field(call, "action_id", rq->action_id)))
+    if ((rc = rpc_tenant(call, 0, &id)) ||
+        (rc = orch_uuid_field(call, "session_id", rq->session_id, 1)) ||
+        (rc = orch_uuid_field(call, "action_id", rq->action_id, 1)))
         return rc;
     memset(boundary, 0, sizeof boundary);
     orch_audit_link *links = calloc(CHAIN_MAX, sizeof *links);
@@ -277,7 +258,7 @@ static int get_provenance_chain(rpc_call *call, const ProtobufCMessage *req, Pro
     rc = orch_store_audit_chain(o->pool, id->org_id, rq->session_id, rq->action_id, CHAIN_MAX,
                                 links, &got, err, sizeof err);
     if (rc != DB_OK) {
-        rc = store_error(call, "reading the audit log", err);
+        rc = orch_store_failed(call, "reading the audit log", err);
         goto done;
     }
     if (got == 0) {
@@ -302,7 +283,7 @@ static int get_provenance_chain(rpc_call *call, const ProtobufCMessage *req, Pro
         rc =
             orch_store_audit_anchor(o->pool, id->org_id, sid, parent, anchor, &ok, err, sizeof err);
         if (rc != DB_OK) {
-            rc = store_error(call, "reading the session's parent", err);
+            rc = orch_store_failed(call, "reading the session's parent", err);
             goto done;
         }
         if (!parent[0]) break; /* the root session */
@@ -311,7 +292,7 @@ static int get_provenance_chain(rpc_call *call, const ProtobufCMessage *req, Pro
             rc = orch_store_audit_chain(o->pool, id->org_id, parent, anchor, CHAIN_MAX - n,
                                         links + n, &got, err, sizeof err);
             if (rc != DB_OK) {
-                rc = store_error(call, "reading the audit log", err);
+                rc = orch_store_failed(call, "reading the audit log", err);
                 goto done;
             }
             for (size_t i = 0; i < got; i++)

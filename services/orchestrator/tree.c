@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fields.h"
 #include "ids.h"
 #include "log.h"
 #include "pagetok.h"
@@ -37,28 +38,8 @@ typedef Upsquad__Runtime__V1__TerminateSubagentTreeResponse TerminateTreeRespons
  * replica accepts the others' tokens; set once by orch_tree_register before serving. */
 static unsigned char page_key[32];
 
-static int session_field(rpc_call *call, const char *v) {
-    if (!v || !v[0]) return rpc_error(call, RPC_INVALID_ARGUMENT, "session_id: required");
-    if (!ids_uuid_valid(v)) return rpc_error(call, RPC_INVALID_ARGUMENT, "session_id: not a UUID");
-    return RPC_OK;
-}
-
-static int store_error(rpc_call *call, const char *what, const char *err) {
-    log_error("store.error", "%s: %s", what, err);
-    return rpc_error(call, RPC_UNAVAILABLE, "%s failed; try again", what);
-}
-
 static int not_found(rpc_call *call, const char *sid) {
     return rpc_error(call, RPC_NOT_FOUND, "session_id: no session %s", sid);
-}
-
-static Google__Protobuf__Timestamp *ts_us(rpc_call *call, int64_t us) {
-    Google__Protobuf__Timestamp *t = rpc_alloc(call, sizeof *t);
-    if (!t) return NULL;
-    google__protobuf__timestamp__init(t);
-    t->seconds = us / 1000000;
-    t->nanos = (int32_t)(us % 1000000) * 1000;
-    return t;
 }
 
 /* A SubagentLink in the call's arena; NULL when out of memory. */
@@ -74,8 +55,8 @@ static SubagentLink *link_msg(rpc_call *call, const orch_link *l) {
     m->subagent_role = rpc_strdup(call, l->role);
     m->subagent_invocation_id = rpc_strdup(call, l->invocation_id);
     m->status = rpc_strdup(call, l->state); /* the lifecycle state, lowercase */
-    if (l->started_us) m->started_at = ts_us(call, l->started_us);
-    if (l->ended_us) m->ended_at = ts_us(call, l->ended_us); /* unset on live sessions */
+    if (l->started_us) m->started_at = orch_ts_us(call, l->started_us);
+    if (l->ended_us) m->ended_at = orch_ts_us(call, l->ended_us); /* unset on live sessions */
     m->result_status = rpc_strdup(call, l->result_status);
     m->result_error_code = rpc_strdup(call, l->error_code);
     return m;
@@ -109,11 +90,11 @@ static int get_parent_session(rpc_call *call, const ProtobufCMessage *req, Proto
     int is_root = 0;
     char err[512];
     int rc = rpc_tenant(call, 0, &id);
-    if (rc || (rc = session_field(call, rq->session_id))) return rc;
+    if (rc || (rc = orch_uuid_field(call, "session_id", rq->session_id, 1))) return rc;
     rc = orch_store_parent_get(o->pool, id->org_id, rq->session_id, &is_root, &parent, err,
                                sizeof err);
     if (rc == ORCH_ENOTFOUND) return not_found(call, rq->session_id);
-    if (rc != DB_OK) return store_error(call, "reading the session", err);
+    if (rc != DB_OK) return orch_store_failed(call, "reading the session", err);
     out->is_root = is_root;
     if (!is_root && !(out->parent = link_msg(call, &parent)))
         return rpc_error(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
@@ -134,7 +115,7 @@ static int list_children(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     size_t n = 0;
     int more = 0;
     int rc = rpc_tenant(call, 0, &id);
-    if (rc || (rc = session_field(call, rq->session_id))) return rc;
+    if (rc || (rc = orch_uuid_field(call, "session_id", rq->session_id, 1))) return rc;
     if (rq->page_size < 0)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "page_size: must not be negative");
     int size = rq->page_size == 0             ? CHILDREN_DEFAULT
@@ -149,7 +130,7 @@ static int list_children(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     rc = orch_store_children(o->pool, id->org_id, rq->session_id, after_us, after, size, &rows, &n,
                              &more, &total, err, sizeof err);
     if (rc == ORCH_ENOTFOUND) return not_found(call, rq->session_id);
-    if (rc != DB_OK) return store_error(call, "listing the children", err);
+    if (rc != DB_OK) return orch_store_failed(call, "listing the children", err);
     rc = links(call, rows, n, &out->children, &out->n_children);
     if (rc == RPC_OK && more && n) {
         char tok[PAGETOK_MAX + 1];
@@ -177,7 +158,7 @@ static int get_subagent_tree(rpc_call *call, const ProtobufCMessage *req, Protob
     size_t n = 0;
     int cut_depth = 0, cut_fanout = 0;
     int rc = rpc_tenant(call, 0, &id);
-    if (rc || (rc = session_field(call, rq->session_id))) return rc;
+    if (rc || (rc = orch_uuid_field(call, "session_id", rq->session_id, 1))) return rc;
     if (rq->max_depth < 0)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "max_depth: must not be negative");
     /* spec: 1..10, 0 the default; above 10 the walk is served at 10 (truncated_at_depth says
@@ -188,7 +169,7 @@ static int get_subagent_tree(rpc_call *call, const ProtobufCMessage *req, Protob
     rc = orch_store_tree(o->pool, id->org_id, rq->session_id, depth, TREE_FANOUT, TREE_NODES, &rows,
                          &n, &cut_depth, &cut_fanout, err, sizeof err);
     if (rc == ORCH_ENOTFOUND) return not_found(call, rq->session_id);
-    if (rc != DB_OK) return store_error(call, "reading the tree", err);
+    if (rc != DB_OK) return orch_store_failed(call, "reading the tree", err);
     rc = links(call, rows, n, &out->nodes, &out->n_nodes);
     out->truncated_at_depth = cut_depth;
     out->truncated_at_fanout = cut_fanout;
@@ -209,15 +190,15 @@ static int terminate_subagent_tree(rpc_call *call, const ProtobufCMessage *req,
     size_t n = 0;
     int bridge = 0;
     int rc = rpc_tenant(call, 0, &id);
-    if (rc || (rc = session_field(call, rq->session_id))) return rc;
-    if (strlen(rq->reason) > REASON_MAX)
-        return rpc_error(call, RPC_INVALID_ARGUMENT, "reason: longer than %d bytes", REASON_MAX);
+    if (rc || (rc = orch_uuid_field(call, "session_id", rq->session_id, 1)) ||
+        (rc = orch_text_field(call, "reason", rq->reason, REASON_MAX)))
+        return rc;
     const char *reason = rq->reason[0] ? rq->reason : "terminated with its subagent tree";
     rc = orch_store_tree_terminate(o->pool, id->org_id, rq->session_id, rq->include_root, reason,
                                    TERMINATE_MAX, &e, &n, &bridge, err, sizeof err);
     if (rc == ORCH_ENOTFOUND) return not_found(call, rq->session_id);
     if (rc == ORCH_ESTATE) return rpc_error(call, RPC_FAILED_PRECONDITION, "%s", err);
-    if (rc != DB_OK) return store_error(call, "terminating the tree", err);
+    if (rc != DB_OK) return orch_store_failed(call, "terminating the tree", err);
     out->terminated_session_ids = rpc_alloc(call, (n ? n : 1) * sizeof(char *));
     out->skipped_session_ids = rpc_alloc(call, (n ? n : 1) * sizeof(char *));
     if (!out->terminated_session_ids || !out->skipped_session_ids) {
