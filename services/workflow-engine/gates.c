@@ -689,7 +689,9 @@ static int answer_run_prompt(rpc_call *call, const ProtobufCMessage *req, Protob
         rc = g_deny(call, &g, id);
         goto done;
     }
-    if ((rc = check_prompt_answer(call, &g, rq->choice, rq->text))) goto done;
+    /* "A second answer to an already-answered prompt is a NO-OP (first-write-wins)": only an
+     * answer that could still be recorded is checked against the prompt */
+    if (g_pending(&g) && (rc = check_prompt_answer(call, &g, rq->choice, rq->text))) goto done;
     if (g_pending(&g)) {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "choice", rq->choice);

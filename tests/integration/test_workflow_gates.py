@@ -501,6 +501,10 @@ class GatesTest(unittest.TestCase):
         self.assertEqual((p.status, p.answered_by, p.answered_choice, p.can_answer), ("answered", "timeout", "b", False))
         r = self.A("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=pid, choice="a"))
         self.assertEqual((r.recorded, r.already_answered, r.prompt.answered_choice), (False, True, "b"))
+        # "A second answer to an already-answered prompt is a NO-OP ... rather than erroring":
+        # whatever it carries (a choice the prompt never offered, text it does not allow)
+        r = self.A("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=pid, choice="zzz", text="free"))
+        self.assertEqual((r.recorded, r.already_answered, r.prompt.answered_choice), (False, True, "b"))
 
     # ---- replicas, tenancy ----
     def test_06_decided_while_other_replica_leases(self):
