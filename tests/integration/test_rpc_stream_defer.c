@@ -62,7 +62,7 @@ typedef struct reader {
     pthread_t th;
     atomic_int hello; /* the stream is open */
     atomic_int got;   /* frames received after the hello */
-    atomic_int next; /* frames in order: the seq expected next (-1 once one came out of order) */
+    atomic_int next;  /* frames in order: the seq expected next (-1 once one came out of order) */
     atomic_int ended;
     int code;
 } reader;
