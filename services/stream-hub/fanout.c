@@ -14,7 +14,7 @@
  *   Visible runs: held during the snapshot as for node I/O, de-duplicated per run by seq; a
  *   full queue drops and schedules a re-snapshot of the visible set (entries and exits).
  *
- * Sharing writes (docs/stream-hub.md, "Bursts")
+ * Sharing writes (docs/stream-hub.md, "Bursts share writes")
  *   A frame pushed to an idle stream starts its send at once, and that send is written on its
  *   own: one frame to 1,000 idle streams was up to 1,000 write syscalls. While more messages
  *   already wait on the topic's subscription, a message's frames are queued without starting
