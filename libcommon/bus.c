@@ -366,12 +366,22 @@ int bus_respond(bus *b, natsMsg *request, const void *data, int len) {
     return bus__code(natsConnection_Publish(b->nc, to, data, len));
 }
 
+/* The subscription whose callback runs on this thread (bus_cb_pending). */
+static _Thread_local natsSubscription *bus__cb_sub;
+
 static void bus__on_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure) {
     (void)nc;
-    (void)sub;
     bus_sub *s = closure;
+    bus__cb_sub = sub;
     s->cb(s->b, msg, s->ud);
+    bus__cb_sub = NULL;
     natsMsg_Destroy(msg);
+}
+
+int bus_cb_pending(void) {
+    int n = 0;
+    if (!bus__cb_sub || natsSubscription_GetPending(bus__cb_sub, &n, NULL) != NATS_OK) return 0;
+    return n;
 }
 
 static void bus__on_sub_complete(void *closure) {

@@ -135,6 +135,11 @@ int bus_js_subscribe_ordered(bus *b, const char *stream, const char *subject, bu
 /* 1 when a bus_js_subscribe_ordered subscription has handed its callback every message the
  * stream holds now (none left at the server nor queued here); 0 otherwise or on error. */
 int bus_sub_caught_up(bus_sub *s);
+/* Inside a bus_subscribe / bus_js_subscribe_ordered callback: how many messages of that
+ * subscription were received and wait behind the one being handled (0 outside a callback).
+ * A callback that fans out can tell that more messages follow at once (stream-hub shares the
+ * writes of a burst). */
+int bus_cb_pending(void);
 /* Messages dropped for this subscription because it was slow. */
 int64_t bus_sub_dropped(bus_sub *s);
 

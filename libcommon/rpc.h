@@ -39,8 +39,8 @@
  *     and each rpc_stream_detach hold a reference; the last rpc_call_unref frees it, after
  *     running the rpc_call_defer hooks.
  *   - Thread-safe from anywhere: rpc_cancelled, rpc_deadline_ms, rpc_identity, rpc_trace_id,
- *     rpc_method_path, rpc_metadata_copy, rpc_stream_push, rpc_stream_queued,
- *     rpc_stream_finish, rpc_call_unref. */
+ *     rpc_method_path, rpc_metadata_copy, rpc_stream_push, rpc_stream_push_deferred,
+ *     rpc_stream_kick, rpc_stream_queued, rpc_stream_finish, rpc_call_unref. */
 #ifndef UPSQUAD_RPC_H
 #define UPSQUAD_RPC_H
 
@@ -254,6 +254,15 @@ typedef void (*rpc_close_fn)(rpc_call *call, void *ud);
 rpc_call *rpc_stream_detach(rpc_call *call, rpc_close_fn on_close, void *ud);
 /* Never blocks. Takes no ownership of f (it is ref'd). RPC_OK, RPC_EFULL or RPC_ECLOSED. */
 int rpc_stream_push(rpc_call *call, rpc_frame *f);
+/* Sharing writes: a send started on a stream with nothing queued behind it is written at once,
+ * on its own (a write syscall per stream and frame when a fan-out pushes one frame to many idle
+ * streams). rpc_stream_push_deferred queues like rpc_stream_push but starts no send on an idle
+ * stream; rpc_stream_kick then starts it, every queued frame but the last with the transport's
+ * write-buffer hint, so the frames queued meanwhile go out in one write. A producer that defers
+ * must kick every stream it deferred to once its batch ends (a stream with a send in flight
+ * needs no kick: that send's completion starts the next). Any thread; never blocks. */
+int rpc_stream_push_deferred(rpc_call *call, rpc_frame *f);
+void rpc_stream_kick(rpc_call *call);
 /* Like rpc_stream_send_wait for an encoded frame (f is ref'd, not taken). */
 int rpc_stream_push_wait(rpc_call *call, rpc_frame *f, int64_t wait_ms);
 /* Queue depth now (frames not yet written), for gap accounting. */

@@ -180,11 +180,14 @@ void rpc__stream_on_close(rpc_call *c) {
     if (cb) cb(c, ud);
 }
 
-static int push_locked(rpc_call *c, rpc_frame *f) {
+/* start 0 (rpc_stream_push_deferred): an idle stream stays idle until rpc_stream_kick (or the
+ * next push that starts), so that frames queued together start together; a stream with a send
+ * in flight takes the frame on that send's completion either way. */
+static int push_locked(rpc_call *c, rpc_frame *f, int start) {
     assert(c->q_len < c->q_cap && "stream queue bound"); /* callers wait or refuse first */
     c->q[(c->q_head + c->q_len) % c->q_cap] = f;
     c->q_len++;
-    pump_locked(c);
+    if (start) pump_locked(c);
     return RPC_OK;
 }
 
@@ -209,7 +212,7 @@ int rpc_stream_push_wait(rpc_call *c, rpc_frame *f, int64_t wait_ms) {
     if (c->closed || c->finishing)
         rc = RPC_ECLOSED;
     else if (rc == RPC_OK)
-        rc = push_locked(c, rpc_frame_ref(f)); /* the queue holds its own reference */
+        rc = push_locked(c, rpc_frame_ref(f), 1); /* the queue holds its own reference */
     pthread_mutex_unlock(&c->mu);
     return rc;
 }
@@ -227,7 +230,7 @@ int rpc_stream_send(rpc_call *c, const ProtobufCMessage *msg) {
     return rpc_stream_send_wait(c, msg, -1);
 }
 
-int rpc_stream_push(rpc_call *c, rpc_frame *f) {
+static int push_nowait(rpc_call *c, rpc_frame *f, int start) {
     int rc;
     pthread_mutex_lock(&c->mu);
     if (c->closed || c->finishing)
@@ -235,9 +238,23 @@ int rpc_stream_push(rpc_call *c, rpc_frame *f) {
     else if (c->q_len == c->q_cap)
         rc = RPC_EFULL;
     else
-        rc = push_locked(c, rpc_frame_ref(f));
+        rc = push_locked(c, rpc_frame_ref(f), start);
     pthread_mutex_unlock(&c->mu);
     return rc;
+}
+
+int rpc_stream_push(rpc_call *c, rpc_frame *f) {
+    return push_nowait(c, f, 1);
+}
+
+int rpc_stream_push_deferred(rpc_call *c, rpc_frame *f) {
+    return push_nowait(c, f, 0);
+}
+
+void rpc_stream_kick(rpc_call *c) {
+    pthread_mutex_lock(&c->mu);
+    pump_locked(c); /* nothing when a send is in flight: its completion starts the next */
+    pthread_mutex_unlock(&c->mu);
 }
 
 size_t rpc_stream_queued(rpc_call *c) {

@@ -19,10 +19,13 @@
 #   HUB_ENV VAR=value settings of the hub (default UPSQUAD_RPC_UNARY_THREADS=1, as deployed:
 #          k8s/stream-hub.yaml)
 #   ROUNDS throughput rounds (default 3)
+#   BARE_BATCH frames per batch of the third baseline (default 16, the hub's
+#          UPSQUAD_HUB_FANOUT_BATCH)
 # The throughput figures are interleaved rounds (each round: the hub, the baseline with 1 and
-# with 2 completion-queue threads, in an order that rotates from round to round, so a burst of
+# with 2 completion-queue threads, and with 1 thread pushing in batches whose sends start
+# together as the hub's bursts do, in an order that rotates from round to round, so a burst of
 # load from the machine's other users hits every side alike); each side's figure is its median
-# over the rounds, the baseline is the better of its two medians (its one knob at its best),
+# over the rounds, the baseline is the best of its three medians (its knobs at their best),
 # and the ratio is the hub's median over it. Every round's own ratio is printed too, with the
 # load average around it. The CPU (user + system) each serving process spent per delivered
 # frame, from the client's ready to its last frame, is printed per side: steadier than the
@@ -35,6 +38,7 @@ SUBS=${SUBS:-1000}
 FRAMES=${FRAMES:-200}
 SIZE=${SIZE:-256}
 ROUNDS=${ROUNDS:-3}
+BARE_BATCH=${BARE_BATCH:-16}
 
 if [[ -z "${UPSQUAD_PG_DSN_STREAM_HUB:-}" || -z "${UPSQUAD_NATS_URL:-}" || -z "${UPSQUAD_PG_ADMIN_DSN:-}" ]]; then
     echo "stream-hub bench: SKIP (the runtime's UPSQUAD_PG_DSN_STREAM_HUB, UPSQUAD_PG_ADMIN_DSN and UPSQUAD_NATS_URL are required)"
@@ -79,8 +83,9 @@ start_hub() {
     HUB_ADDR=127.0.0.1:$(sed -n 's/^port=//p' "$TMP/$name.out")
 }
 
-start_bare() { # FRAMES RATE [THREADS]
+start_bare() { # FRAMES RATE [THREADS [BATCH]]
     BENCH_SUBS=$SUBS BENCH_FRAMES=$1 BENCH_SIZE=$SIZE BENCH_RATE=$2 BENCH_THREADS=${3:-1} \
+        BENCH_BATCH=${4:-1} \
         "$BIN/stream-hub-fanout" bare >"$TMP/bare.out" 2>"$TMP/bare.err" &
     BARE_PID=$!
     PIDS+=("$BARE_PID")
@@ -171,8 +176,10 @@ hub_round() {
     client_result
     echo "hub $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected) $(($(cpu_ticks "$HUB_PID") - c0))" >>"$TMP/rounds"
 }
-bare_round() { # THREADS
-    start_bare "$FRAMES" 0 "$1"
+bare_round() { # THREADS [BATCH]: side "bare<threads>" or "bare<threads>b<batch>"
+    local side=bare$1
+    [[ "${2:-1}" == 1 ]] || side=bare$1b$2
+    start_bare "$FRAMES" 0 "$1" "${2:-1}"
     sleep 0.3
     local r0 r1
     r0=$(rss_kb "$BARE_PID")
@@ -186,15 +193,16 @@ bare_round() { # THREADS
     local c1
     c1=$(cpu_ticks "$BARE_PID")
     kill "$BARE_PID"; wait "$BARE_PID" 2>/dev/null || true
-    echo "bare$1 $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected) $((c1 - c0))" >>"$TMP/rounds"
+    echo "$side $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected) $((c1 - c0))" >>"$TMP/rounds"
 }
 : >"$TMP/rounds"
 for r in $(seq "$ROUNDS"); do
     echo "round $r load $(loadavg)" >>"$TMP/rounds"
-    case $((r % 3)) in
-    1) hub_round; bare_round 1; bare_round 2 ;;
-    2) bare_round 1; bare_round 2; hub_round ;;
-    0) bare_round 2; hub_round; bare_round 1 ;;
+    case $((r % 4)) in
+    1) hub_round; bare_round 1; bare_round 2; bare_round 1 "$BARE_BATCH" ;;
+    2) bare_round 1; bare_round 2; bare_round 1 "$BARE_BATCH"; hub_round ;;
+    3) bare_round 2; bare_round 1 "$BARE_BATCH"; hub_round; bare_round 1 ;;
+    0) bare_round 1 "$BARE_BATCH"; hub_round; bare_round 1; bare_round 2 ;;
     esac
 done
 echo "end load $(loadavg)" >>"$TMP/rounds"
@@ -205,7 +213,7 @@ for line in open(sys.argv[1]):
     k, v = line.split()[:2]
     if k.startswith("bare"):
         r.setdefault(k, []).append(float(v))
-print(max(r, key=lambda k: statistics.median(r[k]))[4:])
+print(max(r, key=lambda k: statistics.median(r[k]))[4:].split("b")[0])
 EOF
 )
 
@@ -235,7 +243,7 @@ echo "  hub paced:  $HUB_L"
 echo "  bare paced: $BARE_L"
 echo "  stalled:    $HUB_S"
 sed 's/^/  /' "$TMP/rounds"
-"$PY" - "$TMP/rounds" "$HUB_L" "$BARE_L" "$HUB_S" "$rss0" "$rss1" "$brss0" "$brss1" "$SUBS" "$BARE_THREADS" <<'EOF'
+"$PY" - "$TMP/rounds" "$HUB_L" "$BARE_L" "$HUB_S" "$rss0" "$rss1" "$brss0" "$brss1" "$SUBS" <<'EOF'
 import json, statistics, sys
 import os
 tick = os.sysconf("SC_CLK_TCK")
@@ -252,19 +260,23 @@ for line in open(sys.argv[1]):
     cpu.setdefault(w[0], []).append(int(w[4]) * 1e6 / tick / max(int(w[2]), 1))
     cur[w[0]] = float(w[1])
 hl, bl, hs = (json.loads(a) for a in sys.argv[2:5])
-rss0, rss1, brss0, brss1, subs, threads = (int(a) for a in sys.argv[5:11])
+rss0, rss1, brss0, brss1, subs = (int(a) for a in sys.argv[5:10])
 med = {k: statistics.median(r for r, _, _ in v) for k, v in rounds.items()}
-base = med["bare%d" % threads]
+bares = sorted(k for k in med if k.startswith("bare"))
+best = max(bares, key=lambda k: med[k])
+base = med[best]
 ratio = med["hub"] / base if base else 0
 lossless = all(d == e for _, d, e in rounds["hub"])
-each = [p["hub"] / max(p["bare1"], p["bare2"]) for p in per]
+each = [p["hub"] / max(v for k, v in p.items() if k.startswith("bare")) for p in per]
+def knob(k):
+    t, _, b = k[4:].partition("b")
+    return "%s thread(s)%s" % (t, ", batches of %s frames started together" % b if b else "")
 loss = 1 - hs["delivered"] / hs["expected"] if hs["expected"] else 1
-print("baseline: %d bare libcommon streams (libcommon rpc_server with %d completion-queue "
-      "thread(s), the better median of 1 and 2; in-process producer pushing each frame encoded "
-      "once, lossless), same client and frames: median %.0f frames/s delivered over %d rounds "
-      "(1 thread: %s; 2 threads: %s)" % (subs, threads, base, len(per),
-      " ".join("%.0f" % r for r, _, _ in rounds["bare1"]),
-      " ".join("%.0f" % r for r, _, _ in rounds["bare2"])))
+print("baseline: %d bare libcommon streams (libcommon rpc_server, %s: the best median of 1 "
+      "thread, 2 threads, 1 thread with batched sends; in-process producer pushing each frame "
+      "encoded once, lossless), same client and frames: median %.0f frames/s delivered over %d "
+      "rounds (%s)" % (subs, knob(best), base, len(per), "; ".join(
+          "%s: %s" % (knob(k), " ".join("%.0f" % r for r, _, _ in rounds[k])) for k in bares)))
 print("hub: median %.0f frames/s delivered to %d subscribers (rounds: %s; every frame to every "
       "subscriber: %s): ratio %.2f (target >= 0.8); per round (hub / the round's better "
       "baseline): %s; load average %s"
@@ -272,9 +284,10 @@ print("hub: median %.0f frames/s delivered to %d subscribers (rounds: %s; every 
          "yes" if lossless else "NO", ratio, " ".join("%.2f" % e for e in each),
          " -> ".join("%.1f" % l for l in loads)))
 print("server CPU per delivered frame (user+system of the serving process, from the client's "
-      "ready to its last frame; median over the rounds): hub %.2f us, bare %.2f us (%d thread(s)); "
-      "hub rounds: %s" % (statistics.median(cpu["hub"]), statistics.median(cpu["bare%d" % threads]),
-      threads, " ".join("%.2f" % c for c in cpu["hub"])) + "; bare 1 / 2 threads: %.2f / %.2f us" % (statistics.median(cpu["bare1"]), statistics.median(cpu["bare2"])))
+      "ready to its last frame; median over the rounds): hub %.2f us, bare %.2f us (%s); "
+      "hub rounds: %s" % (statistics.median(cpu["hub"]), statistics.median(cpu[best]),
+      knob(best), " ".join("%.2f" % c for c in cpu["hub"])) + "; bare: %s" % "; ".join(
+          "%s %.2f us" % (knob(k), statistics.median(cpu[k])) for k in bares))
 print("stalled: one subscriber stops reading: the others lost %.2f%% (target < 5%%), the "
       "stalled one got %d frames, %d gaps" % (100 * loss, hs["stalled_live"], hs["gaps"]))
 print("latency publish->client at 20 frames/s x %d: hub p50 %.2f ms p99 %.2f ms; bare p50 "

@@ -6,7 +6,9 @@
  *       live frames (token_text = "<publish ns>|" padded to BENCH_SIZE bytes), each encoded once
  *       and pushed to every stream, at BENCH_RATE frames/s (0 = as fast as the queues take
  *       them; a full queue is waited for, so nothing is lost). No hub logic. BENCH_THREADS:
- *       the server's completion-queue threads (libcommon's one knob). Prints port=N.
+ *       the server's completion-queue threads (libcommon's one knob). BENCH_BATCH (default
+ *       1): frames pushed in batches of that many, each batch's sends started together at its
+ *       last frame (rpc_stream_push_deferred, as the hub does with a burst). Prints port=N.
  *
  *   stream-hub-fanout client ADDR
  *       Opens BENCH_SUBS StreamNodeIO streams of run BENCH_RUN (token BENCH_TOKEN) over one
@@ -79,6 +81,7 @@ static void *producer(void *arg) {
     (void)arg;
     long frames = env_l("BENCH_FRAMES", 200), size = env_l("BENCH_SIZE", 256);
     double rate = (double)env_l("BENCH_RATE", 0);
+    long batch = env_l("BENCH_BATCH", 1);
     char *tok = malloc((size_t)size + 32);
     pthread_mutex_lock(&mu);
     while (n_calls < want_subs)
@@ -105,9 +108,15 @@ static void *producer(void *arg) {
         r.frame_case = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__FRAME_LIVE;
         r.live = &fr;
         rpc_frame *f = rpc_frame_encode(&r.base);
-        for (long c = 0; c < n_calls; c++)
-            while (rpc_stream_push(calls[c], f) == RPC_EFULL)
+        /* in a batch but its last frame: queued, the send starts with the batch's last frame */
+        int defer = batch > 1 && (i + 1) % batch != 0 && i + 1 < frames;
+        for (long c = 0; c < n_calls; c++) {
+            while ((defer ? rpc_stream_push_deferred(calls[c], f) : rpc_stream_push(calls[c], f)) ==
+                   RPC_EFULL) {
+                rpc_stream_kick(calls[c]); /* a queue full of deferred frames: start it */
                 sched_yield();
+            }
+        }
         rpc_frame_unref(f);
     }
     free(tok);

@@ -14,6 +14,16 @@
  *   Visible runs: held during the snapshot as for node I/O, de-duplicated per run by seq; a
  *   full queue drops and schedules a re-snapshot of the visible set (entries and exits).
  *
+ * Sharing writes (docs/stream-hub.md, "Bursts share writes")
+ *   A frame pushed to an idle stream starts its send at once, and that send is written on its
+ *   own: one frame to 1,000 idle streams was up to 1,000 write syscalls. While more messages
+ *   already wait on the topic's subscription, a message's frames are queued without starting
+ *   sends (rpc_stream_push_deferred); the message that ends the burst (none waiting, or
+ *   fanout_batch messages) starts them for every subscriber of the topic, those its own frame
+ *   skipped included (a node filter's), so every stream's queued frames go out together (each
+ *   but the last with the write-buffer hint) and no frame waits for a message that may never
+ *   come. A message that fans nothing out (undecodable, no frame) still ends the burst.
+ *
  * Locks: hub->mu (tables, lists) before topic->mu (a topic's subscribers and their state);
  * rpc_stream_push takes the call's own lock inside. wake_mu is a leaf. */
 #include <stdio.h>
@@ -41,6 +51,8 @@ typedef Upsquad__Workflow__V1__TranscriptEvent Transcript;
 enum { TK_RUN = 0, TK_IO = 1, TK_ORG = 2 };
 /* How long a subscriber fed from the store waits for a missing seq before skipping it. */
 #define HUB_HOLE_WAIT_MS 5000
+/* The longest a burst's deferred frames wait when its end never comes (maintenance pass). */
+#define HUB_BATCH_MAX_MS 100
 enum { SS_SNAP = 0, SS_REPAIR, SS_LIVE, SS_RESYNC, SS_DONE };
 
 static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -73,9 +85,12 @@ struct hub_topic {
     pthread_mutex_t mu;
     hub_sub *subs;
     size_t nsubs;
-    int64_t max_seq; /* TK_RUN: highest seq seen live */
-    seen *runs;      /* TK_ORG: highest seq seen live per run (a re-snapshot waits for the
-                        store to reach it); as many entries as runs the topic saw */
+    int64_t max_seq;     /* TK_RUN: highest seq seen live */
+    seen *runs;          /* TK_ORG: highest seq seen live per run (a re-snapshot waits for the
+                            store to reach it); as many entries as runs the topic saw */
+    int defer;           /* 1 while the callback holding mu queues without starting sends */
+    int batch;           /* messages of this burst whose sends wait for its end */
+    int64_t batch_since; /* ms: the burst's first deferred message (the maintenance bound) */
 };
 
 struct hub_sub {
@@ -218,9 +233,45 @@ static int pushed(hub_sub *s, int rc) {
     return rc;
 }
 
-/* One frame to one subscriber; topic->mu held. */
+/* One frame to one subscriber; topic->mu held. Inside a burst the send waits for the burst's
+ * end (batch_end). */
 static int push(hub_sub *s, rpc_frame *f) {
-    return pushed(s, rpc_stream_push(s->call, f));
+    return pushed(s,
+                  s->t->defer ? rpc_stream_push_deferred(s->call, f) : rpc_stream_push(s->call, f));
+}
+
+/* ---- bursts: sharing writes (see the top of the file) ---- */
+
+/* Starts the sends every subscriber's deferred frames wait for; topic->mu held. A stream with a
+ * send in flight (or nothing queued) is left as it is. */
+static void batch_kick(hub_topic *t) {
+    for (hub_sub *s = t->subs; s; s = s->next)
+        rpc_stream_kick(s->call);
+    t->batch = 0;
+}
+
+/* Before a message's pushes; topic->mu held. more: messages wait behind this one. */
+static void batch_begin(hub_topic *t, int more) {
+    t->defer = more && t->batch + 1 < t->h->fanout_batch;
+}
+
+/* After them: the burst goes on, or ends here and its sends start; topic->mu held. */
+static void batch_end(hub_topic *t) {
+    if (t->defer) {
+        t->defer = 0;
+        if (t->batch++ == 0) t->batch_since = now_ms();
+        metric_inc(t->h->m_deferred);
+    } else if (t->batch) {
+        batch_kick(t);
+    }
+}
+
+/* A message that fanned nothing out: it still ends the burst when it is the last one. */
+static void batch_skip(hub_topic *t, int more) {
+    if (more) return;
+    pthread_mutex_lock(&t->mu);
+    if (t->batch) batch_kick(t);
+    pthread_mutex_unlock(&t->mu);
 }
 
 /* The same from the maintenance thread feeding a subscriber from the store, without topic->mu:
@@ -380,7 +431,7 @@ static void on_run_msg(bus *b, natsMsg *m, void *ud) {
     size_t len = (size_t)natsMsg_GetDataLength(m);
     rpc_frame *fs = NULL, *fl = NULL;
     int64_t seq = 0;
-    int term = 0, term2 = 0;
+    int term = 0, term2 = 0, more = bus_cb_pending() > 0, fanned = 0;
     if (run_frame(data, len, HUB_RPC_STATUS, &seq, &term, &fs) != 0 ||
         run_frame(data, len, HUB_RPC_LOGS, &seq, &term2, &fl) != 0) {
         log_warn("hub.decode", "undecodable run event on %s", natsMsg_GetSubject(m));
@@ -389,9 +440,13 @@ static void on_run_msg(bus *b, natsMsg *m, void *ud) {
     if (seq <= 0) goto done;
     pthread_mutex_lock(&t->mu);
     if (seq > t->max_seq) t->max_seq = seq;
+    batch_begin(t, more);
     run_deliver(t, seq, fs != NULL, fl != NULL, fs, fl, term);
+    batch_end(t);
     pthread_mutex_unlock(&t->mu);
+    fanned = 1;
 done:
+    if (!fanned) batch_skip(t, more);
     rpc_frame_unref(fs);
     rpc_frame_unref(fl);
 }
@@ -438,10 +493,12 @@ static void on_io_msg(bus *b, natsMsg *m, void *ud) {
     (void)b;
     hub_topic *t = ud;
     rpc_frame *full = NULL, *lean = NULL;
+    int more = bus_cb_pending() > 0, fanned = 0;
     NodeIOEvent *ev = upsquad__internal__v1__node_ioevent__unpack(
         NULL, (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
     if (!ev) {
         log_warn("hub.decode", "undecodable node I/O event on %s", natsMsg_GetSubject(m));
+        batch_skip(t, more);
         return;
     }
     Upsquad__Workflow__V1__NodeIOFrame *fr = ev->frame;
@@ -459,6 +516,7 @@ static void on_io_msg(bus *b, natsMsg *m, void *ud) {
     }
     if (!full || !lean) goto done;
     pthread_mutex_lock(&t->mu);
+    batch_begin(t, more);
     for (hub_sub *s = t->subs; s; s = s->next) {
         if (s->node[0] && strcmp(s->node, fr->node_id) != 0) continue;
         rpc_frame *f = redact_full(s->clearance) ? full : lean;
@@ -467,8 +525,11 @@ static void on_io_msg(bus *b, natsMsg *m, void *ud) {
         else if (s->state == SS_LIVE)
             io_deliver(s, fr->session_id, fr->node_id, fr->seq, f);
     }
+    batch_end(t); /* the subscribers this frame skipped included */
     pthread_mutex_unlock(&t->mu);
+    fanned = 1;
 done:
+    if (!fanned) batch_skip(t, more);
     rpc_frame_unref(full);
     rpc_frame_unref(lean);
     upsquad__internal__v1__node_ioevent__free_unpacked(ev, NULL);
@@ -513,6 +574,7 @@ static void on_org_msg(bus *b, natsMsg *m, void *ud) {
     (void)b;
     hub_topic *t = ud;
     rpc_frame *f = NULL, *leave = NULL;
+    int more = bus_cb_pending() > 0, fanned = 0;
     RunEvent *ev = upsquad__internal__v1__run_event__unpack(NULL, (size_t)natsMsg_GetDataLength(m),
                                                             (const uint8_t *)natsMsg_GetData(m));
     if (!ev || !ev->scope) {
@@ -554,6 +616,7 @@ static void on_org_msg(bus *b, natsMsg *m, void *ud) {
     pthread_mutex_lock(&t->mu);
     seen *tr = seen_get(&t->runs, sc->run_id, 1);
     if (tr && ev->seq > tr->seq) tr->seq = ev->seq;
+    batch_begin(t, more);
     for (hub_sub *s = t->subs; s; s = s->next) {
         if (!sub_sees(s, sc->visibility, sc->team_id, sc->owner_id)) continue;
         int match = status[0] ? (s->status_mask & bit) != 0 : -1;
@@ -562,8 +625,11 @@ static void on_org_msg(bus *b, natsMsg *m, void *ud) {
         else if (s->state == SS_LIVE)
             vis_apply(s, sc->run_id, ev->seq, match, f, leave);
     }
+    batch_end(t);
     pthread_mutex_unlock(&t->mu);
+    fanned = 1;
 done:
+    if (!fanned) batch_skip(t, more);
     rpc_frame_unref(f);
     rpc_frame_unref(leave);
     if (ev) upsquad__internal__v1__run_event__free_unpacked(ev, NULL);
@@ -1129,6 +1195,9 @@ static void maint_pass(hub *h) {
     for (int b = 0; b < HUB_TOPIC_BUCKETS && work; b++) {
         for (hub_topic *t = h->topics[b]; t; t = t->next) {
             pthread_mutex_lock(&t->mu); /* hub -> topic: the lock order */
+            /* a burst whose end never came (its last messages left with the subscription):
+             * its deferred frames are sent now rather than wait for the next message */
+            if (t->batch && now - t->batch_since >= HUB_BATCH_MAX_MS) batch_kick(t);
             for (hub_sub *s = t->subs; s && n < cap; s = s->next) {
                 if (!sub_due(s, now)) continue;
                 s->refs++; /* under hub->mu */
@@ -1257,6 +1326,14 @@ void hub_fanout_init(hub *h) {
                                    "subscribers ended RESOURCE_EXHAUSTED by the stall limit", NULL);
     h->m_delivered =
         metrics_counter("stream_hub_frames_total", "frames queued to subscribers", NULL);
+    h->m_deferred = metrics_counter("stream_hub_fanout_deferred_total",
+                                    "messages whose frames were queued to wait for the end of "
+                                    "their burst (their sends started together)",
+                                    NULL);
+    /* a burst's deferred frames take room in every subscriber's queue: a quarter at most */
+    h->fanout_batch = (int)h->cfg->fanout_batch;
+    if ((size_t)h->fanout_batch > queue_cap() / 4) h->fanout_batch = (int)(queue_cap() / 4);
+    if (h->fanout_batch < 1) h->fanout_batch = 1;
     h->m_repairs = metrics_counter("stream_hub_repairs_total",
                                    "run subscribers fed from the store after a hole or a full "
                                    "queue",

@@ -60,6 +60,11 @@ static const cfg_var vars[] = {
     {"UPSQUAD_HUB_REPAIR_BATCH", CFG_INT, "128",
      "events read from the store per step when a subscriber is fed from it", &C.repair_batch, 1,
      4096},
+    {"UPSQUAD_HUB_FANOUT_BATCH", CFG_INT, "16",
+     "a burst (messages already waiting on a run's subscription): up to this many messages' "
+     "frames are queued to the subscribers before their sends start, so they share writes "
+     "(at most a quarter of UPSQUAD_RPC_STREAM_QUEUE; 1: every frame's sends start at once)",
+     &C.fanout_batch, 1, 1024},
 };
 
 const cfg_var *hub_config_vars(size_t *n) {

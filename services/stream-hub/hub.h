@@ -47,6 +47,7 @@ typedef struct hub_config {
     long long visible_max;
     long long delivery_threads;
     long long repair_batch;
+    long long fanout_batch;
 } hub_config;
 
 const cfg_var *hub_config_vars(size_t *n);
@@ -72,7 +73,8 @@ typedef struct hub {
     int wake;
 
     metric *m_subs[4], *m_topics, *m_queue, *m_queue_max, *m_gaps, *m_drops, *m_stalled;
-    metric *m_delivered, *m_repairs, *m_projected[4], *m_proj_errors;
+    metric *m_delivered, *m_repairs, *m_projected[4], *m_proj_errors, *m_deferred;
+    int fanout_batch; /* messages per burst batch: the config's, bounded by the stream queue */
 } hub;
 
 int hub_start(hub *h, const hub_config *cfg, char *err, size_t errlen);

@@ -703,6 +703,63 @@ class StreamHub(unittest.TestCase):
         self.assertEqual(e.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
         self.assertGreaterEqual(self.a.metric("stream_hub_gaps_total"), 1)
 
+    def test_a_burst_shares_writes_and_a_filtered_subscriber_gets_its_last_frame_promptly(self):
+        # A burst (messages waiting on the run's subscription) is queued to the subscribers
+        # before its sends start; the burst's last message starts them for every subscriber,
+        # those its own frame skipped too. A subscriber filtered to a node whose frames stop
+        # mid-burst must get its last frame at once, not keep it queued (or held in the
+        # transport behind a write-buffer hint) until a frame of its node that never comes.
+        org = uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        everything = [self.read(self.a, "StreamNodeIO", W.StreamNodeIORequest(run_id=run), org)
+                      for _ in range(40)]
+        coder = self.read(self.a, "StreamNodeIO",
+                          W.StreamNodeIORequest(run_id=run, node_id="coder"), org)
+        reviewer = self.read(self.a, "StreamNodeIO",
+                             W.StreamNodeIORequest(run_id=run, node_id="reviewer"), org)
+        readers = everything + [coder, reviewer]
+        for r in readers:
+            wait_until(lambda: any(m.snapshot_done for m in r.msgs), 10, "snapshot_done")
+        deferred0 = self.a.metric("stream_hub_fanout_deferred_total")
+
+        def live(r):
+            return [(m.live.session_id, m.live.seq) for m in r.msgs if m.HasField("live")]
+
+        def arrived(r, want, timeout, what):
+            try:
+                wait_until(lambda: len(live(r)) >= want, timeout, what)
+            except AssertionError:
+                print(len(live(r)), live(r)[-3:], file=sys.stderr)
+                raise
+            return time.time()
+
+        # bursts of 60 frames (within the subscribers' queues of QUEUE: no drops): every fifth
+        # frame is the coder's, its last one followed by 4 reviewer frames, and the next coder
+        # frame comes only after the coder subscriber got this one (or never, after the last)
+        n, bursts, took = 60, 5, []
+        for b in range(bursts):
+            self.pub("tokens", org=org, run=run, nodes=["coder"] + ["reviewer"] * 4,
+                     session="b%d" % b, count=n, size=256, rate=0)
+            sent = time.time()
+            took.append(arrived(coder, (b + 1) * n // 5, 5, "the coder's last frame") - sent)
+            arrived(reviewer, (b + 1) * (n - n // 5), 10, "the reviewer's frames")
+            for r in everything:
+                arrived(r, (b + 1) * n, 10, "every frame to an unfiltered subscriber")
+        for r in readers:
+            r.cancel()
+        self.assertEqual(live(coder), [("b%d-coder" % b, i) for b in range(bursts)
+                                       for i in range(1, n // 5 + 1)])
+        self.assertEqual(live(reviewer), [("b%d-reviewer" % b, i) for b in range(bursts)
+                                          for i in range(1, n - n // 5 + 1)])
+        for r in everything:
+            self.assertEqual(sorted(live(r)), sorted(live(coder) + live(reviewer)))
+            self.assertFalse(any(m.HasField("gap") for m in r.msgs))
+        # the case under test happened: frames of the bursts waited for their ends
+        self.assertGreater(self.a.metric("stream_hub_fanout_deferred_total"), deferred0)
+        print("burst to the node-filtered subscriber: last frame after %.0f ms at most"
+              % (1000 * max(took)), file=sys.stderr)
+
     def test_a_client_that_stops_reading_its_snapshot_is_ended_at_the_stall_limit(self):
         # The snapshot is sent from a stream worker: a client that stops reading it would hold
         # that worker (and its queued frames) until its deadline. The stall limit holds there

@@ -18,7 +18,9 @@
  *          WFIO stream captures it too)
  *   tokens {org, run, node, session, from, count, size, rate}  count token frames, each
  *          token_text = "<publish time in ns>|" padded to size bytes; rate frames/s (0 = as
- *          fast as possible). Answers "ok <seconds taken>".
+ *          fast as possible). Answers "ok <seconds taken>". "nodes": [names] instead of
+ *          node: frame i goes to nodes[i % n] (a name may repeat: its share), session
+ *          "<session>-<node>", seq from `from` counted per node (interleaved steps).
  *   flush {}                                                  waits for the server
  *   sleep {ms}
  * Run events carry Nats-Msg-Id "<run>:<seq>", as the engine's outbox relay does. */
@@ -194,15 +196,43 @@ done:
     return rc;
 }
 
+static const char *item_str(const cJSON *array, int i) {
+    const cJSON *v = cJSON_GetArrayItem(array, i);
+    return cJSON_IsString(v) ? v->valuestring : "";
+}
+
 /* Token frames at a steady rate, each stamped with its publish time (latency probes). */
 static int publish_tokens(cJSON *c, double *secs, char *err, size_t errlen) {
     long from = (long)num(c, "from", 1), count = (long)num(c, "count", 1);
     size_t size = (size_t)num(c, "size", 64);
     double rate = num(c, "rate", 0);
+    const cJSON *nodes = cJSON_GetObjectItemCaseSensitive(c, "nodes");
+    int nn = cJSON_IsArray(nodes) ? cJSON_GetArraySize(nodes) : 0;
+    char session[128];
+    snprintf(session, sizeof session, "%s", str(c, "session", ""));
+    long *sent = nn ? calloc((size_t)nn, sizeof *sent) : NULL; /* per node (first index) */
     char *tok = malloc(size + 32);
-    if (!tok) return -1;
+    if (!tok || (nn && !sent)) {
+        free(tok);
+        free(sent);
+        return -1;
+    }
     int64_t t0 = now_ns();
     for (long i = 0; i < count; i++) {
+        long seq = from + i;
+        if (nn) { /* this frame's node: its session, and its own count as the seq */
+            const char *name = item_str(nodes, (int)(i % nn));
+            int first = 0;
+            while (strcmp(item_str(nodes, first), name) != 0)
+                first++;
+            seq = from + sent[first]++;
+            char sess[300];
+            snprintf(sess, sizeof sess, "%s-%s", session, name);
+            cJSON_DeleteItemFromObjectCaseSensitive(c, "node");
+            cJSON_AddStringToObject(c, "node", name);
+            cJSON_DeleteItemFromObjectCaseSensitive(c, "session");
+            cJSON_AddStringToObject(c, "session", sess);
+        }
         if (rate > 0) {
             int64_t due = t0 + (int64_t)((double)i * 1e9 / rate);
             int64_t wait = due - now_ns();
@@ -216,15 +246,17 @@ static int publish_tokens(cJSON *c, double *secs, char *err, size_t errlen) {
             tok[k++] = 'x';
         tok[k] = 0;
         cJSON_DeleteItemFromObjectCaseSensitive(c, "seq");
-        cJSON_AddNumberToObject(c, "seq", (double)(from + i));
+        cJSON_AddNumberToObject(c, "seq", (double)seq);
         if (publish_io(c, tok, err, errlen)) {
             free(tok);
+            free(sent);
             return -1;
         }
     }
     bus_flush(B, 10000);
     *secs = (double)(now_ns() - t0) / 1e9;
     free(tok);
+    free(sent);
     return 0;
 }
 
