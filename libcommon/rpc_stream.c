@@ -16,6 +16,7 @@
 
 #include "log.h"
 #include "rpc_internal.h"
+#include "util.h"
 
 rpc_frame *rpc_frame_encode(const ProtobufCMessage *msg) {
     rpc_frame *f = malloc(sizeof *f);
@@ -48,12 +49,8 @@ int rpc__stream_init(rpc_call *c, int queue_cap) {
     c->q = calloc((size_t)queue_cap, sizeof *c->q);
     if (c->q == NULL) return -1;
     c->q_cap = (size_t)queue_cap;
-    pthread_condattr_t ca;
     pthread_mutex_init(&c->mu, NULL);
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* rpc_stream_push_wait's bound */
-    pthread_cond_init(&c->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    util_cond_init_monotonic(&c->cv); /* rpc_stream_push_wait's bound */
     c->is_stream = 1;
     return 0;
 }
@@ -194,12 +191,7 @@ static int push_locked(rpc_call *c, rpc_frame *f, int start) {
 int rpc_stream_push_wait(rpc_call *c, rpc_frame *f, int64_t wait_ms) {
     struct timespec until;
     int rc = RPC_OK;
-    if (wait_ms >= 0) {
-        clock_gettime(CLOCK_MONOTONIC, &until);
-        until.tv_sec += (time_t)(wait_ms / 1000);
-        until.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
-        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
-    }
+    if (wait_ms >= 0) util_deadline(&until, wait_ms);
     pthread_mutex_lock(&c->mu);
     while (!c->closed && !c->finishing && c->q_len == c->q_cap && rc == RPC_OK) {
         c->writer_waiting = 1;

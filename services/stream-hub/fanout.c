@@ -38,6 +38,7 @@
 #include "upsquad/internal/v1/node_io.pb-c.h"
 #include "upsquad/internal/v1/run_events.pb-c.h"
 #include "upsquad/workflow/v1/workflow.pb-c.h"
+#include "util.h"
 
 typedef Upsquad__Internal__V1__RunEvent RunEvent;
 typedef Upsquad__Internal__V1__NodeIOEvent NodeIOEvent;
@@ -1277,12 +1278,7 @@ void *hub_maint_main(void *arg) {
         pthread_mutex_lock(&wake_mu);
         if (!h->wake) {
             struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 50 * 1000000L;
-            if (ts.tv_nsec >= 1000000000L) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000L;
-            }
+            util_deadline(&ts, 50);
             pthread_cond_timedwait(&h->cv, &wake_mu, &ts);
         }
         h->wake = 0;

@@ -110,7 +110,7 @@ int hub_start(hub *h, const hub_config *cfg, char *err, size_t errlen) {
     memset(h, 0, sizeof *h);
     h->cfg = cfg;
     pthread_mutex_init(&h->mu, NULL);
-    pthread_cond_init(&h->cv, NULL);
+    util_cond_init_monotonic(&h->cv);
     hub_fanout_init(h);
     h->m_projected[0] = metrics_counter("stream_hub_projected_total",
                                         "events written to the projection", "kind=\"run\"");
