@@ -33,6 +33,7 @@
 
 #include "hub.h"
 #include "log.h"
+#include "pbjson.h"
 #include "redact.h"
 #include "store.h"
 #include "upsquad/internal/v1/node_io.pb-c.h"
@@ -298,10 +299,20 @@ static rpc_frame *gap_frame(const char *node, int64_t from, int64_t to) {
 
 /* ---- run status and logs ---- */
 
+/* spec NodeStatusUpdate.elapsed_ms is "time spent in `running` so far ...; for `blocked`
+ * nodes the time since the gate was hit": an event carries the value at its transition (`at`),
+ * so a snapshot row of a node still running or blocked adds the time since then. */
+static void elapsed_so_far(Upsquad__Workflow__V1__NodeStatusUpdate *u, int64_t now_ms) {
+    if (!u->at || (strcmp(u->status, "running") != 0 && strcmp(u->status, "blocked") != 0)) return;
+    int64_t since = now_ms - pbjson_ts_to_ms(u->at);
+    if (since > 0) u->elapsed_ms += since;
+}
+
 /* The frame a run event becomes for `rpc` (NULL when it is not that stream's kind) and
- * whether it ends the run. body: the RunEvent bytes. */
-static int run_frame(const uint8_t *body, size_t len, int rpc, int64_t *seq, int *terminal,
-                     rpc_frame **out) {
+ * whether it ends the run. body: the RunEvent bytes. now_ms: 0 for a live event; a snapshot
+ * row's read time, so a node's elapsed_ms is brought up to it (elapsed_so_far). */
+static int run_frame(const uint8_t *body, size_t len, int rpc, int64_t now_ms, int64_t *seq,
+                     int *terminal, rpc_frame **out) {
     *out = NULL;
     *terminal = 0;
     RunEvent *ev = upsquad__internal__v1__run_event__unpack(NULL, len, body);
@@ -312,6 +323,7 @@ static int run_frame(const uint8_t *body, size_t len, int rpc, int64_t *seq, int
         if (rpc == HUB_RPC_STATUS && ev->node->update) {
             StatusResp r = UPSQUAD__WORKFLOW__V1__STREAM_RUN_STATUS_RESPONSE__INIT;
             r.update = ev->node->update;
+            if (now_ms) elapsed_so_far(r.update, now_ms);
             r.run_seq = ev->seq; /* the resume point a client sends back (docs: resume) */
             *out = rpc_frame_encode(&r.base);
         }
@@ -366,7 +378,8 @@ static void catch_up(hub_sub *s) {
                          (long long)s->last_seq + 1, (long long)b.v[i].seq - 1);
             }
             s->hole_since = 0;
-            if (run_frame(b.v[i].body, b.v[i].len, s->rpc, &seq, &term, &f) != 0) continue;
+            /* the events themselves, as they were live (not a fold): their transition values */
+            if (run_frame(b.v[i].body, b.v[i].len, s->rpc, 0, &seq, &term, &f) != 0) continue;
             if (f) {
                 int rc = push_unlocked(s, f);
                 rpc_frame_unref(f);
@@ -433,8 +446,8 @@ static void on_run_msg(bus *b, natsMsg *m, void *ud) {
     rpc_frame *fs = NULL, *fl = NULL;
     int64_t seq = 0;
     int term = 0, term2 = 0, more = bus_cb_pending() > 0, fanned = 0;
-    if (run_frame(data, len, HUB_RPC_STATUS, &seq, &term, &fs) != 0 ||
-        run_frame(data, len, HUB_RPC_LOGS, &seq, &term2, &fl) != 0) {
+    if (run_frame(data, len, HUB_RPC_STATUS, 0, &seq, &term, &fs) != 0 ||
+        run_frame(data, len, HUB_RPC_LOGS, 0, &seq, &term2, &fl) != 0) {
         log_warn("hub.decode", "undecodable run event on %s", natsMsg_GetSubject(m));
         goto done;
     }
@@ -787,6 +800,11 @@ static int snapshot_run(hub_sub *s, int64_t *upto, int *terminal) {
         return -1;
     }
     *upto = 0;
+    /* the fold's read time on the wall clock (the events' `at` is): its running and blocked
+     * rows count up to it */
+    Google__Protobuf__Timestamp read_at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    pbjson_ts_now(&read_at);
+    int64_t now = pbjson_ts_to_ms(&read_at);
     /* terminal only when the snapshot covers the run's last event */
     for (size_t i = 0; i < b.n; i++)
         if (b.v[i].kind == 'u') *upto = b.v[i].seq;
@@ -796,7 +814,7 @@ static int snapshot_run(hub_sub *s, int64_t *upto, int *terminal) {
         if (b.v[i].kind == 'u') continue;
         int64_t seq;
         int term;
-        if (run_frame(b.v[i].body, b.v[i].len, s->rpc, &seq, &term, &f) != 0 || !f) continue;
+        if (run_frame(b.v[i].body, b.v[i].len, s->rpc, now, &seq, &term, &f) != 0 || !f) continue;
         int src = snap_stalled(s, rpc_stream_push_wait(s->call, f, h->cfg->stall_ms));
         rpc_frame_unref(f);
         if (src != 0) {

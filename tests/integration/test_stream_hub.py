@@ -307,7 +307,7 @@ class StreamHub(unittest.TestCase):
         for i in range(40):  # history: the fold keeps the newest per node
             seq += 1
             self.pub("node", org=org, run=run, seq=seq, node_id=nodes[i % 5], status="running",
-                     run_status="running", elapsed_ms=seq)
+                     run_status="running", cost_usd=seq)
         self.projected(run, seq)
         burst_end = seq + 300
 
@@ -317,7 +317,7 @@ class StreamHub(unittest.TestCase):
                     self.pub("log", org=org, run=run, seq=s, message="line %d" % s)
                 else:
                     self.pub("node", org=org, run=run, seq=s, node_id=nodes[s % 5],
-                             status="running", run_status="running", elapsed_ms=s)
+                             status="running", run_status="running", cost_usd=s)
         t = threading.Thread(target=burst)
         t.start()
         readers = []
@@ -329,14 +329,14 @@ class StreamHub(unittest.TestCase):
         t.join()
         end = burst_end + 1
         self.pub("node", org=org, run=run, seq=end, node_id=nodes[0], status="done",
-                 run_status="completed", elapsed_ms=end)
+                 run_status="completed", cost_usd=end)
         self.pub("run", org=org, run=run, seq=end + 1, status="completed", nodes_total=5,
                  nodes_done=5)
         node_seqs = {s for s in range(2, end + 1) if not (s > seq and s % 7 == 0)}
         for r in readers:
             r.join(20)
             self.assertEqual(r.code, grpc.StatusCode.OK, r.details)  # ended by the terminal status
-            got = [m.update.elapsed_ms for m in r.msgs]
+            got = [m.update.cost_usd for m in r.msgs]
             self.assertEqual(got, sorted(set(got)), "out of order or duplicated")
             self.assertEqual(got[-1], end)
             # the snapshot is the fold (one update per node, in seq order); after its newest
@@ -352,6 +352,33 @@ class StreamHub(unittest.TestCase):
         self.assertEqual(len(r.msgs), 5)  # one per node
         self.assertEqual({m.update.node_id for m in r.msgs}, set(nodes))
 
+    def test_status_snapshot_elapsed_is_so_far_for_running_and_blocked_nodes(self):
+        """spec NodeStatusUpdate.elapsed_ms: "time spent in `running` so far ...; for blocked
+        nodes the time since the gate was hit": a snapshot row of a node still running or
+        blocked counts up to the snapshot; a finished or queued node keeps its value, and a
+        live update is its transition's."""
+        org = uid()
+        run = self.new_run(org)
+        for seq, node, status, elapsed, ago in ((2, "gate", "blocked", 0, 5000),
+                                                (3, "work", "running", 1000, 3000),
+                                                (4, "over", "done", 700, 4000),
+                                                (5, "next", "queued", 0, 2000)):
+            self.pub("node", org=org, run=run, seq=seq, node_id=node, status=status,
+                     run_status="running", elapsed_ms=elapsed, at_ms_ago=ago)
+        self.projected(run, 5)
+        r = self.read(self.a, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
+        wait_until(lambda: len(r.msgs) >= 4, 10, "the snapshot")
+        got = {m.update.node_id: m.update.elapsed_ms for m in r.msgs[:4]}
+        self.assertGreaterEqual(got["gate"], 5000)
+        self.assertGreaterEqual(got["work"], 4000)
+        self.assertLess(got["gate"], 5000 + 30000)
+        self.assertEqual((got["over"], got["next"]), (700, 0))
+        self.pub("node", org=org, run=run, seq=6, node_id="work", status="running",
+                 run_status="running", elapsed_ms=10, at_ms_ago=3000)
+        wait_until(lambda: len(r.msgs) >= 5, 10, "the live update")
+        r.cancel()
+        self.assertEqual((r.msgs[4].update.node_id, r.msgs[4].update.elapsed_ms), ("work", 10))
+
     def test_events_projected_out_of_order_advance_the_snapshot_once_the_hole_is_filled(self):
         # The snapshot covers the seqs without a hole below them (the projector keeps where that
         # prefix ends). Seqs 5..8 are projected before 4: a subscriber meanwhile gets the fold up
@@ -362,22 +389,22 @@ class StreamHub(unittest.TestCase):
         nodes = ["a", "b", "c"]
         for s in (2, 3, 5, 6, 7, 8):
             self.pub("node", org=org, run=run, seq=s, node_id=nodes[s % 3], status="running",
-                     run_status="running", elapsed_ms=s)
+                     run_status="running", cost_usd=s)
         self.projected(run, 8)
         r = self.read(self.a, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
         wait_until(lambda: len(r.msgs) >= 2, 10, "the fold up to the hole")
         time.sleep(0.3)
-        self.assertEqual(sorted(m.update.elapsed_ms for m in r.msgs), [2, 3])
+        self.assertEqual(sorted(m.update.cost_usd for m in r.msgs), [2, 3])
         self.pub("node", org=org, run=run, seq=4, node_id=nodes[4 % 3], status="running",
-                 run_status="running", elapsed_ms=4)
+                 run_status="running", cost_usd=4)
         wait_until(lambda: len(r.msgs) >= 7, 10, "seq 4 and the events after it")
         r.cancel()
-        self.assertEqual([m.update.elapsed_ms for m in r.msgs[2:]], [4, 5, 6, 7, 8])
+        self.assertEqual([m.update.cost_usd for m in r.msgs[2:]], [4, 5, 6, 7, 8])
         r2 = self.read(self.b, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
         wait_until(lambda: len(r2.msgs) >= 3, 10, "the fold of every node")
         time.sleep(0.3)
         r2.cancel()
-        self.assertEqual(sorted(m.update.elapsed_ms for m in r2.msgs), [6, 7, 8])
+        self.assertEqual(sorted(m.update.cost_usd for m in r2.msgs), [6, 7, 8])
 
     def test_a_snapshot_of_a_long_run_costs_what_a_short_one_does(self):
         # Every subscriber pays for its snapshot on a stream worker and a Postgres connection:
@@ -469,7 +496,7 @@ class StreamHub(unittest.TestCase):
                     self.pub("log", org=org, run=run, seq=s, message="line %d" % s)
                 else:  # one node per event: the status snapshot (a fold) keeps them all
                     self.pub("node", org=org, run=run, seq=s, node_id="n%d" % s,
-                             status="running", run_status="running", elapsed_ms=s)
+                             status="running", run_status="running", cost_usd=s)
         publish(2, 30)  # history: the snapshots
         self.projected(run, 30)
         # C projects through durables of its own: messages it fetched and never acked must not
@@ -513,7 +540,7 @@ class StreamHub(unittest.TestCase):
         self.assertEqual(status, [s for s in range(2, 611) if s % 3], "status: lost or repeated")
         self.assertEqual(logs, [s for s in range(2, 611) if s % 3 == 0], "logs: lost or repeated")
         # the seq is the event's own: it agrees with the payload the publisher put in it
-        self.assertTrue(all(m.update.elapsed_ms == m.run_seq for m in st.msgs + st2.msgs))
+        self.assertTrue(all(m.update.cost_usd == m.run_seq for m in st.msgs + st2.msgs))
         self.assertTrue(all(m.line.message == "line %d" % m.run_seq for m in lg.msgs + lg2.msgs))
 
     # ---- node I/O: clearance floors, snapshot de-duplication ----

@@ -9,6 +9,7 @@
  *   run   {org, run, seq, status, nodes_total, nodes_done, workflow_id, workflow_name, team,
  *          visibility, owner, display_name}                   -> wf.status.<org>.<run> (JetStream)
  *   node  {... scope as run, seq, node_id, step, status, run_status, iteration, blocked_by,
+ *          elapsed_ms, cost_usd, at_ms_ago (the transition's `at` that long before now),
  *          raw_status, needs_input, needs_approval, prompt_id, is_waiting} -> wf.status (JS)
  *   log   {... scope, seq, node_id, level, message}           -> wf.log.<org>.<run> (JetStream)
  *         run, node and log take "repeat": N (N events, seq, seq+1, ...)
@@ -92,6 +93,10 @@ static int publish_run_event(const cJSON *c, const char *op, char *err, size_t e
         up.blocked_by = (char *)str(c, "blocked_by", "");
         up.iteration = (int)num(c, "iteration", 0);
         up.elapsed_ms = (int64_t)num(c, "elapsed_ms", 0);
+        up.cost_usd = num(c, "cost_usd", 0);
+        /* at_ms_ago: a transition that happened that long before it is published */
+        int64_t ago = (int64_t)num(c, "at_ms_ago", 0);
+        if (ago > 0) pbjson_ts_from_ms(&at, now_ns() / 1000000 - ago);
         up.at = &at;
         nt.update = &up;
         nt.step_name = (char *)str(c, "step", "");
