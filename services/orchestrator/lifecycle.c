@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <strings.h>
 #include <time.h>
 
@@ -471,6 +472,56 @@ static void send_error(rpc_call *call, const char *code, const char *message, in
     rpc_stream_send(call, &ae.base);
 }
 
+#define PARK_POLL_MS 250
+
+static void send_resumed(rpc_call *call, const orch *o, const char *org, const char *sid) {
+    Upsquad__Runtime__V1__SessionResumedEvent e = UPSQUAD__RUNTIME__V1__SESSION_RESUMED_EVENT__INIT;
+    Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    AgentEvent ae;
+    char err[256];
+    unsigned char *state = NULL;
+    size_t len = 0;
+    int loop = 0;
+    upsquad__runtime__v1__agent_event__init(&ae);
+    /* resumed_at_loop: what ResumeSession answered, the newest checkpoint's iteration */
+    if (orch_store_checkpoint_latest(o->pool, org, sid, &loop, &state, &len, err, sizeof err) !=
+        DB_OK)
+        loop = 0;
+    free(state);
+    pbjson_ts_now(&at);
+    e.resumed_at_loop = loop;
+    e.resumed_at = &at;
+    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_SESSION_RESUMED;
+    ae.session_resumed = &e;
+    rpc_stream_send(call, &ae.base);
+}
+
+/* spec SessionPausedEvent: "After this event the stream stays open with keepalive pings until
+ * a SessionResumedEvent or TerminateSession". The stream waits for the session to leave
+ * SUSPENDED, reading its row every PARK_POLL_MS (the resume may come to any replica):
+ * resumed -> SessionResumedEvent, then OK; terminated (or gone) -> OK. The transport's
+ * keepalive pings keep the connection up. A waiting stream holds a stream worker, so at most
+ * UPSQUAD_PAUSED_STREAMS wait per replica (beyond, the stream ends after the pause event), and
+ * the caller's deadline or cancellation ends the wait too. */
+static void park_stream(orch *o, rpc_call *call, const char *org, const char *sid) {
+    char err[256];
+    if (atomic_fetch_add(&o->parked, 1) >= o->cfg->paused_streams) goto done;
+    while (!rpc_cancelled(call) && rpc_deadline_ms(call) > PARK_POLL_MS) {
+        usleep(PARK_POLL_MS * 1000);
+        orch_session s;
+        int rc = orch_store_session_get(o->pool, org, sid, 0, &s, err, sizeof err);
+        if (rc == ORCH_ENOTFOUND) break;
+        if (rc != DB_OK) continue; /* the next look may find the database again */
+        int suspended = !strcmp(s.state, "suspended"), active = !strcmp(s.state, "active");
+        orch_session_clear(&s);
+        if (suspended) continue;
+        if (active) send_resumed(call, o, org, sid);
+        break;
+    }
+done:
+    atomic_fetch_sub(&o->parked, 1);
+}
+
 static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     orch *o = ud;
     const SendMessageRequest *rq = (const SendMessageRequest *)req;
@@ -608,9 +659,11 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     metric_add(o->m_out_tokens, (double)res.output_tokens);
     if (orch_store_turn_end(o->pool, id->org_id, sid, parent, &e, err, sizeof err) != DB_OK)
         log_error("store.turn_end", "session %s: %s", sid, err);
-    /* a pause asked for during the turn committed at its end: the stream says so last (it
-     * then ends; the caller resumes with ResumeSession and a new SendMessage) */
-    if (paused.committed && res.outcome != TURN_CANCELLED) orch_pause_send_event(call, &paused);
+    /* a pause asked for during the turn committed at its end: the stream says so, then waits
+     * for the resume (the caller then continues with a new SendMessage) */
+    if (paused.committed && res.outcome != TURN_CANCELLED &&
+        orch_pause_send_event(call, &paused) == RPC_OK)
+        park_stream(o, call, id->org_id, sid);
 done:
     orch_turn_result_clear(&res);
     if (snap) protobuf_c_message_free_unpacked(&snap->base, NULL);

@@ -78,6 +78,11 @@ static const cfg_var vars[] = {
      "a workflow agent step that finds no live worker is redelivered every 2 s; at this delivery "
      "it is reported failed (NO_WORKER, retryable) and the engine's retry policy decides",
      &C.no_worker_deliveries, 1, 1000},
+    {"UPSQUAD_PAUSED_STREAMS", CFG_INT, "16",
+     "SendMessage streams a replica keeps open on a paused session until it is resumed or "
+     "terminated (each holds a stream worker); beyond, the stream ends after its "
+     "SessionPausedEvent",
+     &C.paused_streams, 0, 1024},
 };
 
 const cfg_var *orch_config_vars(size_t *n) {

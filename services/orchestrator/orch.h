@@ -3,6 +3,7 @@
 #ifndef UPSQUAD_ORCH_H
 #define UPSQUAD_ORCH_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 
 #include "auth.h"
@@ -46,6 +47,7 @@ typedef struct orch_config {
     long long steps_concurrency;
     long long step_default_timeout_ms;
     long long no_worker_deliveries; /* a dispatch without a live worker: deliveries, then failed */
+    long long paused_streams;       /* SendMessage streams held open on a paused session */
     char *client_ca, *client_cert, *client_key; /* TLS/mTLS towards workers and model-registry */
 } orch_config;
 
@@ -65,6 +67,7 @@ typedef struct orch {
     orch_workers *workers;
     orch_steps *steps;
     char instance[128];
+    atomic_int parked; /* SendMessage streams waiting on a paused session (lifecycle.c) */
 
     metric *m_relayed, *m_dropped, *m_turns_ok, *m_turns_failed, *m_retries, *m_no_worker;
     metric *m_cost, *m_in_tokens, *m_out_tokens, *m_heartbeats, *m_checkpoints;

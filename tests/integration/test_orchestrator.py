@@ -131,7 +131,10 @@ class Orch(unittest.TestCase):
         env = {"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": DSN,
                "UPSQUAD_MIGRATIONS_DIR": MIGRATIONS, "UPSQUAD_REDIS_URL": REDIS,
                "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK, "UPSQUAD_WORKER_PROBE": "200ms",
-               "UPSQUAD_WORKER_TARGETS": cls.fake.addr + "," + cls.fake2.addr, "UPSQUAD_LOG_LEVEL": "info"}
+               "UPSQUAD_WORKER_TARGETS": cls.fake.addr + "," + cls.fake2.addr, "UPSQUAD_LOG_LEVEL": "info",
+               # a stream parked on a paused session ends at once (test_orchestrator_pause.py
+               # has the waiting ones)
+               "UPSQUAD_PAUSED_STREAMS": "0"}
         if MR_DSN:
             cls.mr = T.Server("model-registry", env={
                 "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": MR_DSN, "UPSQUAD_NATS_URL": "",

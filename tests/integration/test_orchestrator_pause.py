@@ -8,6 +8,7 @@ org for the cross-tenant checks. Processes are stopped by pid.
 """
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -65,7 +66,10 @@ class Pause(unittest.TestCase):
                                                  "UPSQUAD_ORCHESTRATOR_ADDR": cls.a.addr,
                                                  "UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL": "200ms"}))
         cls.procs.append(cls.w)
-        cls.b = drain(T.Server("orchestrator", env=dict(base, UPSQUAD_WORKER_TARGETS=cls.w.addr)))
+        # B ends a stream after its SessionPausedEvent (UPSQUAD_PAUSED_STREAMS=0), so these tests
+        # read whole streams; test_paused_stream_waits_for_the_resume starts one that waits
+        cls.base = dict(base, UPSQUAD_WORKER_TARGETS=cls.w.addr)
+        cls.b = drain(T.Server("orchestrator", env=dict(cls.base, UPSQUAD_PAUSED_STREAMS="0")))
         cls.procs.append(cls.b)
         cls.cha = grpc.insecure_channel(cls.a.addr)
         cls.ch = grpc.insecure_channel(cls.b.addr)
@@ -297,6 +301,56 @@ class Pause(unittest.TestCase):
         self.assertEqual(c, grpc.StatusCode.FAILED_PRECONDITION)
 
     # ---- a pause while a turn runs ----
+    def test_paused_stream_waits_for_the_resume(self):
+        """spec SessionPausedEvent: "After this event the stream stays open ... until a
+        SessionResumedEvent or TerminateSession": the turn's stream, after session_paused,
+        waits; ResumeSession (on another replica) ends it with session_resumed, a
+        termination ends it without."""
+        c = drain(T.Server("orchestrator", env=self.base))  # UPSQUAD_PAUSED_STREAMS default
+        ch = grpc.insecure_channel(c.addr)
+        try:
+            fn = ch.unary_stream(LC + "SendMessage", request_serializer=L.SendMessageRequest.SerializeToString,
+                                 response_deserializer=L.AgentEvent.FromString)
+            steps = [{"token": "first"}, {"sleep_ms": 800}, {"complete": "done"}]
+            for end in ("resume", "terminate"):
+                sid = self.create()
+                deadline = time.time() + 10
+                while True:  # C sees the worker live after its first probe
+                    try:
+                        stream = fn(L.SendMessageRequest(session_id=sid, message=script(steps)),
+                                    metadata=[("authorization", "Bearer " + self.tok())], timeout=30)
+                        first = next(stream)
+                        break
+                    except grpc.RpcError:
+                        if time.time() > deadline:
+                            raise
+                        time.sleep(0.2)
+                self.assertEqual(first.token.text, "first")
+                r = self.pause(sid, timeout=20, reason="wait")
+                self.assertEqual(r.status, SUSPENDED)
+                events = []
+                while not events or events[-1].WhichOneof("event") != "session_paused":
+                    events.append(next(stream))
+                got = queue.Queue()
+                threading.Thread(target=lambda: [got.put(e) for e in stream] + [got.put(None)],
+                                 daemon=True).start()
+                time.sleep(1.0)
+                self.assertTrue(got.empty(), "the stream ended (or sent more) while the session was paused")
+                if end == "resume":
+                    rr = self.resume(sid, resume_reason="go on")
+                    e = got.get(timeout=10)
+                    self.assertEqual(e.WhichOneof("event"), "session_resumed")
+                    self.assertEqual(e.session_resumed.resumed_at_loop, rr.resumed_at_loop)
+                    self.assertFalse(e.session_resumed.resumed_by_approval)
+                    self.assertTrue(e.session_resumed.HasField("resumed_at"))
+                else:
+                    self.unary("TerminateSession", L.TerminateLifecycleSessionRequest(session_id=sid),
+                               L.TerminateLifecycleSessionResponse)
+                self.assertIsNone(got.get(timeout=10))  # then the stream ends OK
+        finally:
+            ch.close()
+            c.stop()
+
     def test_pause_in_flight(self):
         sid = self.create()
         steps = [{"status": "THINKING"}, {"token": "first"},
