@@ -93,6 +93,7 @@ struct hub_topic {
     int defer;           /* 1 while the callback holding mu queues without starting sends */
     int batch;           /* messages of this burst whose sends wait for its end */
     int64_t batch_since; /* ms: the burst's first deferred message (the maintenance bound) */
+    int64_t last_us;     /* the previous message's arrival (burst_more; delivery thread only) */
 };
 
 struct hub_sub {
@@ -128,6 +129,12 @@ static int64_t now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int64_t now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
 static void wake(hub *h) {
@@ -250,6 +257,29 @@ static void batch_kick(hub_topic *t) {
     for (hub_sub *s = t->subs; s; s = s->next)
         rpc_stream_kick(s->call);
     t->batch = 0;
+}
+
+#define HUB_LINGER_WINDOW_US 1000 /* messages closer than this come as one stream */
+#define HUB_LINGER_US 300         /* how long a message of such a stream waits for the next */
+
+/* Whether messages wait behind this one on the topic's subscription (the burst goes on). A
+ * message that finds none while the topic's messages come back to back (the previous one came
+ * less than HUB_LINGER_WINDOW_US ago) looks again for up to HUB_LINGER_US: with a publisher a
+ * little slower than the fan-out, every message would otherwise end its own burst and start a
+ * write per subscriber (the slow mode, docs/benchmarks.md). An isolated message (paced
+ * frames) waits for nothing. Called by the subscription's callback before it takes the topic
+ * lock: a subscription's messages are delivered one at a time, so last_us has one writer. */
+static int burst_more(hub_topic *t) {
+    int64_t now = now_us(), prev = t->last_us;
+    t->last_us = now;
+    if (bus_cb_pending() > 0) return 1;
+    if (!prev || now - prev > HUB_LINGER_WINDOW_US) return 0;
+    const struct timespec nap = {0, 20000};
+    while (now_us() - now < HUB_LINGER_US) {
+        nanosleep(&nap, NULL);
+        if (bus_cb_pending() > 0) return 1;
+    }
+    return 0;
 }
 
 /* Before a message's pushes; topic->mu held. more: messages wait behind this one. */
@@ -445,7 +475,7 @@ static void on_run_msg(bus *b, natsMsg *m, void *ud) {
     size_t len = (size_t)natsMsg_GetDataLength(m);
     rpc_frame *fs = NULL, *fl = NULL;
     int64_t seq = 0;
-    int term = 0, term2 = 0, more = bus_cb_pending() > 0, fanned = 0;
+    int term = 0, term2 = 0, more = burst_more(t), fanned = 0;
     if (run_frame(data, len, HUB_RPC_STATUS, 0, &seq, &term, &fs) != 0 ||
         run_frame(data, len, HUB_RPC_LOGS, 0, &seq, &term2, &fl) != 0) {
         log_warn("hub.decode", "undecodable run event on %s", natsMsg_GetSubject(m));
@@ -507,7 +537,7 @@ static void on_io_msg(bus *b, natsMsg *m, void *ud) {
     (void)b;
     hub_topic *t = ud;
     rpc_frame *full = NULL, *lean = NULL;
-    int more = bus_cb_pending() > 0, fanned = 0;
+    int more = burst_more(t), fanned = 0;
     NodeIOEvent *ev = upsquad__internal__v1__node_ioevent__unpack(
         NULL, (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
     if (!ev) {
@@ -588,7 +618,7 @@ static void on_org_msg(bus *b, natsMsg *m, void *ud) {
     (void)b;
     hub_topic *t = ud;
     rpc_frame *f = NULL, *leave = NULL;
-    int more = bus_cb_pending() > 0, fanned = 0;
+    int more = burst_more(t), fanned = 0;
     RunEvent *ev = upsquad__internal__v1__run_event__unpack(NULL, (size_t)natsMsg_GetDataLength(m),
                                                             (const uint8_t *)natsMsg_GetData(m));
     if (!ev || !ev->scope) {
