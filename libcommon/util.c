@@ -170,3 +170,13 @@ void util_deadline(struct timespec *ts, int64_t ms) {
         ts->tv_nsec -= 1000000000L;
     }
 }
+
+int64_t util_mono_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+int64_t util_mono_ms(void) {
+    return util_mono_us() / 1000;
+}

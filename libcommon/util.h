@@ -50,4 +50,9 @@ uint64_t util_fnv1a(uint64_t h, const void *p, size_t n);
 int util_cond_init_monotonic(pthread_cond_t *cv);
 void util_deadline(struct timespec *ts, int64_t ms);
 
+/* Now on CLOCK_MONOTONIC, in milliseconds / microseconds: for measuring and bounding time spent
+ * (never a wall-clock time). */
+int64_t util_mono_ms(void);
+int64_t util_mono_us(void);
+
 #endif

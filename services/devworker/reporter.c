@@ -53,12 +53,6 @@ typedef struct reporter {
     int refused;            /* last non-transient Heartbeat status (0 = acknowledged) */
 } reporter;
 
-static int64_t mono_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* The advertised address and worker id, once the server has its port. */
 static int resolve_identity(dw_worker *w) {
     const dw_config *c = w->cfg;
@@ -106,7 +100,7 @@ static char *mint(reporter *r, const char *org) {
 }
 
 static const char *hb_token(reporter *r) {
-    int64_t now = mono_ms();
+    int64_t now = util_mono_ms();
     if (r->hb_token == NULL || now >= r->hb_token_renew) {
         char *t = mint(r, NULL);
         if (t == NULL) return NULL;
@@ -319,7 +313,7 @@ static int send_checkpoint(reporter *r, dw_ckpt *c, char *why, size_t whylen) {
 static void wait_until(dw_worker *w, int64_t deadline, int want_queue) {
     pthread_mutex_lock(&w->mu);
     while (!w->stop && !(want_queue && w->ckq_len > 0)) {
-        int64_t left = deadline - mono_ms();
+        int64_t left = deadline - util_mono_ms();
         if (left <= 0) break;
         struct timespec ts;
         util_deadline(&ts, left);
@@ -341,23 +335,23 @@ void *dw_reporter_main(void *arg) {
     char why[512];
     log_set_trace("devworker-reporter");
     while (resolve_identity(w) != 0 && !stopping(w))
-        wait_until(w, mono_ms() + 20, 0);
+        wait_until(w, util_mono_ms() + 20, 0);
     if (w->orch == NULL) { /* nothing to report to: idle until stopped */
         wait_until(w, INT64_MAX, 0);
         return NULL;
     }
     log_info("reporter.start", "worker %s at %s heartbeats to %s every %lld ms", w->id, w->addr,
              w->cfg->orchestrator_addr, w->cfg->heartbeat_ms);
-    r.next_hb = mono_ms();
+    r.next_hb = util_mono_ms();
     while (!stopping(w)) {
-        if (mono_ms() >= r.next_hb) {
+        if (util_mono_ms() >= r.next_hb) {
             if (heartbeat_round(&r, why, sizeof why) == 0) {
                 set_state(&r, 1, NULL);
                 r.backoff = BACKOFF_MIN_MS;
-                r.next_hb = mono_ms() + w->cfg->heartbeat_ms;
+                r.next_hb = util_mono_ms() + w->cfg->heartbeat_ms;
             } else {
                 set_state(&r, 0, why);
-                r.next_hb = mono_ms() + r.backoff;
+                r.next_hb = util_mono_ms() + r.backoff;
                 r.backoff =
                     r.backoff * 2 > w->cfg->backoff_max_ms ? w->cfg->backoff_max_ms : r.backoff * 2;
             }
@@ -366,7 +360,7 @@ void *dw_reporter_main(void *arg) {
         while (r.state == 1 && !stopping(w) && take_head(w, &c)) {
             if (send_checkpoint(&r, &c, why, sizeof why) != 0) {
                 set_state(&r, 0, why);
-                r.next_hb = mono_ms() + r.backoff;
+                r.next_hb = util_mono_ms() + r.backoff;
                 break;
             }
         }

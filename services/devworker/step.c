@@ -15,6 +15,7 @@
 #include "pbjson.h"
 #include "price.h"
 #include "script.h"
+#include "util.h"
 
 typedef Upsquad__Runtime__V1__ExecuteStepRequest StepRequest;
 typedef Upsquad__Runtime__V1__TokenEvent TokenEvent;
@@ -54,12 +55,6 @@ typedef struct run {
     long long runs;        /* steps of this message on this worker, this one included */
 } run;
 
-static int64_t now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 static int check(run *r) {
     if (atomic_load(&r->ref.terminated)) return RUN_TERMINATED;
     if (rpc_cancelled(r->call)) return RUN_GONE;
@@ -68,11 +63,11 @@ static int check(run *r) {
 
 /* Waits ms, looking at cancellation every WAIT_SLICE_MS; ms < 0 waits until cancelled. */
 static int wait_ms(run *r, long long ms) {
-    int64_t end = ms < 0 ? INT64_MAX : now_ms() + ms;
+    int64_t end = ms < 0 ? INT64_MAX : util_mono_ms() + ms;
     for (;;) {
         int rc = check(r);
         if (rc) return rc;
-        int64_t left = end - now_ms();
+        int64_t left = end - util_mono_ms();
         if (left <= 0) return RUN_OK;
         struct timespec ts = {0, (left < WAIT_SLICE_MS ? left : WAIT_SLICE_MS) * 1000000L};
         nanosleep(&ts, NULL);
@@ -252,7 +247,7 @@ static int send_completion(run *r, CompletionEvent *c, unsigned flags) {
     if (r->dirty && (rc = end_iteration(r, NULL, 0)) != RUN_OK) return rc;
     if ((flags & DW_F_USAGE) && !(c->token_usage = usage(r))) return RUN_GONE;
     if (flags & DW_F_ITERATIONS) c->loop_iterations = r->iterations > 0 ? r->iterations : 1;
-    if (flags & DW_F_DURATION) c->duration_ms = (int32_t)(now_ms() - r->start_ms);
+    if (flags & DW_F_DURATION) c->duration_ms = (int32_t)(util_mono_ms() - r->start_ms);
     ev.event_case = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_COMPLETION;
     ev.completion = c;
     rc = send_event(r, &ev);
@@ -606,7 +601,7 @@ int dw_step_run(dw_worker *w, rpc_call *call, const StepRequest *rq) {
                rq->user_message[0];
     r.message = (rq->step_goal && rq->step_goal[0] && !plan) ? rq->step_goal : rq->user_message;
     r.tenant = rq->tenant_id ? rq->tenant_id : "";
-    r.start_ms = now_ms();
+    r.start_ms = util_mono_ms();
     ids_sha256_hex(r.message, strlen(r.message), r.message_sha);
     r.runs = dw_message_run(w, r.message_sha);
     if (rq->snapshot && rq->snapshot->model_id && rq->snapshot->model_id[0])

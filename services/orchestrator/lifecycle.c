@@ -285,18 +285,12 @@ typedef struct chat {
 
 #define PAUSE_LOOK_MS 250
 
-static int64_t mono_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
-
 /* spec StatusEvent.pending_pause: a pause was requested and the session finishes its current
  * step before it becomes SUSPENDED */
 static int tell_pending_pause(chat *c) {
     char err[256];
     int pending = 0;
-    int64_t now = mono_ms();
+    int64_t now = util_mono_ms();
     if (c->pause_told || now < c->pause_look_ms) return RPC_OK;
     c->pause_look_ms = now + PAUSE_LOOK_MS;
     if (orch_store_pause_pending(c->o->pool, c->org, c->sid, &pending, err, sizeof err) != DB_OK ||
@@ -605,7 +599,7 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
               .agent = s.agent_id,
               .parent = parent,
               .status = 1, /* THINKING: orch_store_turn_begin */
-              .pause_look_ms = mono_ms() + PAUSE_LOOK_MS};
+              .pause_look_ms = util_mono_ms() + PAUSE_LOOK_MS};
     orch_sink sink = {chat_event, chat_cancelled, &c};
     orch_turn_run(o, ereq, timeout, &sink, &res);
     orch_request_wipe(ereq);

@@ -87,8 +87,7 @@ static int pause_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
     const char *reason = rq->reason[0] ? rq->reason : "paused by the operator";
     int waited = 0, counted = 0;
     int64_t bound = o->cfg->step_timeout_ms + 5000; /* a turn never outlives its step timeout */
-    struct timespec t0;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int64_t t0 = util_mono_ms();
     for (;;) {
         rc = orch_store_pause(o->pool, id->org_id, rq->session_id, reason, source,
                               rq->correlation_id, &outcome, &pz, state, err, sizeof err);
@@ -134,9 +133,7 @@ static int pause_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
             }
             counted = 1;
         }
-        struct timespec now;
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        int64_t spent = (now.tv_sec - t0.tv_sec) * 1000 + (now.tv_nsec - t0.tv_nsec) / 1000000;
+        int64_t spent = util_mono_ms() - t0;
         if (rpc_cancelled(call)) {
             rc = rpc_error(call, RPC_CANCELLED, "cancelled (the pause stays recorded)");
             break;
@@ -243,13 +240,12 @@ static int get_provenance_chain(rpc_call *call, const ProtobufCMessage *req, Pro
     char err[512], sid[37], parent[37], anchor[37];
     /* boundary[i]: links[i] is the oldest link of its session; 1: a crossing into its parent
      * verified, -1: its anchor failed */
-    static _Thread_local signed char boundary[CHAIN_MAX];
+    signed char boundary[CHAIN_MAX] = {0};
     int rc, anchor_failed = 0;
     if ((rc = rpc_tenant(call, 0, &id)) ||
         (rc = orch_uuid_field(call, "session_id", rq->session_id, 1)) ||
         (rc = orch_uuid_field(call, "action_id", rq->action_id, 1)))
         return rc;
-    memset(boundary, 0, sizeof boundary);
     orch_audit_link *links = calloc(CHAIN_MAX, sizeof *links);
     if (!links) return rpc_error(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
     size_t n = 0, got = 0;

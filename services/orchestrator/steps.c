@@ -32,6 +32,7 @@
 #include "subjects.h"
 #include "upsquad/internal/v1/agent_step.pb-c.h"
 #include "upsquad/internal/v1/node_io.pb-c.h"
+#include "util.h"
 
 typedef Upsquad__Internal__V1__AgentStepDispatch Dispatch;
 typedef Upsquad__Internal__V1__AgentStepResult StepResult;
@@ -66,12 +67,6 @@ struct orch_steps {
     char recent[RECENT_CANCELS][65];
     size_t recent_next;
 };
-
-static int64_t now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* ---- the tee ---- */
 
@@ -192,7 +187,7 @@ static int tee_event(void *ud, const ExecuteStepEvent *ev) {
         size_t n = strlen(x);
         if (t->blen + n > sizeof t->buf - 1) flush_locked(t);
         if (n > sizeof t->buf - 1) n = sizeof t->buf - 1;
-        if (t->blen == 0) t->first_ms = now_ms();
+        if (t->blen == 0) t->first_ms = util_mono_ms();
         memcpy(t->buf + t->blen, x, n);
         t->blen += n;
         if (t->blen >= COALESCE_BYTES) flush_locked(t);
@@ -277,7 +272,7 @@ static void hand_back(bus_pull *p) {
  * keeps the dispatch from being redelivered while the step runs. */
 static int tee_poll(void *ud) {
     tee *t = ud;
-    int64_t now = now_ms();
+    int64_t now = util_mono_ms();
     pthread_mutex_lock(&t->mu);
     if (t->blen && now - t->first_ms >= COALESCE_MS) flush_locked(t);
     if (now - t->last_progress >= IN_PROGRESS_MS) {
@@ -523,7 +518,7 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
              .d = d,
              .session_id = sid,
              .msg = msg,
-             .last_progress = now_ms(),
+             .last_progress = util_mono_ms(),
              .cancelled = &sl->cancelled,
              .pull = sl->pull};
     pthread_mutex_init(&t.mu, NULL);

@@ -26,6 +26,8 @@ static int64_t to_ms(const char *ms) {
     if (rc != DB_OK) return rc;                                                                    \
     PGconn *c = db_tx_conn(tx)
 
+/* Every transaction ends here: committed on DB_OK, else rolled back (a not-found, a refused
+ * state or a replay changes nothing) with rc passed up. */
 static int tx_end(db_tx *tx, int rc, char *err, size_t errlen) {
     if (rc == DB_OK) return db_tx_commit(tx, err, errlen);
     db_tx_rollback(tx);
@@ -137,10 +139,6 @@ static int agent_one(db_pool *p, const char *org, const char *where, const char 
         }
     }
     PQclear(r);
-    if (rc == ORCH_ENOTFOUND) {
-        db_tx_rollback(tx);
-        return rc;
-    }
     return tx_end(tx, rc, err, errlen);
 }
 
@@ -338,10 +336,6 @@ int orch_store_session_get(db_pool *p, const char *org, const char *session_id, 
         }
     }
     PQclear(r);
-    if (rc == ORCH_ENOTFOUND) {
-        db_tx_rollback(tx);
-        return rc;
-    }
     return tx_end(tx, rc, err, errlen);
 }
 
@@ -411,9 +405,32 @@ static int terminal(const char *state) {
     return !strcmp(state, "terminated") || !strcmp(state, "error") || !strcmp(state, "crashed");
 }
 
+/* s as a JSON string literal (heap, caller frees; NULL out of memory), at most max bytes of it,
+ * cut on a character boundary: audit details are jsonb, which refuses a split UTF-8 sequence. */
+static char *json_str(const char *s, size_t max) {
+    char *out = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&out, &len);
+    if (!f) return NULL;
+    fputc('"', f);
+    s = s ? s : "";
+    size_t n = util_utf8_cut(s, max);
+    for (const unsigned char *q = (const unsigned char *)s; q < (const unsigned char *)s + n; q++) {
+        if (*q == '"' || *q == '\\')
+            fprintf(f, "\\%c", *q);
+        else if (*q < 0x20)
+            fprintf(f, "\\u%04x", *q);
+        else
+            fputc(*q, f);
+    }
+    fputc('"', f);
+    fclose(f);
+    return out;
+}
+
 /* Ends one live session inside the caller's transaction (the row already locked): state
  * 'terminated', ended_at, a settled AgentStatus, and the session_terminated audit row with the
- * reason (JSON-escaped, at most 1024 bytes). TerminateSession and the tree cascade share it. */
+ * reason (json_str, at most 1024 bytes). TerminateSession and the tree cascade share it. */
 static int session_end_tx(PGconn *c, const char *session_id, const char *agent, const char *reason,
                           char *err, size_t errlen) {
     int rc = db_exec(c,
@@ -422,24 +439,14 @@ static int session_end_tx(PGconn *c, const char *session_id, const char *agent, 
                      "                     ELSE agent_status END"
                      " WHERE session_id = $1::uuid",
                      1, &session_id, NULL, err, errlen);
-    char *detail = NULL;
-    size_t dl = 0;
-    FILE *f = open_memstream(&detail, &dl);
-    if (!f) return rc == DB_OK ? DB_ENOMEM : rc;
-    fputs("{\"reason\":\"", f);
-    for (const char *s = reason ? reason : ""; *s && s - reason < 1024; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\')
-            fprintf(f, "\\%c", ch);
-        else if (ch < 0x20)
-            fprintf(f, "\\u%04x", ch);
-        else
-            fputc(ch, f);
+    char *why = json_str(reason, 1024), *detail = NULL;
+    if (rc == DB_OK && (!why || asprintf(&detail, "{\"reason\":%s}", why) < 0)) {
+        detail = NULL;
+        rc = DB_ENOMEM;
     }
-    fputs("\"}", f);
-    fclose(f);
     if (rc == DB_OK)
         rc = audit_tx(c, session_id, "session_terminated", agent, NULL, detail, NULL, err, errlen);
+    free(why);
     free(detail);
     return rc;
 }
@@ -465,10 +472,6 @@ int orch_store_session_terminate(db_pool *p, const char *org, const char *sessio
         }
     }
     PQclear(r);
-    if (rc == ORCH_ENOTFOUND) {
-        db_tx_rollback(tx);
-        return rc;
-    }
     return tx_end(tx, rc, err, errlen);
 }
 
@@ -574,31 +577,7 @@ int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, c
         *turns = NULL;
         *n = 0;
     }
-    if (rc == ORCH_ENOTFOUND || rc == ORCH_ESTATE) {
-        db_tx_rollback(tx);
-        return rc;
-    }
     return tx_end(tx, rc, err, errlen);
-}
-
-static char *json_str(const char *s, size_t max) {
-    char *out = NULL;
-    size_t len = 0;
-    FILE *f = open_memstream(&out, &len);
-    if (!f) return NULL;
-    fputc('"', f);
-    size_t i = 0;
-    for (const unsigned char *q = (const unsigned char *)(s ? s : ""); *q && i < max; q++, i++) {
-        if (*q == '"' || *q == '\\')
-            fprintf(f, "\\%c", *q);
-        else if (*q < 0x20)
-            fprintf(f, "\\u%04x", *q);
-        else
-            fputc(*q, f);
-    }
-    fputc('"', f);
-    fclose(f);
-    return out;
 }
 
 static int pause_commit_tx(PGconn *c, const char *session_id, const char *agent, const char *parent,
@@ -756,10 +735,6 @@ static int org_of(db_pool *p, const char *only_org, const char *session_id, char
     if (rc == DB_OK) copy(org, 37, PQgetvalue(r, 0, 0));
     if (rc == DB_OK && only_org && strcasecmp(org, only_org) != 0) rc = ORCH_ENOTFOUND;
     PQclear(r);
-    if (rc == ORCH_ENOTFOUND) {
-        db_tx_rollback(tx);
-        return rc;
-    }
     return tx_end(tx, rc, err, errlen);
 }
 
@@ -776,10 +751,6 @@ int orch_store_heartbeat(db_pool *p, const char *only_org, const char *session_i
                  1, &session_id, &r, err, errlen);
     if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
     PQclear(r);
-    if (rc == ORCH_ENOTFOUND) {
-        db_tx_rollback(tx);
-        return rc;
-    }
     return tx_end(tx, rc, err, errlen);
 }
 
@@ -834,10 +805,6 @@ int orch_store_checkpoint(db_pool *p, const char *only_org, const char *session_
                          " WHERE session_id = $1::uuid",
                          2, (const char *[]){session_id, iter}, NULL, err, errlen);
     }
-    if (rc == ORCH_EREPLAY || rc == ORCH_ECONFLICT) {
-        db_tx_rollback(tx);
-        return rc;
-    }
     return tx_end(tx, rc, err, errlen);
 }
 
@@ -865,10 +832,6 @@ int orch_store_checkpoint_latest(db_pool *p, const char *org, const char *sessio
             memcpy(*state, PQgetvalue(r, 0, 1), *len);
     }
     PQclear(r);
-    if (rc == ORCH_ENOTFOUND) {
-        db_tx_rollback(tx);
-        return rc;
-    }
     return tx_end(tx, rc, err, errlen);
 }
 
@@ -1006,11 +969,6 @@ int orch_store_pause(db_pool *p, const char *org, const char *session_id, const 
                          4, v, NULL, err, errlen);
         }
     }
-    if (rc == ORCH_ENOTFOUND || rc == ORCH_ESTATE ||
-        (rc == DB_OK && *outcome == ORCH_PAUSE_ALREADY)) {
-        db_tx_rollback(tx);
-        return rc;
-    }
     return tx_end(tx, rc, err, errlen);
 }
 
@@ -1094,10 +1052,6 @@ int orch_store_resume(db_pool *p, const char *org, const char *session_id, const
             rc = audit_tx(c, session_id, "session_resumed", agent, NULL, detail, NULL, err, errlen);
         free(why);
         free(detail);
-    }
-    if (rc == ORCH_ENOTFOUND || rc == ORCH_ESTATE) {
-        db_tx_rollback(tx);
-        return rc;
     }
     return tx_end(tx, rc, err, errlen);
 }
@@ -1209,10 +1163,6 @@ int orch_store_step_claim(db_pool *p, const char *org, const char *key, const ch
         }
     }
     PQclear(r);
-    if (rc == ORCH_EREPLAY) {
-        db_tx_rollback(tx);
-        return rc;
-    }
     return tx_end(tx, rc, err, errlen);
 }
 
@@ -1263,15 +1213,6 @@ static void link_row(PGresult *r, int i, int col, orch_link *l) {
     copy(l->error_code, sizeof l->error_code, PQgetvalue(r, i, col + 11));
 }
 
-/* Reads-only transactions end here: ENOTFOUND rolls back quietly, anything else commits. */
-static int tx_end_read(db_tx *tx, int rc, char *err, size_t errlen) {
-    if (rc == ORCH_ENOTFOUND || rc == ORCH_ESTATE) {
-        db_tx_rollback(tx);
-        return rc;
-    }
-    return tx_end(tx, rc, err, errlen);
-}
-
 int orch_store_parent_get(db_pool *p, const char *org, const char *session_id, int *is_root,
                           orch_link *parent, char *err, size_t errlen) {
     PGresult *r = NULL;
@@ -1298,7 +1239,7 @@ int orch_store_parent_get(db_pool *p, const char *org, const char *session_id, i
         }
     }
     PQclear(r);
-    return tx_end_read(tx, rc, err, errlen);
+    return tx_end(tx, rc, err, errlen);
 }
 
 int orch_store_children(db_pool *p, const char *org, const char *parent_id, int64_t after_us,
@@ -1345,7 +1286,7 @@ int orch_store_children(db_pool *p, const char *org, const char *parent_id, int6
         *n = out ? (size_t)m : 0;
     }
     PQclear(r);
-    return tx_end_read(tx, rc, err, errlen);
+    return tx_end(tx, rc, err, errlen);
 }
 
 /* One statement: a recursive walk, one level per step, that reads at most fanout + 1 children
@@ -1410,7 +1351,7 @@ int orch_store_tree(db_pool *p, const char *org, const char *session_id, int max
         *n = out ? (size_t)m : 0;
     }
     PQclear(r);
-    return tx_end_read(tx, rc, err, errlen);
+    return tx_end(tx, rc, err, errlen);
 }
 
 /* The subtree (cycle-safe: UNION drops a session met again; the walk stops once it has found
@@ -1496,5 +1437,5 @@ done:
     free(e);
     PQclear(b);
     PQclear(r);
-    return tx_end_read(tx, rc, err, errlen);
+    return tx_end(tx, rc, err, errlen);
 }

@@ -125,18 +125,6 @@ struct hub_sub {
     int pending_overflow;
 };
 
-static int64_t now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static int64_t now_us(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
-
 static void wake(hub *h) {
     pthread_mutex_lock(&wake_mu);
     h->wake = 1;
@@ -225,7 +213,7 @@ static void pending_add(hub_sub *s, rpc_frame *f, rpc_frame *f_leave, int64_t se
 /* ---- pushing ---- */
 
 static void stalled(hub_sub *s) {
-    if (!s->stalled_since) s->stalled_since = now_ms();
+    if (!s->stalled_since) s->stalled_since = util_mono_ms();
 }
 
 /* The outcome of one push, counted; topic->mu held (it guards the subscriber's state). */
@@ -270,12 +258,12 @@ static void batch_kick(hub_topic *t) {
  * frames) waits for nothing. Called by the subscription's callback before it takes the topic
  * lock: a subscription's messages are delivered one at a time, so last_us has one writer. */
 static int burst_more(hub_topic *t) {
-    int64_t now = now_us(), prev = t->last_us;
+    int64_t now = util_mono_us(), prev = t->last_us;
     t->last_us = now;
     if (bus_cb_pending() > 0) return 1;
     if (!prev || now - prev > HUB_LINGER_WINDOW_US) return 0;
     const struct timespec nap = {0, 20000};
-    while (now_us() - now < HUB_LINGER_US) {
+    while (util_mono_us() - now < HUB_LINGER_US) {
         nanosleep(&nap, NULL);
         if (bus_cb_pending() > 0) return 1;
     }
@@ -291,7 +279,7 @@ static void batch_begin(hub_topic *t, int more) {
 static void batch_end(hub_topic *t) {
     if (t->defer) {
         t->defer = 0;
-        if (t->batch++ == 0) t->batch_since = now_ms();
+        if (t->batch++ == 0) t->batch_since = util_mono_ms();
         metric_inc(t->h->m_deferred);
     } else if (t->batch) {
         batch_kick(t);
@@ -398,7 +386,7 @@ static void catch_up(hub_sub *s) {
             if (b.v[i].seq > s->last_seq + 1 && s->last_seq > 0) {
                 /* a hole: the missing event is still being projected by another replica;
                  * wait for it, but not forever (an event lost upstream must not stall us) */
-                int64_t now = now_ms();
+                int64_t now = util_mono_ms();
                 if (!s->hole_since) s->hole_since = now;
                 if (now - s->hole_since < HUB_HOLE_WAIT_MS) {
                     hs_blobs_free(&b);
@@ -433,7 +421,7 @@ static void catch_up(hub_sub *s) {
     pthread_mutex_lock(&s->t->mu);
     if (s->state == SS_REPAIR && s->t->max_seq <= s->last_seq) {
         s->state = SS_LIVE;
-        if (!s->recheck_at) s->recheck_at = now_ms() + 1000;
+        if (!s->recheck_at) s->recheck_at = util_mono_ms() + 1000;
     }
     pthread_mutex_unlock(&s->t->mu);
 }
@@ -1237,7 +1225,7 @@ static int sub_due(const hub_sub *s, int64_t now) {
 static void maint_pass(hub *h) {
     size_t n = 0, cap = 0, qcap = queue_cap();
     hub_sub **work = NULL;
-    int64_t now = now_ms();
+    int64_t now = util_mono_ms();
     pthread_mutex_lock(&h->mu);
     cap = h->n_subs;
     work = cap ? calloc(cap, sizeof *work) : NULL;
@@ -1333,7 +1321,7 @@ void *hub_maint_main(void *arg) {
         pthread_mutex_unlock(&wake_mu);
         if (h->stopping) break;
         maint_pass(h);
-        int64_t now = now_ms();
+        int64_t now = util_mono_ms();
         if (now - last_sample >= 1000) {
             sample_queues(h);
             last_sample = now;

@@ -195,22 +195,16 @@ done:
     return sent;
 }
 
-static int64_t mono_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 void *wf_relay_thread(void *arg) {
     wf_engine *e = arg;
     while (!e->stop) {
-        int64_t began = mono_ms();
+        int64_t began = util_mono_ms();
         /* a full batch published: more rows may be waiting; anything less (drained, or a
          * failure) waits for the linger and a kick, so a failing NATS is not hammered */
         if (relay_round(e) >= (int)e->cfg->relay_batch) continue;
         /* the linger: kicks meanwhile only set the flag (no wake-up), the next round takes
          * their rows */
-        long long left = e->cfg->relay_linger_ms - (mono_ms() - began);
+        long long left = e->cfg->relay_linger_ms - (util_mono_ms() - began);
         if (left > 0) {
             struct timespec d = {left / 1000, (left % 1000) * 1000000L};
             while (nanosleep(&d, &d) != 0 && errno == EINTR) {

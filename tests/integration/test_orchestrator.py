@@ -460,6 +460,16 @@ class Orch(unittest.TestCase):
         evs = self.fake_turn([tok, {"error": {"code": "E", "message": "m"}}, {"completion": {"finalResponse": "x"}}])
         self.assertEqual([e.WhichOneof("event") for e in evs], ["token", "error"])
 
+    def test_a_long_error_message_cut_inside_a_character_still_ends_the_turn(self):
+        """The audit row of a failed turn keeps at most 512 bytes of the worker's message, cut
+        on a character boundary: a split UTF-8 sequence would make the jsonb detail (and with
+        it the turn's end) fail, leaving the session THINKING."""
+        sid = self.create().session_id
+        msg = "a" * 511 + "\u00e9" * 10  # the 512-byte cut falls inside the first "é"
+        evs = self.fake_turn([{"error": {"code": "E", "message": msg}}], sid=sid)
+        self.assertEqual([e.WhichOneof("event") for e in evs], ["error"])
+        self.assertEqual(self.get(sid).status, 4)  # AGENT_STATUS_ERROR: the turn's end was stored
+
     def test_status_follows_the_worker(self):
         """GetSession.status is "the current session status": a StatusEvent the worker relays
         mid-turn is what GetSession reports until the turn ends (COMPLETE)."""

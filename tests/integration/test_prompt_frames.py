@@ -60,9 +60,9 @@ class Reader(threading.Thread):
 
     def __init__(self, ch, req, token):
         super().__init__(daemon=True)
-        stub = ch.unary_stream(SVC + "StreamNodeIO", request_serializer=W.StreamNodeIORequest.SerializeToString,
+        rpc = ch.unary_stream(SVC + "StreamNodeIO", request_serializer=W.StreamNodeIORequest.SerializeToString,
                                response_deserializer=W.StreamNodeIOResponse.FromString)
-        self.call = stub(req, metadata=[("authorization", "Bearer " + token)], timeout=60)
+        self.call = rpc(req, metadata=[("authorization", "Bearer " + token)], timeout=60)
         self.msgs = []
         self.code = None
         self.start()
@@ -88,9 +88,9 @@ class Reader(threading.Thread):
 class VisReader(Reader):
     """One StreamVisibleRuns stream (every status) read into a list."""
 
-    def __init__(self, stub, token):
+    def __init__(self, rpc, token):
         threading.Thread.__init__(self, daemon=True)
-        self.call = stub(W.StreamVisibleRunsRequest(), metadata=[("authorization", "Bearer " + token)],
+        self.call = rpc(W.StreamVisibleRunsRequest(), metadata=[("authorization", "Bearer " + token)],
                          timeout=60)
         self.msgs = []
         self.code = None
@@ -275,10 +275,10 @@ class PromptFrames(unittest.TestCase):
         run = self.start({"g": {"type": "approval_gate", "required_clearance": 1, "summary": "ship?", "on_approve": "q"},
                           "q": {"type": "question", "prompt": "risk?", "required_clearance": 1,
                                 "options": [{"key": "go", "label": "Go"}]}}, "g")
-        stub = self.hub_ch.unary_stream(SVC + "StreamVisibleRuns",
+        rpc = self.hub_ch.unary_stream(SVC + "StreamVisibleRuns",
                                         request_serializer=W.StreamVisibleRunsRequest.SerializeToString,
                                         response_deserializer=W.VisibleRunEvent.FromString)
-        live = VisReader(stub, self.tok(1))
+        live = VisReader(rpc, self.tok(1))
         wait_until(lambda: any(m.snapshot_done for m in live.msgs), 15, "snapshot_done")
         g = self.parked(run, "g")
         self.wf("ApproveAction", W.ApproveActionRequest(action_id=g.id))
@@ -296,7 +296,7 @@ class PromptFrames(unittest.TestCase):
         self.assertEqual((d.prompt_id, d.needs_approval, d.is_snapshot), (q.approval_id, True, False))
         end = time.time() + 10
         while True:     # the hub projects from the bus asynchronously
-            snap = VisReader(stub, self.tok(1))
+            snap = VisReader(rpc, self.tok(1))
             wait_until(lambda: any(m.snapshot_done for m in snap.msgs), 15, "snapshot_done")
             snap.cancel()
             rows = parked_on(snap.msgs, W.RUN_PROMPT_KIND_QUESTION_GATE)

@@ -90,9 +90,9 @@ class Publisher:
 class Reader(threading.Thread):
     """Reads one server stream into a list; records the final status code."""
 
-    def __init__(self, stub, req, md, pause_after_first=0.0):
+    def __init__(self, rpc, req, md, pause_after_first=0.0):
         super().__init__(daemon=True)
-        self.call = stub(req, metadata=md, timeout=60)
+        self.call = rpc(req, metadata=md, timeout=60)
         self.msgs = []
         self.code = None
         self.details = ""
@@ -162,7 +162,7 @@ class StreamHub(unittest.TestCase):
             ch = self.channels[srv.addr] = grpc.insecure_channel(srv.addr)
         return ch
 
-    def stub(self, srv, method):
+    def rpc(self, srv, method):
         req, resp = METHODS[method]
         return self.channel(srv).unary_stream(SVC + method, request_serializer=req.SerializeToString,
                                               response_deserializer=resp.FromString)
@@ -174,7 +174,7 @@ class StreamHub(unittest.TestCase):
         return (("authorization", "Bearer " + self.token(org, **kw)),) + tuple(extra)
 
     def read(self, srv, method, req, org, extra=(), **kw):
-        return Reader(self.stub(srv, method), req, self.md(org, extra, **kw))
+        return Reader(self.rpc(srv, method), req, self.md(org, extra, **kw))
 
     def transcript(self, srv, org, run, node, clearance=5, sub=None):
         call = self.channel(srv).unary_unary(
@@ -235,7 +235,7 @@ class StreamHub(unittest.TestCase):
             self.assertIn("run_id", bad_id.details)
             self.assertFailsFirst(self.read(self.a, method, type(req)(), org),
                                   grpc.StatusCode.INVALID_ARGUMENT)
-            r = Reader(self.stub(self.a, method), req, ())
+            r = Reader(self.rpc(self.a, method), req, ())
             self.assertFailsFirst(r, grpc.StatusCode.UNAUTHENTICATED)
         self.assertFailsFirst(self.read(self.a, "StreamVisibleRuns", W.StreamVisibleRunsRequest(),
                                         "not-a-tenant"), grpc.StatusCode.UNAUTHENTICATED)
@@ -440,11 +440,11 @@ class StreamHub(unittest.TestCase):
                        15, "the run's last events in the projection")
             return run
 
-        stub = self.stub(self.a, "StreamRunStatus")
+        rpc = self.rpc(self.a, "StreamRunStatus")
 
         def serve(run):
             t0 = time.time()
-            msgs = list(stub(W.StreamRunStatusRequest(run_id=run), metadata=self.md(org),
+            msgs = list(rpc(W.StreamRunStatusRequest(run_id=run), metadata=self.md(org),
                              timeout=30))
             self.assertEqual(len(msgs), 5)  # the fold, then OK: the run has ended
             return time.time() - t0
@@ -677,11 +677,11 @@ class StreamHub(unittest.TestCase):
         small = grpc.insecure_channel(self.a.addr, options=[("grpc.http2.bdp_probe", 0),
                                                             ("grpc.use_local_subchannel_pool", 1)])
         self.channels["small"] = small
-        stub = small.unary_stream(SVC + "StreamNodeIO",
+        rpc = small.unary_stream(SVC + "StreamNodeIO",
                                   request_serializer=W.StreamNodeIORequest.SerializeToString,
                                   response_deserializer=W.StreamNodeIOResponse.FromString)
-        slow = Reader(stub, req, self.md(org), pause_after_first=1.0)
-        dead = stub(req, metadata=self.md(org), timeout=60)
+        slow = Reader(rpc, req, self.md(org), pause_after_first=1.0)
+        dead = rpc(req, metadata=self.md(org), timeout=60)
         wait_until(lambda: any(m.snapshot_done for m in fast.msgs) and slow.msgs, 10,
                    "snapshot_done")
         n = 800
@@ -798,11 +798,11 @@ class StreamHub(unittest.TestCase):
         small = grpc.insecure_channel(self.a.addr, options=[("grpc.http2.bdp_probe", 0),
                                                             ("grpc.use_local_subchannel_pool", 1)])
         self.channels["small-snapshot"] = small
-        stub = small.unary_stream(SVC + "StreamRunLogs",
+        rpc = small.unary_stream(SVC + "StreamRunLogs",
                                   request_serializer=W.StreamRunLogsRequest.SerializeToString,
                                   response_deserializer=W.StreamRunLogsResponse.FromString)
         stalled0 = self.a.metric("stream_hub_stalled_total")
-        dead = stub(W.StreamRunLogsRequest(run_id=run), metadata=self.md(org), timeout=60)
+        dead = rpc(W.StreamRunLogsRequest(run_id=run), metadata=self.md(org), timeout=60)
         wait_until(lambda: self.a.metric("stream_hub_stalled_total") > stalled0,
                    STALL_MS / 1000 + 10, "the client stalled in its snapshot to be ended")
         with self.assertRaises(grpc.RpcError) as e:
@@ -1010,11 +1010,11 @@ class StreamHub(unittest.TestCase):
         small = grpc.insecure_channel(self.b.addr, options=[("grpc.http2.bdp_probe", 0),
                                                             ("grpc.use_local_subchannel_pool", 1)])
         self.channels["small-b"] = small
-        stub = small.unary_stream(SVC + "StreamVisibleRuns",
+        rpc = small.unary_stream(SVC + "StreamVisibleRuns",
                                   request_serializer=W.StreamVisibleRunsRequest.SerializeToString,
                                   response_deserializer=W.VisibleRunEvent.FromString)
         gaps0 = self.b.metric("stream_hub_gaps_total")
-        r = Reader(stub, W.StreamVisibleRunsRequest(status_filter=1),
+        r = Reader(rpc, W.StreamVisibleRunsRequest(status_filter=1),
                    self.md(org, teams=(team,), sub=me), pause_after_first=1.2)
         wait_until(lambda: r.msgs, 10, "the first snapshot row")
         # far more than its queue and HTTP/2 window hold, while it does not read

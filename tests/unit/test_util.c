@@ -170,12 +170,24 @@ static void test_timed_wait_monotonic(void **state) {
     pthread_cond_destroy(&cv);
 }
 
+/* util_mono_ms / util_mono_us never go back and agree with each other. */
+static void test_mono_clock(void **state) {
+    (void)state;
+    int64_t us0 = util_mono_us(), ms0 = util_mono_ms();
+    usleep(20000);
+    int64_t us1 = util_mono_us(), ms1 = util_mono_ms();
+    assert_true(us1 - us0 >= 19000 && us1 - us0 < 5000000);
+    assert_true(ms1 - ms0 >= 19 && ms1 - ms0 < 5000);
+    assert_true(ms0 >= us0 / 1000 && ms0 - us0 / 1000 < 1000);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_json_object_end), cmocka_unit_test(test_utf8_check),
         cmocka_unit_test(test_utf8_cut),        cmocka_unit_test(test_errf_cuts_on_a_boundary),
         cmocka_unit_test(test_read_file),       cmocka_unit_test(test_sha256),
         cmocka_unit_test(test_fnv1a),           cmocka_unit_test(test_timed_wait_monotonic),
+        cmocka_unit_test(test_mono_clock),
     };
     return cmocka_run_group_tests_name("util", tests, NULL, NULL);
 }

@@ -91,12 +91,6 @@ struct dt_provider {
     int stopping;
 };
 
-static int64_t now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* Sleeps up to ms; returns 1 early when the provider stops. */
 static int nap(dt_provider *p, long long ms) {
     struct timespec dl;
@@ -148,7 +142,7 @@ static void reply_error(dt_provider *p, const char *reply, const char *code, con
     r.error_code = (char *)code;
     r.error_message = (char *)msg;
     r.retryable = retryable;
-    r.duration_ms = (int32_t)(now_ms() - t0);
+    r.duration_ms = (int32_t)(util_mono_ms() - t0);
     publish_resp(p, reply, &r);
 }
 
@@ -429,7 +423,7 @@ static void execute(dt_provider *p, dt_job *j) {
         reply_error(p, j->reply, "provider_error", err[0] ? err : "out of memory", 1, j->t0_ms);
         return;
     }
-    r.duration_ms = (int32_t)(now_ms() - j->t0_ms);
+    r.duration_ms = (int32_t)(util_mono_ms() - j->t0_ms);
     size_t n = upsquad__internal__v1__tool_invoke_response__get_packed_size(&r);
     uint8_t *buf = malloc(n ? n : 1);
     if (buf) upsquad__internal__v1__tool_invoke_response__pack(&r, buf);
@@ -462,7 +456,7 @@ static void execute(dt_provider *p, dt_job *j) {
 static int await_key(dt_provider *p, dt_job *j) {
     int32_t to = j->req->timeout_ms;
     int64_t wait_ms = to > 0 ? (int64_t)to * 8 / 10 : DT_WAIT_DEFAULT_MS;
-    int64_t left = j->t0_ms + wait_ms - now_ms();
+    int64_t left = j->t0_ms + wait_ms - util_mono_ms();
     struct timespec dl;
     util_deadline(&dl, left);
     pthread_mutex_lock(&p->mu);
@@ -534,7 +528,7 @@ static void on_invoke(bus *b, natsMsg *m, void *ud) {
         free(j);
         return;
     }
-    j->t0_ms = now_ms();
+    j->t0_ms = util_mono_ms();
     int a = decode(p, sc->t, m, j) != 0 ? ADMIT_DONE : admit(p, j, 1);
     if (a == ADMIT_WAIT) {
         j->waiting = 1; /* waits on a worker, never on this subscription's thread */
