@@ -76,56 +76,76 @@ static void drop_queue_locked(rpc_call *c) {
     }
 }
 
-/* Starts the next batch if none is in flight: the next frame (with the status too when it is
- * the last one and the stream is finishing), or the status alone. */
-static void pump_locked(rpc_call *c) {
+/* The next batch of a stream, chosen under c->mu and started after it is released: the C
+ * core's start_batch can write to the socket, and a producer pushing to the same stream would
+ * otherwise sleep on c->mu for that long (a futex wait and wake per frame on the relay paths).
+ * Order needs no lock: send_inflight is set with the choice, so no other batch can start until
+ * this one's completion. */
+typedef struct send_batch {
     grpc_op ops[3];
-    size_t n = 0;
-    rpc__tag *tag = &c->t_send;
-    if (c->send_inflight || c->end_started || c->closed) return;
-    if (c->q_len == 0 && !c->finishing) return;
-    memset(ops, 0, sizeof ops);
-    if (!c->md_sent) ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+    size_t n;
+    rpc__tag *tag;
+} send_batch;
+
+/* Picks the next batch if none is in flight: the next frame (with the status too when it is
+ * the last one and the stream is finishing), or the status alone. Returns 1 when *b is to be
+ * started with pump_start (the call holds a reference for it). */
+static int pump_locked(rpc_call *c, send_batch *b) {
+    b->n = 0;
+    b->tag = &c->t_send;
+    if (c->send_inflight || c->end_started || c->closed) return 0;
+    if (c->q_len == 0 && !c->finishing) return 0;
+    memset(b->ops, 0, sizeof b->ops);
+    if (!c->md_sent) b->ops[b->n++].op = GRPC_OP_SEND_INITIAL_METADATA;
     if (c->q_len > 0) {
         rpc_frame *f = c->q[c->q_head];
         c->q_head = (c->q_head + 1) % c->q_cap;
         c->q_len--;
         c->inflight = grpc_raw_byte_buffer_create(&f->slice, 1);
         rpc_frame_unref(f);
-        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        b->ops[b->n].op = GRPC_OP_SEND_MESSAGE;
         /* more frames wait behind this one: let the transport hold its bytes for the next
          * write (one write syscall for several messages, each still its own message); the
          * last frame of a run goes without the hint and flushes them all */
-        if (c->q_len > 0) ops[n].flags = GRPC_WRITE_BUFFER_HINT;
-        ops[n++].data.send_message.send_message = c->inflight;
+        if (c->q_len > 0) b->ops[b->n].flags = GRPC_WRITE_BUFFER_HINT;
+        b->ops[b->n++].data.send_message.send_message = c->inflight;
     }
     if (c->q_len == 0 && c->finishing) {
-        rpc__prepare_status(c, &ops[n++]);
+        rpc__prepare_status(c, &b->ops[b->n++]);
         c->end_started = 1;
-        tag = &c->t_end;
+        b->tag = &c->t_end;
     }
     c->md_sent = 1;
     c->send_inflight = 1;
     rpc__call_ref(c);
-    grpc_call *gc = c->call;
-    RPC__TSAN_RELEASE(tag);
-    grpc_call_error e = grpc_call_start_batch(gc, ops, n, tag, NULL);
-    if (e != GRPC_CALL_OK) {
-        log_error("rpc.stream", "stream batch refused: %d", (int)e);
-        /* no STREAM_END will come, and the close completion leaves a call whose status batch
-         * was started to it: count the call here, once */
-        if (tag == &c->t_end) rpc__account(c);
-        c->send_inflight = 0;
-        c->closed = 1;
-        drop_queue_locked(c);
-        pthread_cond_broadcast(&c->cv);
-        atomic_fetch_sub(&c->refs, 1); /* the caller holds another reference */
-    }
+    return 1;
+}
+
+/* Without c->mu. The caller holds a reference of its own across the call. */
+static void pump_start(rpc_call *c, send_batch *b) {
+    RPC__TSAN_RELEASE(b->tag);
+    grpc_call_error e = grpc_call_start_batch(c->call, b->ops, b->n, b->tag, NULL);
+    if (e == GRPC_CALL_OK) return;
+    log_error("rpc.stream", "stream batch refused: %d", (int)e);
+    pthread_mutex_lock(&c->mu);
+    /* no STREAM_END will come, and the close completion leaves a call whose status batch
+     * was started to it: count the call here, once */
+    if (b->tag == &c->t_end) rpc__account(c);
+    if (c->inflight) grpc_byte_buffer_destroy(c->inflight);
+    c->inflight = NULL;
+    c->send_inflight = 0;
+    c->closed = 1;
+    drop_queue_locked(c);
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    atomic_fetch_sub(&c->refs, 1); /* the batch's; the caller holds another reference */
 }
 
 void rpc__stream_on_send(rpc_call *c, int ok) {
+    send_batch b;
+    int go = 0;
     pthread_mutex_lock(&c->mu);
-    grpc_byte_buffer_destroy(c->inflight);
+    grpc_byte_buffer *done = c->inflight;
     c->inflight = NULL;
     c->send_inflight = 0;
     if (!ok) { /* the client is gone; the CLOSE completion will tell the rest */
@@ -133,12 +153,14 @@ void rpc__stream_on_send(rpc_call *c, int ok) {
         drop_queue_locked(c);
         pthread_cond_broadcast(&c->cv);
     } else {
-        pump_locked(c);
+        go = pump_locked(c, &b);
         /* wake a blocked writer only once the queue has half drained: fewer wake-ups */
         if (c->writer_waiting && c->q_len <= c->q_cap / 2) pthread_cond_signal(&c->cv);
     }
     pthread_mutex_unlock(&c->mu);
-    rpc_call_unref(c);
+    grpc_byte_buffer_destroy(done);
+    if (go) pump_start(c, &b);
+    rpc_call_unref(c); /* the finished batch's reference */
 }
 
 void rpc__stream_on_end(rpc_call *c) {
@@ -180,17 +202,17 @@ void rpc__stream_on_close(rpc_call *c) {
 /* start 0 (rpc_stream_push_deferred): an idle stream stays idle until rpc_stream_kick (or the
  * next push that starts), so that frames queued together start together; a stream with a send
  * in flight takes the frame on that send's completion either way. */
-static int push_locked(rpc_call *c, rpc_frame *f, int start) {
+static int push_locked(rpc_call *c, rpc_frame *f, int start, send_batch *b) {
     assert(c->q_len < c->q_cap && "stream queue bound"); /* callers wait or refuse first */
     c->q[(c->q_head + c->q_len) % c->q_cap] = f;
     c->q_len++;
-    if (start) pump_locked(c);
-    return RPC_OK;
+    return start ? pump_locked(c, b) : 0;
 }
 
 int rpc_stream_push_wait(rpc_call *c, rpc_frame *f, int64_t wait_ms) {
     struct timespec until;
-    int rc = RPC_OK;
+    send_batch b;
+    int rc = RPC_OK, go = 0;
     if (wait_ms >= 0) util_deadline(&until, wait_ms);
     pthread_mutex_lock(&c->mu);
     while (!c->closed && !c->finishing && c->q_len == c->q_cap && rc == RPC_OK) {
@@ -203,9 +225,10 @@ int rpc_stream_push_wait(rpc_call *c, rpc_frame *f, int64_t wait_ms) {
     c->writer_waiting = 0;
     if (c->closed || c->finishing)
         rc = RPC_ECLOSED;
-    else if (rc == RPC_OK)
-        rc = push_locked(c, rpc_frame_ref(f), 1); /* the queue holds its own reference */
+    else if (rc == RPC_OK) /* the queue holds its own reference */
+        go = push_locked(c, rpc_frame_ref(f), 1, &b);
     pthread_mutex_unlock(&c->mu);
+    if (go) pump_start(c, &b); /* the caller's reference covers the call */
     return rc;
 }
 
@@ -223,15 +246,17 @@ int rpc_stream_send(rpc_call *c, const ProtobufCMessage *msg) {
 }
 
 static int push_nowait(rpc_call *c, rpc_frame *f, int start) {
-    int rc;
+    send_batch b;
+    int rc = RPC_OK, go = 0;
     pthread_mutex_lock(&c->mu);
     if (c->closed || c->finishing)
         rc = RPC_ECLOSED;
     else if (c->q_len == c->q_cap)
         rc = RPC_EFULL;
     else
-        rc = push_locked(c, rpc_frame_ref(f), start);
+        go = push_locked(c, rpc_frame_ref(f), start, &b);
     pthread_mutex_unlock(&c->mu);
+    if (go) pump_start(c, &b);
     return rc;
 }
 
@@ -244,9 +269,12 @@ int rpc_stream_push_deferred(rpc_call *c, rpc_frame *f) {
 }
 
 void rpc_stream_kick(rpc_call *c) {
+    send_batch b;
     pthread_mutex_lock(&c->mu);
-    pump_locked(c); /* nothing when a send is in flight: its completion starts the next */
+    int go = pump_locked(c, &b); /* nothing when a send is in flight: its completion starts
+                                  * the next */
     pthread_mutex_unlock(&c->mu);
+    if (go) pump_start(c, &b);
 }
 
 size_t rpc_stream_queued(rpc_call *c) {
@@ -257,6 +285,8 @@ size_t rpc_stream_queued(rpc_call *c) {
 }
 
 int rpc_stream_finish(rpc_call *c, int code, const char *message) {
+    send_batch b;
+    int go = 0;
     pthread_mutex_lock(&c->mu);
     if (!c->finishing && !c->closed) {
         c->finishing = 1;
@@ -267,10 +297,11 @@ int rpc_stream_finish(rpc_call *c, int code, const char *message) {
             c->final_msg = strdup(message);
             c->message = c->final_msg;
         }
-        pump_locked(c);
+        go = pump_locked(c, &b);
         pthread_cond_broadcast(&c->cv);
     }
     pthread_mutex_unlock(&c->mu);
+    if (go) pump_start(c, &b);
     return RPC_OK;
 }
 

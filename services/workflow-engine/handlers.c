@@ -56,10 +56,8 @@ static P(Workflow) * wf_msg(rpc_call *call, const PGresult *r, int row) {
     w->deleted_at = wfr_ts(call, r, row, WF_DELETED_AT);
     w->trigger_type = wfr_s(call, r, row, WF_TRIGGER_TYPE);
     w->enabled = st_b(r, row, WF_ENABLED);
-    w->last_run_status = wfr_s(call, r, row, WF_LAST_RUN_STATUS);
-    w->last_run_at = wfr_ts(call, r, row, WF_LAST_RUN_AT);
-    w->run_count = (int32_t)st_i(r, row, WF_RUN_COUNT);
-    w->avg_cost_usd = st_d(r, row, WF_AVG_COST);
+    /* last_run_status, last_run_at, run_count, avg_cost_usd: "ROLLUP — WF-25 computes it;
+     * 0 here" (this RPC "lays the field and returns the zero value") */
     w->updated_at = wfr_ts(call, r, row, WF_UPDATED_AT);
     w->visibility = wfr_s(call, r, row, WF_VISIBILITY);
     return w;
@@ -80,7 +78,8 @@ static P(WorkflowRun) * run_msg(rpc_call *call, const PGresult *r, int row, int 
     m->started_at = wfr_ts(call, r, row, RUN_STARTED_AT);
     m->completed_at = wfr_ts(call, r, row, RUN_COMPLETED_AT);
     m->created_at = wfr_ts(call, r, row, RUN_CREATED_AT);
-    m->cost_usd = st_d(r, row, RUN_COST);
+    /* cost_usd: "Until #1127 lands this field is always 0" (the engine records every turn's
+     * cost in runs.cost_usd; the contract does not surface it yet) */
     m->paused_at = wfr_ts(call, r, row, RUN_PAUSED_AT);
     m->cancelled_at = wfr_ts(call, r, row, RUN_CANCELLED_AT);
     m->nodes_total = list_row ? (int32_t)st_i(r, row, RUN_TOTAL) : 0;

@@ -82,32 +82,16 @@ int st_scope_org(db_tx *tx, const char *org_id, char *err, size_t errlen) {
 
 /* ---- workflows ---- */
 
+/* No roll-ups: the spec has GetWorkflow/ListWorkflows return last_run_status, last_run_at,
+ * run_count and avg_cost_usd at their zero values ("ROLLUP — WF-25 computes it; 0 here"). */
 #define WF_SELECT                                                                                  \
     "SELECT w.id, w.org_id, w.team_id, w.name, w.description, w.definition::text, w.created_by, "  \
     "       w.status, " MS("w.created_at") ", " MS(                                                \
         "w.deleted_at") ", w.trigger_type, w.enabled, "                                            \
-                        "       coalesce(lr.status, ''), " MS(                                     \
-                            "lr.started_at") ", coalesce(rc.n, 0), "                               \
-                                             "       coalesce(rc.avg_cost, 0), " MS(               \
-                                                 "w.updated_at") ", w.visibility, "                \
-                                                                 "       "                         \
-                                                                 "coalesce(w.trigger_config::"     \
-                                                                 "text, ''), "                     \
-                                                                 "w.data_classification "          \
-                                                                 "FROM " S "workflows w "          \
-                                                                 "LEFT JOIN LATERAL (SELECT "      \
-                                                                 "status, started_at FROM " S      \
-                                                                 "runs r WHERE r.workflow_id = "   \
-                                                                 "w.id "                           \
-                                                                 "                   ORDER BY "    \
-                                                                 "started_at DESC, id DESC LIMIT " \
-                                                                 "1) lr ON true "                  \
-                                                                 "LEFT JOIN LATERAL (SELECT "      \
-                                                                 "count(*) AS n, avg(cost_usd) "   \
-                                                                 "AS avg_cost FROM " S "runs r "   \
-                                                                 "                   WHERE "       \
-                                                                 "r.workflow_id = w.id) rc ON "    \
-                                                                 "true "
+                        "       " MS("w.updated_at") ", w.visibility, "                            \
+                                                     "coalesce(w.trigger_config::text, ''), "      \
+                                                     "       w.data_classification "               \
+                                                     "FROM " S "workflows w "
 
 /* Team workflows are visible org-wide (the spec's "today's universal behaviour"); a private
  * one only to its owner. */

@@ -89,7 +89,7 @@ Upsquad__Workflow__V1__WorkflowAction *wfr_action_msg(rpc_call *call, const PGre
     a->decided_at = wfr_ts(call, r, row, AC_DECIDED_AT);
     a->created_at = wfr_ts(call, r, row, AC_CREATED_AT);
     a->approval_id = wfr_s(call, r, row, AC_APPROVAL);
-    a->cost_usd = st_d(r, row, AC_COST);
+    /* cost_usd: "Until #1127 lands this field is always 0" (recorded in actions.cost_usd) */
     /* time spent, never negative: an action started in the reading transaction itself (the
      * next action an ApproveAction starts) has started_at after that transaction's now() */
     int64_t elapsed = st_i(r, row, AC_ELAPSED);
