@@ -397,7 +397,8 @@ static int chat_event(void *ud, const ExecuteStepEvent *ev) {
     const char *why;
     if (c->gone) return -1;
     /* "completion signals the step has finished": whatever a worker sends after its completion
-     * (or its error) never reaches the caller */
+     * (or a terminal error) never reaches the caller; a retryable error ("a recoverable or
+     * terminal error") is relayed and the step's events go on */
     if (c->ended) {
         log_debug("relay.after_end", "session %s: event %d after the step's end dropped", c->sid,
                   (int)ev->event_case);
@@ -432,7 +433,7 @@ static int chat_event(void *ud, const ExecuteStepEvent *ev) {
         return -1;
     }
     if (ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_ERROR) c->error_relayed = 1;
-    if (ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_ERROR ||
+    if ((ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_ERROR && !ae.error->retryable) ||
         ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_COMPLETION)
         c->ended = 1;
     metric_inc(c->o->m_relayed);

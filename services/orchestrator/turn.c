@@ -124,7 +124,7 @@ static int attempt(orch *o, orch_worker *k, ExecuteStepRequest *req, int64_t tim
     char *gw = NULL, *ce = NULL;
     rpc_reader *rd = NULL;
     rpc_status st = {0};
-    int saw_end = 0, retry = 0, cancelled = 0;
+    int saw_end = 0, got_error = 0, retry = 0, cancelled = 0;
     orch_mint_agent_tokens(o, req->tenant_id, req->agent_id, req->session_id, &gw, &ce);
     req->agent_gateway_token = gw ? gw : (char *)"";
     req->context_engine_token = ce ? ce : (char *)"";
@@ -148,7 +148,11 @@ static int attempt(orch *o, orch_worker *k, ExecuteStepRequest *req, int64_t tim
         r->worker_answered = 1;
         ExecuteStepEvent *ev = (ExecuteStepEvent *)m;
         int keep = 0;
-        switch (ev->event_case) {
+        /* the step is over at its completion or at a terminal error (an ErrorEvent is "a
+         * recoverable or terminal error": a retryable one may be followed by more of the
+         * step); whatever the worker sends after that changes nothing (nor reaches the caller:
+         * the sink drops it) */
+        switch (saw_end ? 0 : ev->event_case) {
         case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_COMPLETION: {
             const Upsquad__Runtime__V1__CompletionEvent *c = ev->completion;
             free(r->final_text);
@@ -167,8 +171,9 @@ static int attempt(orch *o, orch_worker *k, ExecuteStepRequest *req, int64_t tim
         case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_ERROR:
             set_error(r, ev->error->code[0] ? ev->error->code : "WORKER_ERROR", ev->error->message,
                       ev->error->retryable);
-            r->outcome = TURN_FAILED;
-            saw_end = 1;
+            r->outcome = TURN_FAILED; /* unless the step goes on and completes */
+            saw_end = !ev->error->retryable;
+            got_error = 1;
             break;
         case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_METRICS:
             /* per-LLM-call cost, summed when the completion carries none */
@@ -203,7 +208,7 @@ static int attempt(orch *o, orch_worker *k, ExecuteStepRequest *req, int64_t tim
     int code = rpc_reader_close(rd, &st);
     if (cancelled || fired || (sink->cancelled && sink->cancelled(sink->ud))) {
         r->outcome = TURN_CANCELLED;
-    } else if (!saw_end) {
+    } else if (!saw_end && !got_error) {
         /* the worker failed or ended without an outcome */
         char msg[512];
         snprintf(msg, sizeof msg, "worker %s ended the turn without an outcome (status %d: %s)",

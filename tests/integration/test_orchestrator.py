@@ -460,6 +460,26 @@ class Orch(unittest.TestCase):
         evs = self.fake_turn([tok, {"error": {"code": "E", "message": "m"}}, {"completion": {"finalResponse": "x"}}])
         self.assertEqual([e.WhichOneof("event") for e in evs], ["token", "error"])
 
+    def test_a_recoverable_error_does_not_end_the_step(self):
+        """ErrorEvent is "a recoverable or terminal error": a retryable one reaches the caller
+        and the step goes on to its completion (the turn completes); a terminal one after it
+        ends the step, and the turn ends in error."""
+        sid = self.create().session_id
+        rate = {"error": {"code": "LLM_RATE_LIMIT", "message": "slow down", "retryable": True}}
+        evs = self.fake_turn([{"token": {"text": "a", "index": 0}}, rate, {"token": {"text": "b", "index": 1}},
+                              {"completion": {"finalResponse": "ab"}}], sid=sid)
+        self.assertEqual([e.WhichOneof("event") for e in evs], ["token", "error", "token", "completion"])
+        self.assertEqual((evs[1].error.code, evs[1].error.retryable), ("LLM_RATE_LIMIT", True))
+        self.assertEqual(self.get(sid).status, 3)  # AGENT_STATUS_COMPLETE
+        evs = self.fake_turn([rate, {"error": {"code": "E", "message": "gave up"}}, {"token": {"text": "late", "index": 0}}],
+                             sid=sid)
+        self.assertEqual([(e.WhichOneof("event"), e.error.code) for e in evs], [("error", "LLM_RATE_LIMIT"), ("error", "E")])
+        self.assertEqual(self.get(sid).status, 4)  # AGENT_STATUS_ERROR
+        # a worker that ends its stream after a retryable error: the turn failed with it, told once
+        evs = self.fake_turn([rate], sid=sid)
+        self.assertEqual([e.WhichOneof("event") for e in evs], ["error"])
+        self.assertEqual(self.get(sid).status, 4)
+
     def test_a_long_error_message_cut_inside_a_character_still_ends_the_turn(self):
         """The audit row of a failed turn keeps at most 512 bytes of the worker's message, cut
         on a character boundary: a split UTF-8 sequence would make the jsonb detail (and with
