@@ -469,22 +469,14 @@ static void send_error(rpc_call *call, const char *code, const char *message, in
 
 #define PARK_POLL_MS 250
 
-static void send_resumed(rpc_call *call, const orch *o, const char *org, const char *sid) {
+/* The transition's own values, as ResumeSession answered them (stored with the resume). */
+static void send_resumed(rpc_call *call, int64_t resumed_ms, int resumed_loop) {
     Upsquad__Runtime__V1__SessionResumedEvent e = UPSQUAD__RUNTIME__V1__SESSION_RESUMED_EVENT__INIT;
     Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
     AgentEvent ae;
-    char err[256];
-    unsigned char *state = NULL;
-    size_t len = 0;
-    int loop = 0;
     upsquad__runtime__v1__agent_event__init(&ae);
-    /* resumed_at_loop: what ResumeSession answered, the newest checkpoint's iteration */
-    if (orch_store_checkpoint_latest(o->pool, org, sid, &loop, &state, &len, err, sizeof err) !=
-        DB_OK)
-        loop = 0;
-    free(state);
-    pbjson_ts_now(&at);
-    e.resumed_at_loop = loop;
+    pbjson_ts_from_ms(&at, resumed_ms);
+    e.resumed_at_loop = resumed_loop;
     e.resumed_at = &at;
     ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_SESSION_RESUMED;
     ae.session_resumed = &e;
@@ -503,14 +495,15 @@ static void park_stream(orch *o, rpc_call *call, const char *org, const char *si
     if (atomic_fetch_add(&o->parked, 1) >= o->cfg->paused_streams) goto done;
     while (!rpc_cancelled(call) && rpc_deadline_ms(call) > PARK_POLL_MS) {
         usleep(PARK_POLL_MS * 1000);
-        orch_session s;
-        int rc = orch_store_session_get(o->pool, org, sid, 0, &s, err, sizeof err);
+        char state[16];
+        int64_t resumed_ms = 0;
+        int loop = 0;
+        int rc =
+            orch_store_park_state(o->pool, org, sid, state, &resumed_ms, &loop, err, sizeof err);
         if (rc == ORCH_ENOTFOUND) break;
         if (rc != DB_OK) continue; /* the next look may find the database again */
-        int suspended = !strcmp(s.state, "suspended"), active = !strcmp(s.state, "active");
-        orch_session_clear(&s);
-        if (suspended) continue;
-        if (active) send_resumed(call, o, org, sid);
+        if (!strcmp(state, "suspended")) continue;
+        if (!strcmp(state, "active")) send_resumed(call, resumed_ms, loop);
         break;
     }
 done:

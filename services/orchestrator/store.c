@@ -972,6 +972,24 @@ int orch_store_pause(db_pool *p, const char *org, const char *session_id, const 
     return tx_end(tx, rc, err, errlen);
 }
 
+int orch_store_park_state(db_pool *p, const char *org, const char *session_id, char *state,
+                          int64_t *resumed_ms, int *resumed_loop, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    TX_BEGIN(org);
+    rc = db_exec(c,
+                 "SELECT state, coalesce(floor(extract(epoch FROM resumed_at) * 1000)::bigint, 0),"
+                 " resumed_at_loop FROM sessions WHERE session_id = $1::uuid",
+                 1, &session_id, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
+    if (rc == DB_OK) {
+        copy(state, 16, PQgetvalue(r, 0, 0));
+        *resumed_ms = to_ms(PQgetvalue(r, 0, 1));
+        *resumed_loop = atoi(PQgetvalue(r, 0, 2));
+    }
+    PQclear(r);
+    return tx_end(tx, rc, err, errlen);
+}
+
 int orch_store_pause_pending(db_pool *p, const char *org, const char *session_id, int *pending,
                              char *err, size_t errlen) {
     PGresult *r = NULL;
@@ -1008,12 +1026,18 @@ int orch_store_resume(db_pool *p, const char *org, const char *session_id, const
     if (rc == DB_OK)
         rc = latest_checkpoint_tx(c, session_id, key, &out->resumed_at_loop, err, errlen);
     if (rc == DB_OK) {
-        rc = db_exec(c,
-                     "UPDATE sessions SET state = 'active', agent_status = pre_pause_status,"
-                     " paused_at = NULL, pause_pending = false"
-                     " WHERE session_id = $1::uuid"
-                     " RETURNING agent_status, floor(extract(epoch FROM now()) * 1000)::bigint",
-                     1, &session_id, &r, err, errlen);
+        char loop[16];
+        snprintf(loop, sizeof loop, "%d", out->resumed_at_loop);
+        /* resumed_at at millisecond precision: what ResumeSession answers and the waiting
+         * stream's SessionResumedEvent repeats (orch_store_park_state) are one value */
+        rc =
+            db_exec(c,
+                    "UPDATE sessions SET state = 'active', agent_status = pre_pause_status,"
+                    " paused_at = NULL, pause_pending = false,"
+                    " resumed_at = date_trunc('milliseconds', now()), resumed_at_loop = $2::int"
+                    " WHERE session_id = $1::uuid"
+                    " RETURNING agent_status, floor(extract(epoch FROM resumed_at) * 1000)::bigint",
+                    2, (const char *[]){session_id, loop}, &r, err, errlen);
         if (rc == DB_OK && PQntuples(r) == 1) {
             out->agent_status = atoi(PQgetvalue(r, 0, 0));
             out->resumed_ms = to_ms(PQgetvalue(r, 0, 1));

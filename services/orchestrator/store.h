@@ -202,6 +202,10 @@ int orch_store_pause(db_pool *p, const char *org, const char *session_id, const 
                      char *state_out, char *err, size_t errlen);
 
 /* *pending 1 when a pause waits for the session's turns in flight (a cheap read). */
+/* What a stream parked on the session's pause looks at: its lifecycle state (16 bytes), and
+ * the last resume's resumed_at (ms) and resumed_at_loop. ORCH_ENOTFOUND when absent. */
+int orch_store_park_state(db_pool *p, const char *org, const char *session_id, char *state,
+                          int64_t *resumed_ms, int *resumed_loop, char *err, size_t errlen);
 int orch_store_pause_pending(db_pool *p, const char *org, const char *session_id, int *pending,
                              char *err, size_t errlen);
 

@@ -342,7 +342,8 @@ class Pause(unittest.TestCase):
                     self.assertEqual(e.WhichOneof("event"), "session_resumed")
                     self.assertEqual(e.session_resumed.resumed_at_loop, rr.resumed_at_loop)
                     self.assertFalse(e.session_resumed.resumed_by_approval)
-                    self.assertTrue(e.session_resumed.HasField("resumed_at"))
+                    # "resumed_at is the timestamp of the transition": the one ResumeSession gave
+                    self.assertEqual(e.session_resumed.resumed_at, rr.resumed_at)
                 else:
                     self.unary("TerminateSession", L.TerminateLifecycleSessionRequest(session_id=sid),
                                L.TerminateLifecycleSessionResponse)
