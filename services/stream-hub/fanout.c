@@ -10,7 +10,9 @@
  *   Node I/O (live frames are not all stored): frames arriving during the snapshot are held
  *   (at most pending_max), the snapshot is sent, then the held frames minus those the
  *   snapshot covered (by session_id, seq). A full queue drops frames and sends one StreamGap
- *   (from_seq = last delivered, to_seq = next delivered) before the next frame.
+ *   (from_seq = last delivered, to_seq = next delivered) before the next frame. A frame with
+ *   nothing structural left at a subscriber's clearance (a token frame below 4) is not sent to
+ *   it but counted as seen: no StreamGap for it.
  *   Visible runs: held during the snapshot as for node I/O, de-duplicated per run by seq; a
  *   full queue drops and schedules a re-snapshot of the visible set (entries and exits).
  *
@@ -64,12 +66,14 @@ typedef struct seen {
     struct seen *next;
     char key[64];
     int64_t seq;
-    int in_set; /* visible: the run is in the subscriber's filtered set; io: seeded by the
-                   snapshot, no gap before the session's next frame */
+    int in_set;  /* visible: the run is in the subscriber's filtered set; io: seeded by the
+                    snapshot, no gap before the session's next frame */
+    int skipped; /* io: seq is a frame not sent to this subscriber (io_deliver) */
+    int64_t had; /* io, while skipped: the session's last seq the client has */
 } seen;
 
 typedef struct pend {
-    rpc_frame *f, *f_leave;
+    rpc_frame *f, *f_leave; /* io: f NULL = a frame not sent to this subscriber (io_deliver) */
     int64_t seq;
     char key[64];
     char node[64];
@@ -488,7 +492,11 @@ done:
 /* Delivers one live frame to a LIVE subscriber: de-duplicated against the snapshot (by
  * session_id, seq), and preceded by a StreamGap when frames are missing before it, whether the
  * publisher skipped them (a jump in the session's seq) or this subscriber's full queue
- * dropped them. */
+ * dropped them. f NULL: a frame this subscriber's clearance class is not sent (nothing
+ * structural is left in it, redact_frame_sendable). It counts as seen, not as lost: the
+ * session's seq moves past it and no StreamGap covers it; a jump in the seq around it is still
+ * one, from the last seq the client has (spec StreamGap: from_seq "the last seq the client saw
+ * before the gap"). */
 static void io_deliver(hub_sub *s, const char *session, const char *node, int64_t seq,
                        rpc_frame *f) {
     seen *sn = seen_get(&s->seen, session, 1);
@@ -498,11 +506,14 @@ static void io_deliver(hub_sub *s, const char *session, const char *node, int64_
      * snapshot never holds: no gap then; a jump seen live (or after a resume) is one */
     if (sn->seq && !sn->in_set && seq > sn->seq + 1 && !s->gap) {
         s->gap = 1;
-        s->gap_from = sn->seq;
+        s->gap_from = sn->skipped ? sn->had : sn->seq;
         snprintf(s->gap_node, sizeof s->gap_node, "%s", node);
     }
+    if (!sn->skipped) sn->had = sn->seq;
+    sn->skipped = f == NULL;
     sn->seq = seq;
     sn->in_set = 0;
+    if (!f) return; /* a pending gap waits for the next frame sent */
     if (s->gap) {
         rpc_frame *g = gap_frame(s->gap_node, s->gap_from, seq);
         int rc = g ? push(s, g) : RPC_ENOMEM;
@@ -538,20 +549,24 @@ static void on_io_msg(bus *b, natsMsg *m, void *ud) {
     IOResp r = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__INIT;
     r.frame_case = UPSQUAD__WORKFLOW__V1__STREAM_NODE_IORESPONSE__FRAME_LIVE;
     r.live = fr;
-    full = rpc_frame_encode(&r.base);
+    /* one frame per clearance class, encoded once; a class whose frame has no arm left (a
+     * token frame below the floor) gets none, and its subscribers count the seq as seen */
+    int send_full = redact_frame_sendable(fr);
+    if (send_full && !(full = rpc_frame_encode(&r.base))) goto done;
     redact_saved keep;
     if (redact_frame(fr, &keep)) {
-        lean = rpc_frame_encode(&r.base);
+        int send_lean = redact_frame_sendable(fr);
+        if (send_lean) lean = rpc_frame_encode(&r.base);
         redact_frame_restore(fr, &keep);
+        if (send_lean && !lean) goto done;
     } else {
         lean = full ? rpc_frame_ref(full) : NULL;
     }
-    if (!full || !lean) goto done;
     pthread_mutex_lock(&t->mu);
     batch_begin(t, more);
     for (hub_sub *s = t->subs; s; s = s->next) {
         if (s->node[0] && strcmp(s->node, fr->node_id) != 0) continue;
-        rpc_frame *f = redact_full(s->clearance) ? full : lean;
+        rpc_frame *f = redact_full(s->clearance) ? full : lean; /* NULL: seen, not sent */
         if (s->state == SS_SNAP)
             pending_add(s, f, NULL, fr->seq, fr->session_id, fr->node_id, 0, 0);
         else if (s->state == SS_LIVE)

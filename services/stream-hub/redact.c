@@ -61,3 +61,12 @@ void redact_frame_restore(Upsquad__Workflow__V1__NodeIOFrame *f, const redact_sa
     }
     if (keep->summary) f->tool_result->summary = keep->summary;
 }
+
+/* spec NodeIOFrame: "Exactly one event arm is set"; below clearance 4 a caller "receives
+ * STRUCTURAL frames only (status, tool_call name/id, tool_result is_error/timing,
+ * user_prompt)". An armless frame is neither: the caller is not sent it. An arm unknown to
+ * this hub (a newer publisher) unpacks as no arm and is not relayed either: its content
+ * cannot be told structural, so it fails closed at every clearance. */
+int redact_frame_sendable(const Upsquad__Workflow__V1__NodeIOFrame *f) {
+    return f->event_case != UPSQUAD__WORKFLOW__V1__NODE_IOFRAME__EVENT__NOT_SET;
+}

@@ -233,7 +233,11 @@ static const char SQL_GET_RUN[] =
  * and the FRESHEST open gate, from which needs_input, needs_approval, prompt_kind, prompt_id
  * and asked_by_role are all co-derived. A run without node rows, or with a node whose state is
  * unknown (status '': keys backfilled by migration 004 for runs projected before it), keeps the
- * run row's columns and leaves open_prompt_count undetermined (NULL). */
+ * run row's columns. Its open_prompt_count (spec: "ABSENT = not determined ...; PRESENT =
+ * authoritative, including present-and-0") is 0 for a run without node rows whose run row has
+ * no gate open: no node transition of it was projected, so no gate is open on it. It is
+ * undetermined (NULL) only where the store cannot count: a node of unknown state, or a gate
+ * the run row has from a transition naming no node. */
 static const char SQL_VISIBLE_RUNS[] =
     "SELECT r.run_id, r.workflow_id, r.workflow_name, r.team_id, r.visibility, r.owner_id, "
     " r.display_name, r.status, "
@@ -243,7 +247,10 @@ static const char SQL_VISIBLE_RUNS[] =
     " CASE WHEN n.nodes IS NULL THEN r.needs_approval ELSE coalesce(g.needs_approval, false) END, "
     " CASE WHEN n.nodes IS NULL THEN r.prompt_kind ELSE coalesce(g.prompt_kind, 0) END, "
     " coalesce(n.waiting, r.is_waiting), coalesce(n.nodes, r.nodes_total), "
-    " coalesce(n.done, r.nodes_done), r.last_seq, n.open "
+    " coalesce(n.done, r.nodes_done), r.last_seq, "
+    " CASE WHEN n.nodes IS NOT NULL THEN n.open "
+    "  WHEN NOT (r.needs_input OR r.needs_approval OR r.prompt_kind <> 0) "
+    "   AND NOT EXISTS (SELECT 1 FROM run_nodes z WHERE z.run_id = r.run_id) THEN 0 END "
     "FROM (SELECT * FROM runs r "
     "  WHERE ((r.visibility <> 'private' AND r.team_id = ANY($2::text[])) "
     "   OR (r.visibility = 'private' AND r.owner_id = $1)) "

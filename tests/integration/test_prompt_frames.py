@@ -334,9 +334,11 @@ class PromptFrames(unittest.TestCase):
         self.assertEqual([(f.session_id, f.seq) for f in live],
                          [(sess, 1), (sess, 2), (a.approval_id, 1), (sess, 3)])
         self.assertEqual(live[3].token_text, "after the prompt")
-        # below clearance 4 the token frames are structural (no text), the prompt is whole
+        # below clearance 4 the token frames are not sent (no arm is left in them), the prompt is
+        # whole
         lo_live = [m.live for m in lo.msgs if m.HasField("live")]
-        self.assertEqual([f.WhichOneof("event") for f in lo_live], [None, None, "user_prompt", None])
+        self.assertEqual([(f.WhichOneof("event"), f.session_id, f.seq) for f in lo_live],
+                         [("user_prompt", a.approval_id, 1)])
         # a later subscriber of the agent's node gets the open ask too
         self.assertEqual([f.user_prompt.prompt_id for f in self.late_prompts(run, 3, node="a")], [a.approval_id])
 

@@ -365,7 +365,8 @@ class StreamHub(unittest.TestCase):
                                                 (5, "next", "queued", 0, 2000)):
             self.pub("node", org=org, run=run, seq=seq, node_id=node, status=status,
                      run_status="running", elapsed_ms=elapsed, at_ms_ago=ago)
-        self.projected(run, 5)
+        for seq in range(2, 6):  # every one: the snapshot folds the contiguous prefix only (two
+            self.projected(run, seq)  # replicas project in parallel), the rest is sent as live
         r = self.read(self.a, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
         wait_until(lambda: len(r.msgs) >= 4, 10, "the snapshot")
         got = {m.update.node_id: m.update.elapsed_ms for m in r.msgs[:4]}
@@ -574,8 +575,8 @@ class StreamHub(unittest.TestCase):
         self.pub("io", seq=7, tool_result={"name": "gh", "id": "c2", "summary": "live summary",
                                            "is_error": True}, **io)
         self.pub("io", seq=8, status="done", **io)
-        for r in (hi, lo):
-            wait_until(lambda: sum(1 for m in r.msgs if m.HasField("live")) >= 3, 10, "live")
+        for r, n in ((hi, 3), (lo, 2)):
+            wait_until(lambda: sum(1 for m in r.msgs if m.HasField("live")) >= n, 10, "live")
         time.sleep(0.2)
         for r in (hi, lo, other_node):
             r.cancel()
@@ -586,17 +587,17 @@ class StreamHub(unittest.TestCase):
         self.assertEqual(hi.msgs[5].live.tool_result.summary, "live summary")
         self.assertEqual(hi.msgs[0].snapshot_event.content["arguments"], "secret args")
         self.assertEqual(hi.msgs[2].snapshot_event.content["text"], "secret answer")
-        # below clearance 4: structural only, everywhere
-        self.assertEqual([m.WhichOneof("frame") for m in lo.msgs], kinds)
+        # below clearance 4: structural only, everywhere; the token frame (seq 6) is not sent at
+        # all (a frame with no arm is no structural frame) and costs no gap
+        self.assertEqual([m.WhichOneof("frame") for m in lo.msgs], kinds[:-1])
         for m in lo.msgs[:3]:
             for k in ("text", "arguments", "result"):
                 self.assertNotIn(k, m.snapshot_event.content)
         self.assertEqual(lo.msgs[0].snapshot_event.content["tool_name"], "gh")
-        self.assertIsNone(lo.msgs[4].live.WhichOneof("event"))  # token_text unset
-        self.assertEqual(lo.msgs[4].live.seq, 6)
-        self.assertEqual(lo.msgs[5].live.tool_result.summary, "")
-        self.assertTrue(lo.msgs[5].live.tool_result.is_error)
-        self.assertEqual(lo.msgs[6].live.status, "done")
+        self.assertEqual([m.live.seq for m in lo.msgs[4:]], [7, 8])
+        self.assertEqual(lo.msgs[4].live.tool_result.summary, "")
+        self.assertTrue(lo.msgs[4].live.tool_result.is_error)
+        self.assertEqual(lo.msgs[5].live.status, "done")
         self.assertNotIn(b"secret", b"".join(m.SerializeToString() for m in lo.msgs))
         # the node filter: the snapshot and live frames of other nodes are not sent
         self.assertEqual([m.WhichOneof("frame") for m in other_node.msgs], ["snapshot_done"])
@@ -609,6 +610,104 @@ class StreamHub(unittest.TestCase):
         self.assertTrue(all(e.session_id == "s1" for e in t_hi.events))
         self.assertFalse(t_hi.session_missing)
         self.assertTrue(self.transcript(self.a, org, run, "nobody").session_missing)
+
+    def test_node_io_below_clearance_4_sends_no_armless_frame_and_no_gap_for_it(self):
+        # spec NodeIOFrame: "Exactly one event arm is set"; StreamNodeIO below clearance 4
+        # "receives STRUCTURAL frames only (status, tool_call name/id, tool_result
+        # is_error/timing, user_prompt)". A token frame is not sent there at all, and the seqs it
+        # takes are seen, not lost: no StreamGap for them; a frame dropped by the publisher
+        # still is one, from the last seq the client saw. A frame published with no arm is sent
+        # at no clearance.
+        org = uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        io = dict(org=org, run=run, node="coder", session="s1")
+        lo = self.read(self.a, "StreamNodeIO", W.StreamNodeIORequest(run_id=run), org, clearance=3)
+        lo1 = self.read(self.b, "StreamNodeIO", W.StreamNodeIORequest(run_id=run), org,
+                        clearance=1)
+        hi = self.read(self.a, "StreamNodeIO", W.StreamNodeIORequest(run_id=run), org, clearance=4)
+        for r in (lo, lo1, hi):
+            wait_until(lambda: any(m.snapshot_done for m in r.msgs), 10, "snapshot_done")
+        self.pub("io", seq=1, status="thinking", **io)
+        self.pub("io", seq=2, token="secret 2", **io)
+        self.pub("io", seq=3, token="secret 3", **io)
+        self.pub("io", seq=4, tool_call={"name": "gh", "id": "c1", "args": "repo=x"}, **io)
+        self.pub("io", seq=5, token="secret 5", **io)
+        self.pub("io", seq=7, token="secret 7", **io)   # 6 dropped by the publisher
+        self.pub("io", seq=8, **io)                     # no arm
+        self.pub("io", seq=9, tool_result={"name": "gh", "id": "c1", "summary": "secret",
+                                           "duration_ms": 3}, **io)
+        self.pub("io", seq=10, token="secret 10", **io)
+        self.pub("io", seq=11, status="done", **io)
+        for r in (lo, lo1, hi):
+            wait_until(lambda: any(m.live.status == "done" for m in r.msgs), 10, "the last frame")
+        time.sleep(0.2)
+        for r in (lo, lo1, hi):
+            r.cancel()
+
+        def frames(r):
+            return [("gap", m.gap.from_seq, m.gap.to_seq) if m.HasField("gap") else
+                    (m.live.WhichOneof("event"), m.live.seq) for m in r.msgs[1:]]
+
+        for r in (lo, lo1):
+            self.assertEqual(r.msgs[0].WhichOneof("frame"), "snapshot_done")
+            self.assertEqual(frames(r), [("status", 1), ("tool_call", 4), ("gap", 4, 9),
+                                         ("tool_result", 9), ("status", 11)])
+            self.assertNotIn(b"secret", b"".join(m.SerializeToString() for m in r.msgs))
+        self.assertEqual(frames(hi), [("status", 1), ("token_text", 2), ("token_text", 3),
+                                      ("tool_call", 4), ("token_text", 5), ("gap", 5, 7),
+                                      ("token_text", 7), ("tool_result", 9),
+                                      ("token_text", 10), ("status", 11)])
+
+    def test_node_io_frames_held_during_the_snapshot_below_clearance_4(self):
+        # the same floor for frames that arrive while the snapshot is sent (held, then handed
+        # over): token frames stream, a status frame after every 20, while subscribers of
+        # clearance 3 come; they get the status frames only, with no StreamGap between them
+        org = uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        io = dict(org=org, run=run, node="coder", session="s1")
+        for seq in range(1, 201):   # a snapshot that takes a while to send
+            self.pub("io", seq=seq, no_frame=True, transcript={
+                "event_type": "assistant_message", "content": {"text": "x" * 2000}}, **io)
+        wait_until(lambda: len(self.transcript(self.a, org, run, "coder").events) == 200, 15,
+                   "the transcript")
+        flow = dict(org=org, run=run, node="coder", session="s2")
+        done = threading.Event()
+
+        def tokens():   # 20 token frames, a status frame, ...
+            seq = 1
+            while not done.is_set():
+                self.pub("tokens", **flow, **{"from": seq, "count": 20, "size": 32, "rate": 0})
+                self.pub("io", seq=seq + 20, status="thinking", **flow)
+                seq += 21
+                time.sleep(0.005)
+            self.pub("io", seq=seq, status="done", **flow)
+
+        th = threading.Thread(target=tokens, daemon=True)
+        th.start()
+        subs = []
+        for i in range(6):
+            srv = self.a if i % 2 else self.b
+            subs.append(self.read(srv, "StreamNodeIO", W.StreamNodeIORequest(run_id=run), org,
+                                  clearance=3))
+            time.sleep(0.05)
+        for r in subs:
+            wait_until(lambda: any(m.snapshot_done for m in r.msgs), 15, "snapshot_done")
+        time.sleep(0.3)
+        done.set()
+        th.join(15)
+        for r in subs:
+            wait_until(lambda: any(m.live.status == "done" for m in r.msgs), 10, "the last frame")
+            r.cancel()
+        for r in subs:
+            kinds = [m.WhichOneof("frame") for m in r.msgs]
+            self.assertEqual(kinds[:201], ["snapshot_event"] * 200 + ["snapshot_done"])
+            self.assertEqual(set(kinds[201:]), {"live"})   # no gap
+            live = [m.live for m in r.msgs[201:]]
+            self.assertEqual({f.WhichOneof("event") for f in live}, {"status"})
+            self.assertEqual([f.seq % 21 for f in live[:-1]], [0] * (len(live) - 1))
+            self.assertEqual(live[-1].status, "done")
 
     def test_transcript_by_action_id_is_every_attempt_of_its_step(self):
         # spec GetNodeTranscriptRequest.node_id: the step name or the workflow_action UUID,
@@ -1002,6 +1101,40 @@ class StreamHub(unittest.TestCase):
         self.assertFalse(m.is_waiting)
         self.assertEqual((m.nodes_total, m.nodes_done), (6, 4))
         self.assertEqual(m.open_prompt_count, 1)
+
+    def test_visible_runs_open_prompt_count_is_0_for_a_run_without_nodes(self):
+        # spec VisibleRunEvent.open_prompt_count: "POPULATED ON SNAPSHOT ROWS"; "ABSENT = not
+        # determined on this message; PRESENT = authoritative, including present-and-0". A run
+        # no node transition was projected for yet has no gate open: 0, present. Absent only
+        # where the store cannot count: a node of unknown state (migration 004's backfill) or
+        # a gate the run row has from a transition naming no node.
+        org, team = uid(), uid()
+        fresh = self.new_run(org, team=team, status="pending", name="fresh")
+        unknown = self.new_run(org, team=team, name="backfilled")
+        nameless = self.new_run(org, team=team, name="nameless")
+        node = dict(org=org, team=team, run_status="running")
+        self.pub("node", run=unknown, seq=2, node_id="a", status="running", **node)
+        self.pub("node", run=nameless, seq=2, node_id="", status="blocked", needs_approval=True,
+                 prompt_id="g1", **node)
+        for run, seq in ((fresh, 1), (unknown, 2), (nameless, 2)):
+            self.projected(run, seq)
+        wait_until(lambda: psql(self.admin, "SELECT count(*) FROM stream_hub.runs WHERE run_id "
+                                "= '%s' AND last_seq = 2" % nameless) == "1", 15, "the run row")
+        psql(self.admin, "UPDATE stream_hub.run_nodes SET status = '' WHERE run_id = '%s'"
+             % unknown)
+        r = self.read(self.a, "StreamVisibleRuns", W.StreamVisibleRunsRequest(), org,
+                      teams=(team,), clearance=1)
+        wait_until(lambda: any(m.snapshot_done for m in r.msgs), 10, "snapshot_done")
+        r.cancel()
+        rows = {m.run_id: m for m in r.msgs if m.is_snapshot}
+        self.assertEqual(set(rows), {fresh, unknown, nameless})
+        self.assertTrue(rows[fresh].HasField("open_prompt_count"))
+        self.assertEqual(rows[fresh].open_prompt_count, 0)
+        self.assertEqual((rows[fresh].prompt_kind, rows[fresh].needs_input,
+                          rows[fresh].needs_approval), (0, False, False))
+        self.assertFalse(rows[unknown].HasField("open_prompt_count"))
+        self.assertTrue(rows[nameless].needs_approval)
+        self.assertFalse(rows[nameless].HasField("open_prompt_count"))
 
     def test_visible_runs_overflow_is_repaired_by_a_resnapshot(self):
         org, team, me = uid(), uid(), uid()
