@@ -272,7 +272,12 @@ class EngineTest(unittest.TestCase):
         self.err(C.FAILED_PRECONDITION, lambda: self.trigger(arch.id))
         # delete: gone from Get/List, idempotent as NOT_FOUND, runs stay readable by id
         run = self.trigger(w.id)
+        visible = lambda: {r.run.id for r in self.A("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=100)).runs}
+        self.assertIn(run.id, visible())  # a team workflow of the caller's team
         self.A("DeleteWorkflow", W.DeleteWorkflowRequest(workflow_id=w.id))
+        # spec: the runs "become UNDISCOVERABLE through the workflow"; ListVisibleRuns lists
+        # "the runs whose parent workflow the CALLER may see"
+        self.assertNotIn(run.id, visible())
         self.err(C.NOT_FOUND, lambda: self.A("GetWorkflow", W.GetWorkflowRequest(workflow_id=w.id)))
         self.err(C.NOT_FOUND, lambda: self.A("DeleteWorkflow", W.DeleteWorkflowRequest(workflow_id=w.id)))
         self.assertNotIn(w.id, {x.id for x in self.A("ListWorkflows", W.ListWorkflowsRequest(limit=100)).workflows})
