@@ -620,6 +620,31 @@ class EngineTest(unittest.TestCase):
             self.err(C.NOT_FOUND, lambda: self.other_org(m, R(run_id=run2.id)))
             self.err(C.INVALID_ARGUMENT, lambda: self.A(m, R(run_id="")), contains="run_id")
 
+    def test_06b_run_control_by_any_org_member(self):
+        # spec, DeliverWorkflowEvent: "any authenticated caller in the owning org may deliver an
+        # event to that org's run, exactly as any such caller may pause, cancel or resume it" —
+        # also a run of another member's private workflow, which that member still cannot read
+        priv = self.create(defn("w", {"w": {"type": "wait", "mode": "signal", "event_key": "k", "next": "w2"},
+                                      "w2": {"type": "wait", "mode": "signal", "event_key": "k2"}}),
+                           visibility="private")
+        run = self.trigger(priv.id)
+        self.wait_for(run.id, lambda s: s.actions and s.actions[0].status == "waiting")
+        them = self.other_user  # same org, another member, clearance 1, not the owner
+        self.err(C.NOT_FOUND, lambda: self.status(run.id, them))
+        self.assertEqual(them("PauseRun", W.PauseRunRequest(run_id=run.id)).run.status, "paused")
+        self.assertEqual(them("ResumeRun", W.ResumeRunRequest(run_id=run.id)).run.status, "running")
+        r = them("DeliverWorkflowEvent", W.DeliverWorkflowEventRequest(run_id=run.id, event_key="k", delivery_id="1"))
+        self.assertFalse(r.deduplicated)
+        s = self.wait_for(run.id, lambda s: len(s.actions) == 2 and s.actions[1].status == "waiting")
+        self.assertEqual(s.actions[0].status, "completed")
+        self.err(C.NOT_FOUND, lambda: them("GetNodeIO", W.GetNodeIORequest(run_id=run.id, node_id=s.actions[0].id)))
+        self.assertEqual(them("CancelRun", W.CancelRunRequest(run_id=run.id)).run.status, "cancelled")
+        # another org's caller: NOT_FOUND on each
+        for m, req in (("PauseRun", W.PauseRunRequest(run_id=run.id)), ("ResumeRun", W.ResumeRunRequest(run_id=run.id)),
+                       ("CancelRun", W.CancelRunRequest(run_id=run.id)),
+                       ("DeliverWorkflowEvent", W.DeliverWorkflowEventRequest(run_id=run.id, event_key="k2", delivery_id="2"))):
+            self.err(C.NOT_FOUND, lambda: self.other_org(m, req))
+
     def test_07_lists_and_visibility(self):
         d = defn("a", {"a": tool("get_issue", number=1)})
         team_wf = self.create(d, team_id=self.team)
