@@ -66,7 +66,8 @@ static P(Workflow) * wf_msg(rpc_call *call, const PGresult *r, int row) {
 
 /* list_row: spec, WorkflowRun.nodes_total is "populated by ListRuns; other RPCs leave it at 0
  * since they surface action lists directly" (VisibleRunRow's run is populated "exactly as
- * ListRuns"); nodes_done carries no such rule and is filled everywhere. */
+ * ListRuns"), and nodes_done is "Populated by ListRuns (#1074). Same zero-default semantics as
+ * nodes_total". */
 static P(WorkflowRun) * run_msg(rpc_call *call, const PGresult *r, int row, int list_row) {
     P(WorkflowRun) *m = rpc_alloc(call, sizeof *m);
     INIT(workflow_run, m);
@@ -84,7 +85,7 @@ static P(WorkflowRun) * run_msg(rpc_call *call, const PGresult *r, int row, int 
     m->paused_at = wfr_ts(call, r, row, RUN_PAUSED_AT);
     m->cancelled_at = wfr_ts(call, r, row, RUN_CANCELLED_AT);
     m->nodes_total = list_row ? (int32_t)st_i(r, row, RUN_TOTAL) : 0;
-    m->nodes_done = (int32_t)st_i(r, row, RUN_DONE);
+    m->nodes_done = list_row ? (int32_t)st_i(r, row, RUN_DONE) : 0;
     m->display_name = wfr_s(call, r, row, RUN_DISPLAY);
     return m;
 }

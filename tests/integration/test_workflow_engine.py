@@ -348,8 +348,9 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(self.scoped_sql("SELECT a.cost_usd || ':' || r.cost_usd FROM workflow_engine.actions a "
                                          "JOIN workflow_engine.runs r ON r.id = a.run_id WHERE a.id = '%s'" % think.id),
                          ["0.5:0.5"])
-        # nodes_total: "populated by ListRuns; other RPCs leave it at 0" (they carry actions)
-        self.assertEqual((s.run.nodes_total, s.run.nodes_done), (0, len(s.actions)))
+        # nodes_total: "populated by ListRuns; other RPCs leave it at 0" (they carry actions);
+        # nodes_done: "Populated by ListRuns (#1074). Same zero-default semantics as nodes_total"
+        self.assertEqual((s.run.nodes_total, s.run.nodes_done), (0, 0))
         listed = self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id)).runs
         self.assertEqual([(r.id, r.nodes_total, r.nodes_done) for r in listed],
                          [(run.id, len(s.actions), len(s.actions))])
@@ -384,10 +385,12 @@ class EngineTest(unittest.TestCase):
             "fan": {"type": "parallel", "branches": ["l", "r"]},
             "l": tool("get_issue", number=1),
             "r": tool("get_issue", number=1)})
-        s = self.done(self.trigger(self.create(d).id).id, 40)
+        w = self.create(d)
+        s = self.done(self.trigger(w.id).id, 40)
         self.assertEqual(s.run.status, "completed")
         self.assertEqual(len(s.actions), 1 + 20 * 3 + 3)
-        self.assertEqual(s.run.nodes_done, len(s.actions))
+        listed = self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id)).runs[0]
+        self.assertEqual((listed.nodes_total, listed.nodes_done), (len(s.actions), len(s.actions)))  # skipped is done
         t1 = [a for a in s.actions if a.step_name == "t1"]
         self.assertEqual([(a.iteration, a.status) for a in t1 if a.status == "completed"], [(3, "completed")])
         self.assertEqual(len([a for a in t1 if a.status == "skipped"]), 19)
@@ -600,6 +603,7 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(self.A("ResumeRun", W.ResumeRunRequest(run_id=run2.id)).run.status, "running")
         c = self.B("CancelRun", W.CancelRunRequest(run_id=run2.id, reason="stop")).run
         self.assertEqual(c.status, "cancelled")
+        self.assertEqual((c.nodes_total, c.nodes_done), (0, 0))  # ListRuns' fields only
         self.assertTrue(c.HasField("cancelled_at"))
         self.assertEqual(self.A("CancelRun", W.CancelRunRequest(run_id=run2.id)).run.status, "cancelled")
         time.sleep(0.5)
@@ -686,6 +690,8 @@ class EngineTest(unittest.TestCase):
             seen |= {r.run.id for r in page.runs}
             for r in page.runs:
                 self.assertTrue(r.workflow_name)
+                if r.run.id in runs or r.run.id == prun:  # "exactly as ListRuns"
+                    self.assertEqual((r.run.nodes_total, r.run.nodes_done), (1, 1))
                 self.assertTrue(r.HasField("open_prompt_count"))
             tok = page.next_page_token
             if not tok:
