@@ -291,6 +291,25 @@ class EngineTest(unittest.TestCase):
         tools = {t.tool: t for t in cat.tools}
         self.assertIn("github", tools)
         self.assertNotIn("code_exec", tools)  # gated off here: omitted, not advertised
+        # spec: "code_exec, gated by WF_CODE_EXEC_ENABLED"; the older name is an alias of it
+        for switch in ("WF_CODE_EXEC_ENABLED", "UPSQUAD_CODE_EXEC_ENABLED"):
+            on = T.Server("workflow-engine", env=dict(ENGINE_ENV, **{switch: "true"}))
+            c = Client(on.addr, self.tok)
+            try:
+                listed = {t.tool: t for t in c("GetToolCatalog", W.GetToolCatalogRequest()).tools}
+                self.assertIn("code_exec", listed, switch)
+                self.assertEqual([a.action for a in listed["code_exec"].actions], ["run"])
+                self.create(defn("x", {"x": {"type": "tool_action", "tool": "code_exec", "action": "run",
+                                             "with": {"language": "python", "code": "print(1)"}}}), client=c)
+            finally:
+                c.close()
+                on.stop()
+        with self.assertRaises(RuntimeError) as bad_switch:  # a malformed value stops the start
+            T.Server("workflow-engine", env=dict(ENGINE_ENV, WF_CODE_EXEC_ENABLED="maybe"))
+        self.assertIn("WF_CODE_EXEC_ENABLED", str(bad_switch.exception))
+        self.err(C.INVALID_ARGUMENT, self.create, defn("x", {"x": {"type": "tool_action", "tool": "code_exec", "action": "run",
+                                                                  "with": {"language": "python", "code": "print(1)"}}}),
+                 contains="WF_CODE_EXEC_ENABLED")
         gi = [a for a in tools["github"].actions if a.action == "get_issue"][0]
         self.assertTrue([x for x in gi.args if x.name == "repo"][0].pinned_literal)
         self.assertEqual(len(cat.poll_observations), 4)
