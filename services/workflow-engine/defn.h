@@ -49,11 +49,15 @@ typedef struct {
 } defn_violations;
 
 typedef struct {
-    /* Decides whether a tool whose catalogue entry names an `enabled_by` switch is served.
+    /* Decides whether a tool whose catalogue entry names an `enabled_by` switch is served;
+     * asked for `enabled_by_alias` too when the entry names one, and either enables the tool.
      * NULL: read the switch from the environment; "1", "true", "yes" and "on" enable it. */
     bool (*gate_enabled)(const char *switch_name, void *arg);
     void *gate_arg;
 } defn_options;
+
+/* The default gate_enabled: the switch read from the environment (arg unused). */
+bool defn_env_gate(const char *switch_name, void *arg);
 
 typedef struct defn_ctx defn_ctx;
 
@@ -102,8 +106,9 @@ typedef struct {
 typedef struct {
     const char *tool;
     const char *description;
-    const char *enabled_by; /* NULL, or the environment switch that gates the tool */
-    bool enabled;           /* false: refused by the validator and omitted by GetToolCatalog */
+    const char *enabled_by;       /* NULL, or the environment switch that gates the tool */
+    const char *enabled_by_alias; /* NULL, or another name of that switch (either enables) */
+    bool enabled; /* false: refused by the validator and omitted by GetToolCatalog */
     const defn_tool_action *actions;
     size_t n_actions;
 } defn_tool;

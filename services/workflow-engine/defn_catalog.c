@@ -30,7 +30,7 @@ static int bool_field(const cJSON *obj, const char *name, bool *out) {
     return 0;
 }
 
-static bool env_gate(const char *name, void *arg) {
+bool defn_env_gate(const char *name, void *arg) {
     (void)arg;
     const char *v = getenv(name);
     if (!v) return false;
@@ -83,13 +83,21 @@ static int load_tool(const cJSON *j, const defn_options *opts, defn_tool *t, cha
     t->tool = str_field(j, "tool");
     t->description = str_field(j, "description");
     t->enabled_by = str_field(j, "enabled_by");
+    t->enabled_by_alias = str_field(j, "enabled_by_alias");
     const cJSON *actions = cJSON_GetObjectItemCaseSensitive(j, "actions");
     if (!t->tool || !t->description || !cJSON_IsArray(actions) || !actions->child)
         return fail(err, errlen, "tool", "needs tool, description and a non-empty actions array");
+    if (t->enabled_by_alias && !t->enabled_by)
+        return fail(err, errlen, t->tool, "enabled_by_alias needs enabled_by");
     if (t->enabled_by) {
         bool (*gate)(const char *, void *) =
-            opts && opts->gate_enabled ? opts->gate_enabled : env_gate;
-        t->enabled = gate(t->enabled_by, opts ? opts->gate_arg : NULL);
+            opts && opts->gate_enabled ? opts->gate_enabled : defn_env_gate;
+        void *arg = opts ? opts->gate_arg : NULL;
+        /* either name of the switch enables the tool: code_exec's is WF_CODE_EXEC_ENABLED
+         * (spec: "code_exec, gated by WF_CODE_EXEC_ENABLED"), with UPSQUAD_CODE_EXEC_ENABLED,
+         * this service's earlier name, as its alias */
+        t->enabled =
+            gate(t->enabled_by, arg) || (t->enabled_by_alias && gate(t->enabled_by_alias, arg));
     } else {
         t->enabled = true;
     }

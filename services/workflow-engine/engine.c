@@ -73,6 +73,14 @@ static const cfg_var vars[] = {
      &C.agent_retry_backoff_ms, 10, 600000},
     {"UPSQUAD_WF_AGENT_RETRY_BACKOFF_MAX", CFG_MS, "60s",
      "longest delay between agent step retries", &C.agent_retry_backoff_max_ms, 10, 3600000},
+    /* the catalogue's switches (tools.json enabled_by, enabled_by_alias): catalog_gate */
+    {"WF_CODE_EXEC_ENABLED", CFG_BOOL, "false",
+     "serve the code_exec tool: GetToolCatalog lists it and definitions may use it (spec: "
+     "\"code_exec, gated by WF_CODE_EXEC_ENABLED\"); also on when UPSQUAD_CODE_EXEC_ENABLED is",
+     &C.code_exec, 0, 0},
+    {"UPSQUAD_CODE_EXEC_ENABLED", CFG_BOOL, "false",
+     "the same switch under this service's earlier name (an alias: either one enables code_exec)",
+     &C.code_exec_alias, 0, 0},
 };
 
 const cfg_var *wf_config_vars(size_t *n) {
@@ -82,6 +90,16 @@ const cfg_var *wf_config_vars(size_t *n) {
 
 wf_config *wf_config_get(void) {
     return &C;
+}
+
+/* The validator asks for the catalogue's switches by name. The ones declared in vars answer
+ * from the loaded configuration (--help-config lists them, a malformed value stops the start);
+ * a switch only another catalogue file names is read from the environment, as without opts. */
+static bool catalog_gate(const char *name, void *arg) {
+    const wf_config *cfg = arg;
+    if (!strcmp(name, "WF_CODE_EXEC_ENABLED")) return cfg->code_exec;
+    if (!strcmp(name, "UPSQUAD_CODE_EXEC_ENABLED")) return cfg->code_exec_alias;
+    return defn_env_gate(name, NULL);
 }
 
 static int set(const char *s) {
@@ -239,7 +257,9 @@ int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen
     snprintf(e->instance, sizeof e->instance, "%s:%d:%.8s", host, (int)getpid(), u);
     metrics(e);
     page_key(e);
-    if (defn_ctx_load(cfg->schema_file, cfg->catalog_file, NULL, &e->defn, err, errlen) != DEFN_OK)
+    defn_options dopts = {.gate_enabled = catalog_gate, .gate_arg = (void *)cfg};
+    if (defn_ctx_load(cfg->schema_file, cfg->catalog_file, &dopts, &e->defn, err, errlen) !=
+        DEFN_OK)
         goto fail;
     db_pool_opts_default(&po);
     po.size = (int)cfg->pg_pool_size;

@@ -2,8 +2,9 @@
  * run transitions in run.c / interp.c. Rules decided here (docs/workflow-engine.md):
  *   - org and member come from the verified token; both must be UUIDs (UNAUTHENTICATED).
  *   - Get/ListWorkflows show the org's team workflows and the caller's own private ones; a
- *     private workflow of someone else, a deleted one, or another org's is NOT_FOUND. Runs of a
- *     workflow follow the workflow's visibility (soft delete keeps them readable by id).
+ *     private workflow of someone else, a deleted one, or another org's is NOT_FOUND. Reads of
+ *     a run follow its workflow's visibility (soft delete keeps them readable by id); the run
+ *     control RPCs and DeliverWorkflowEvent are org-scoped only (org_run).
  *   - ids are validated first: empty is INVALID_ARGUMENT "<field> is required", not a UUID is
  *     INVALID_ARGUMENT "<field> must be a UUID"; nothing changes on any error. */
 #include "handlers.h"
@@ -65,7 +66,8 @@ static P(Workflow) * wf_msg(rpc_call *call, const PGresult *r, int row) {
 
 /* list_row: spec, WorkflowRun.nodes_total is "populated by ListRuns; other RPCs leave it at 0
  * since they surface action lists directly" (VisibleRunRow's run is populated "exactly as
- * ListRuns"); nodes_done carries no such rule and is filled everywhere. */
+ * ListRuns"), and nodes_done is "Populated by ListRuns (#1074). Same zero-default semantics as
+ * nodes_total". */
 static P(WorkflowRun) * run_msg(rpc_call *call, const PGresult *r, int row, int list_row) {
     P(WorkflowRun) *m = rpc_alloc(call, sizeof *m);
     INIT(workflow_run, m);
@@ -83,7 +85,7 @@ static P(WorkflowRun) * run_msg(rpc_call *call, const PGresult *r, int row, int 
     m->paused_at = wfr_ts(call, r, row, RUN_PAUSED_AT);
     m->cancelled_at = wfr_ts(call, r, row, RUN_CANCELLED_AT);
     m->nodes_total = list_row ? (int32_t)st_i(r, row, RUN_TOTAL) : 0;
-    m->nodes_done = (int32_t)st_i(r, row, RUN_DONE);
+    m->nodes_done = list_row ? (int32_t)st_i(r, row, RUN_DONE) : 0;
     m->display_name = wfr_s(call, r, row, RUN_DISPLAY);
     return m;
 }
@@ -458,14 +460,30 @@ static int get_tool_catalog(rpc_call *call, const ProtobufCMessage *req, Protobu
 
 /* ---- runs ---- */
 
-/* A run visible to the caller (its workflow's visibility), loaded in tx. RPC_OK or an error. */
-static int visible_run(rpc_call *call, const auth_identity *id, db_tx *tx, const char *run_id,
-                       int lock, wf_run *r) {
+/* A run of the caller's org, loaded in tx (row-level security reads no other org's row).
+ * RPC_OK or an error. The run-control RPCs and DeliverWorkflowEvent use it as it is: spec,
+ * "There is NO per-action RBAC on this RPC, and there is none on PauseRun / CancelRun /
+ * ResumeRun either ... any authenticated caller in the owning org may deliver an event to that
+ * org's run, exactly as any such caller may pause, cancel or resume it". */
+static int org_run(rpc_call *call, db_tx *tx, const char *run_id, int lock, wf_run *r) {
     char err[512];
     int found = 0;
     int rc = wf_run_load(tx, run_id, lock, r, &found, err, sizeof err);
     if (rc) return wfr_db_fail(call, rc, err);
-    if (!found || (!strcmp(r->visibility, "private") && strcmp(r->owner, id->sub))) {
+    if (!found) {
+        wf_run_free(r);
+        return rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
+    }
+    return RPC_OK;
+}
+
+/* A run visible to the caller (its workflow's visibility), loaded in tx, for the reads. RPC_OK
+ * or an error. */
+static int visible_run(rpc_call *call, const auth_identity *id, db_tx *tx, const char *run_id,
+                       int lock, wf_run *r) {
+    int rc = org_run(call, tx, run_id, lock, r);
+    if (rc) return rc;
+    if (!strcmp(r->visibility, "private") && strcmp(r->owner, id->sub)) {
         wf_run_free(r);
         return rpc_error(call, RPC_NOT_FOUND, "run %s not found", run_id);
     }
@@ -775,7 +793,7 @@ static int run_control(rpc_call *call, wf_engine *e, int op, const char *run_id,
         rc = wfr_db_fail(call, rc, err);
         goto done;
     }
-    if ((rc = visible_run(call, id, tx, run_id, 1, &run))) goto done;
+    if ((rc = org_run(call, tx, run_id, 1, &run))) goto done;
     int terminal = wf_run_terminal(run.status);
     const char *outcome = "noop";
     if (op == CTL_PAUSE && !terminal && strcmp(run.status, "paused")) {
@@ -890,7 +908,7 @@ static int deliver_event(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
         rc = wfr_db_fail(call, rc, err);
         goto done;
     }
-    if ((rc = visible_run(call, id, tx, rq->run_id, 1, &run))) goto done;
+    if ((rc = org_run(call, tx, rq->run_id, 1, &run))) goto done;
     /* burned durably before anything is signalled; org is the run's own */
     if ((rc = st_delivery_insert(tx, run.org, run.id, rq->event_key, rq->delivery_id, payload,
                                  &inserted, err, sizeof err))) {

@@ -379,11 +379,15 @@ int st_run_page(db_tx *tx, const char *wf, const char *member, const char *teams
     char l[16];
     snprintf(l, sizeof l, "%d", limit + 1);
     const char *p[] = {nz(wf), member, teams ? teams : "{}", statuses, after_us, nz(after_id), l};
+    /* across workflows (no $1): only "the runs whose parent workflow the CALLER may see", and a
+     * soft-deleted workflow's runs are "UNDISCOVERABLE through the workflow" (spec); by an
+     * explicit workflow_id they stay listable, as runs known by id stay readable */
     return ex(tx,
               RUN_SELECT
               "WHERE ($1::uuid IS NULL OR r.workflow_id = $1::uuid) "
-              "AND ($1::uuid IS NOT NULL OR (w.visibility = 'team' AND w.team_id = ANY "
-              "     ($3::uuid[])) OR (w.visibility = 'private' AND w.created_by = $2::uuid)) "
+              "AND ($1::uuid IS NOT NULL OR (w.deleted_at IS NULL AND ((w.visibility = 'team' "
+              "     AND w.team_id = ANY ($3::uuid[])) OR (w.visibility = 'private' "
+              "     AND w.created_by = $2::uuid)))) "
               "AND ($4::text[] IS NULL OR r.status = ANY ($4::text[])) "
               "AND ($6::uuid IS NULL OR (r.started_at, r.id) < (" US_TS(
                   "$5") ", $6::uuid)) "
@@ -846,12 +850,15 @@ int st_gate_pending(db_tx *tx, const char *member, int clearance, const char *ag
     snprintf(l, sizeof l, "%d", limit);
     snprintf(o, sizeof o, "%d", offset);
     const char *p[] = {member, c, agent ? agent : "", l, o};
-    /* only what this caller may decide: a visible run, the floor cleared, the answer scope met */
+    /* only what this caller may decide: a visible run, the floor cleared, the answer scope met;
+     * a soft-deleted workflow's runs are "UNDISCOVERABLE" (spec), so their gates are not listed
+     * here (they stay answerable by id) */
     return ex(tx,
               "SELECT a.id, w.name, count(*) OVER () FROM " S "governance g "
               "JOIN " S "actions a ON a.id = g.action_id JOIN " S "runs r ON r.id = g.run_id "
               "JOIN " S "workflows w ON w.id = r.workflow_id "
               "WHERE g.status = 'pending' AND a.status IN ('awaiting_approval', 'escalated') "
+              "AND w.deleted_at IS NULL "
               "AND (w.visibility = 'team' OR w.created_by = $1::uuid) "
               "AND g.required_clearance <= $2::int "
               "AND (coalesce(g.spec->>'answerable_by', '') <> 'requester' "

@@ -272,7 +272,12 @@ class EngineTest(unittest.TestCase):
         self.err(C.FAILED_PRECONDITION, lambda: self.trigger(arch.id))
         # delete: gone from Get/List, idempotent as NOT_FOUND, runs stay readable by id
         run = self.trigger(w.id)
+        visible = lambda: {r.run.id for r in self.A("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=100)).runs}
+        self.assertIn(run.id, visible())  # a team workflow of the caller's team
         self.A("DeleteWorkflow", W.DeleteWorkflowRequest(workflow_id=w.id))
+        # spec: the runs "become UNDISCOVERABLE through the workflow"; ListVisibleRuns lists
+        # "the runs whose parent workflow the CALLER may see"
+        self.assertNotIn(run.id, visible())
         self.err(C.NOT_FOUND, lambda: self.A("GetWorkflow", W.GetWorkflowRequest(workflow_id=w.id)))
         self.err(C.NOT_FOUND, lambda: self.A("DeleteWorkflow", W.DeleteWorkflowRequest(workflow_id=w.id)))
         self.assertNotIn(w.id, {x.id for x in self.A("ListWorkflows", W.ListWorkflowsRequest(limit=100)).workflows})
@@ -286,6 +291,25 @@ class EngineTest(unittest.TestCase):
         tools = {t.tool: t for t in cat.tools}
         self.assertIn("github", tools)
         self.assertNotIn("code_exec", tools)  # gated off here: omitted, not advertised
+        # spec: "code_exec, gated by WF_CODE_EXEC_ENABLED"; the older name is an alias of it
+        for switch in ("WF_CODE_EXEC_ENABLED", "UPSQUAD_CODE_EXEC_ENABLED"):
+            on = T.Server("workflow-engine", env=dict(ENGINE_ENV, **{switch: "true"}))
+            c = Client(on.addr, self.tok)
+            try:
+                listed = {t.tool: t for t in c("GetToolCatalog", W.GetToolCatalogRequest()).tools}
+                self.assertIn("code_exec", listed, switch)
+                self.assertEqual([a.action for a in listed["code_exec"].actions], ["run"])
+                self.create(defn("x", {"x": {"type": "tool_action", "tool": "code_exec", "action": "run",
+                                             "with": {"language": "python", "code": "print(1)"}}}), client=c)
+            finally:
+                c.close()
+                on.stop()
+        with self.assertRaises(RuntimeError) as bad_switch:  # a malformed value stops the start
+            T.Server("workflow-engine", env=dict(ENGINE_ENV, WF_CODE_EXEC_ENABLED="maybe"))
+        self.assertIn("WF_CODE_EXEC_ENABLED", str(bad_switch.exception))
+        self.err(C.INVALID_ARGUMENT, self.create, defn("x", {"x": {"type": "tool_action", "tool": "code_exec", "action": "run",
+                                                                  "with": {"language": "python", "code": "print(1)"}}}),
+                 contains="WF_CODE_EXEC_ENABLED")
         gi = [a for a in tools["github"].actions if a.action == "get_issue"][0]
         self.assertTrue([x for x in gi.args if x.name == "repo"][0].pinned_literal)
         self.assertEqual(len(cat.poll_observations), 4)
@@ -343,8 +367,9 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(self.scoped_sql("SELECT a.cost_usd || ':' || r.cost_usd FROM workflow_engine.actions a "
                                          "JOIN workflow_engine.runs r ON r.id = a.run_id WHERE a.id = '%s'" % think.id),
                          ["0.5:0.5"])
-        # nodes_total: "populated by ListRuns; other RPCs leave it at 0" (they carry actions)
-        self.assertEqual((s.run.nodes_total, s.run.nodes_done), (0, len(s.actions)))
+        # nodes_total: "populated by ListRuns; other RPCs leave it at 0" (they carry actions);
+        # nodes_done: "Populated by ListRuns (#1074). Same zero-default semantics as nodes_total"
+        self.assertEqual((s.run.nodes_total, s.run.nodes_done), (0, 0))
         listed = self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id)).runs
         self.assertEqual([(r.id, r.nodes_total, r.nodes_done) for r in listed],
                          [(run.id, len(s.actions), len(s.actions))])
@@ -379,10 +404,12 @@ class EngineTest(unittest.TestCase):
             "fan": {"type": "parallel", "branches": ["l", "r"]},
             "l": tool("get_issue", number=1),
             "r": tool("get_issue", number=1)})
-        s = self.done(self.trigger(self.create(d).id).id, 40)
+        w = self.create(d)
+        s = self.done(self.trigger(w.id).id, 40)
         self.assertEqual(s.run.status, "completed")
         self.assertEqual(len(s.actions), 1 + 20 * 3 + 3)
-        self.assertEqual(s.run.nodes_done, len(s.actions))
+        listed = self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id)).runs[0]
+        self.assertEqual((listed.nodes_total, listed.nodes_done), (len(s.actions), len(s.actions)))  # skipped is done
         t1 = [a for a in s.actions if a.step_name == "t1"]
         self.assertEqual([(a.iteration, a.status) for a in t1 if a.status == "completed"], [(3, "completed")])
         self.assertEqual(len([a for a in t1 if a.status == "skipped"]), 19)
@@ -595,6 +622,7 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(self.A("ResumeRun", W.ResumeRunRequest(run_id=run2.id)).run.status, "running")
         c = self.B("CancelRun", W.CancelRunRequest(run_id=run2.id, reason="stop")).run
         self.assertEqual(c.status, "cancelled")
+        self.assertEqual((c.nodes_total, c.nodes_done), (0, 0))  # ListRuns' fields only
         self.assertTrue(c.HasField("cancelled_at"))
         self.assertEqual(self.A("CancelRun", W.CancelRunRequest(run_id=run2.id)).run.status, "cancelled")
         time.sleep(0.5)
@@ -614,6 +642,31 @@ class EngineTest(unittest.TestCase):
         for m, R in (("PauseRun", W.PauseRunRequest), ("ResumeRun", W.ResumeRunRequest), ("CancelRun", W.CancelRunRequest)):
             self.err(C.NOT_FOUND, lambda: self.other_org(m, R(run_id=run2.id)))
             self.err(C.INVALID_ARGUMENT, lambda: self.A(m, R(run_id="")), contains="run_id")
+
+    def test_06b_run_control_by_any_org_member(self):
+        # spec, DeliverWorkflowEvent: "any authenticated caller in the owning org may deliver an
+        # event to that org's run, exactly as any such caller may pause, cancel or resume it" —
+        # also a run of another member's private workflow, which that member still cannot read
+        priv = self.create(defn("w", {"w": {"type": "wait", "mode": "signal", "event_key": "k", "next": "w2"},
+                                      "w2": {"type": "wait", "mode": "signal", "event_key": "k2"}}),
+                           visibility="private")
+        run = self.trigger(priv.id)
+        self.wait_for(run.id, lambda s: s.actions and s.actions[0].status == "waiting")
+        them = self.other_user  # same org, another member, clearance 1, not the owner
+        self.err(C.NOT_FOUND, lambda: self.status(run.id, them))
+        self.assertEqual(them("PauseRun", W.PauseRunRequest(run_id=run.id)).run.status, "paused")
+        self.assertEqual(them("ResumeRun", W.ResumeRunRequest(run_id=run.id)).run.status, "running")
+        r = them("DeliverWorkflowEvent", W.DeliverWorkflowEventRequest(run_id=run.id, event_key="k", delivery_id="1"))
+        self.assertFalse(r.deduplicated)
+        s = self.wait_for(run.id, lambda s: len(s.actions) == 2 and s.actions[1].status == "waiting")
+        self.assertEqual(s.actions[0].status, "completed")
+        self.err(C.NOT_FOUND, lambda: them("GetNodeIO", W.GetNodeIORequest(run_id=run.id, node_id=s.actions[0].id)))
+        self.assertEqual(them("CancelRun", W.CancelRunRequest(run_id=run.id)).run.status, "cancelled")
+        # another org's caller: NOT_FOUND on each
+        for m, req in (("PauseRun", W.PauseRunRequest(run_id=run.id)), ("ResumeRun", W.ResumeRunRequest(run_id=run.id)),
+                       ("CancelRun", W.CancelRunRequest(run_id=run.id)),
+                       ("DeliverWorkflowEvent", W.DeliverWorkflowEventRequest(run_id=run.id, event_key="k2", delivery_id="2"))):
+            self.err(C.NOT_FOUND, lambda: self.other_org(m, req))
 
     def test_07_lists_and_visibility(self):
         d = defn("a", {"a": tool("get_issue", number=1)})
@@ -656,6 +709,8 @@ class EngineTest(unittest.TestCase):
             seen |= {r.run.id for r in page.runs}
             for r in page.runs:
                 self.assertTrue(r.workflow_name)
+                if r.run.id in runs or r.run.id == prun:  # "exactly as ListRuns"
+                    self.assertEqual((r.run.nodes_total, r.run.nodes_done), (1, 1))
                 self.assertTrue(r.HasField("open_prompt_count"))
             tok = page.next_page_token
             if not tok:

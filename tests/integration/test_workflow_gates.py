@@ -519,6 +519,22 @@ class GatesTest(unittest.TestCase):
         self.assertIn("end", [n.step_name for n in r.next_actions])
         self.assertEqual(self.wait_for(run, lambda s: s.run.status == "completed", timeout=10).run.status, "completed")
 
+    def test_06b_deleted_workflow(self):
+        """Spec, DeleteWorkflow: the runs "become UNDISCOVERABLE through the workflow", but
+        "any run row already known by id remains readable": the gate leaves the pending list and
+        stays answerable by its id."""
+        wf = self.A("CreateWorkflow", W.CreateWorkflowRequest(name="gone", definition=st(defn("g", {"g": gate(1)})),
+                                                              team_id=self.team)).workflow
+        run = self.A("TriggerWorkflow", W.TriggerWorkflowRequest(workflow_id=wf.id)).run.id
+        a = self.parked(run, "g")
+        pending = lambda: [p.action.id for p in self.A("ListPendingApprovals", W.ListPendingApprovalsRequest(limit=100)).approvals]
+        self.assertIn(a.id, pending())
+        self.A("DeleteWorkflow", W.DeleteWorkflowRequest(workflow_id=wf.id))
+        self.assertNotIn(a.id, pending())
+        self.assertTrue(self.A("GetApproval", AP.GetApprovalRequest(approval_id=a.approval_id)).approval.can_decide)
+        self.B("ApproveAction", W.ApproveActionRequest(action_id=a.id))
+        self.assertEqual(self.wait_for(run, lambda s: s.run.status == "completed").run.status, "completed")
+
     def test_07_cross_tenant(self):
         run = self.start(defn("g", {"g": gate(1)}))
         a = self.parked(run, "g")

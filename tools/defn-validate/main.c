@@ -8,8 +8,8 @@
  * "FILE: <pointer>: <message>" line per violation; with --json one JSON object per file:
  * {"file", "valid", "violations": [{"instance_location", "message"}]}.
  * Exit status: 0 all valid, 1 some invalid, 2 usage or load error.
- * Tools gated by a switch (catalogue `enabled_by`) follow the environment unless --enable names
- * the switch.
+ * Tools gated by a switch (catalogue `enabled_by`, or its `enabled_by_alias`) follow the
+ * environment unless --enable names the switch (either name).
  */
 #include <cjson/cJSON.h>
 #include <stdio.h>

@@ -348,6 +348,7 @@ static bool enable_all(const char *name, void *arg) {
 
 static void test_catalog_views_and_gate(void **state) {
     (void)state;
+    unsetenv("WF_CODE_EXEC_ENABLED");
     unsetenv("UPSQUAD_CODE_EXEC_ENABLED");
     defn_ctx *ctx = load_real(NULL);
     size_t n;
@@ -365,7 +366,8 @@ static void test_catalog_views_and_gate(void **state) {
         if (strcmp(tools[i].tool, "platform") == 0) platform = tools[i].enabled;
         if (strcmp(tools[i].tool, "code_exec") == 0) {
             code = !tools[i].enabled;
-            assert_string_equal(tools[i].enabled_by, "UPSQUAD_CODE_EXEC_ENABLED");
+            assert_string_equal(tools[i].enabled_by, "WF_CODE_EXEC_ENABLED");
+            assert_string_equal(tools[i].enabled_by_alias, "UPSQUAD_CODE_EXEC_ENABLED");
         }
     }
     assert_true(github && platform && code);
@@ -383,16 +385,21 @@ static void test_catalog_views_and_gate(void **state) {
         "\"code\":\"print(1)\"}}}}";
     expect(ctx, doc,
            "/steps/run/tool|tool \"code_exec\" is not enabled in this deployment "
-           "(switch UPSQUAD_CODE_EXEC_ENABLED)");
+           "(switch WF_CODE_EXEC_ENABLED)");
     defn_ctx_free(ctx);
-    /* The switch, through the environment and through the options. */
-    setenv("UPSQUAD_CODE_EXEC_ENABLED", "true", 1);
+    /* The switch, through the environment by either name and through the options. */
+    setenv("WF_CODE_EXEC_ENABLED", "true", 1);
     ctx = load_real(NULL);
     expect(ctx, doc, "");
     defn_ctx_free(ctx);
-    setenv("UPSQUAD_CODE_EXEC_ENABLED", "0", 1);
+    setenv("WF_CODE_EXEC_ENABLED", "0", 1);
     ctx = load_real(NULL);
     assert_null(defn_catalog_find(ctx, "code_exec", "run"));
+    defn_ctx_free(ctx);
+    unsetenv("WF_CODE_EXEC_ENABLED");
+    setenv("UPSQUAD_CODE_EXEC_ENABLED", "on", 1);
+    ctx = load_real(NULL);
+    expect(ctx, doc, "");
     defn_ctx_free(ctx);
     unsetenv("UPSQUAD_CODE_EXEC_ENABLED");
     defn_options opts = {.gate_enabled = enable_all};
@@ -418,6 +425,9 @@ static void test_catalog_load_errors(void **state) {
         "{\"tools\":[{\"tool\":\"t\",\"description\":\"d\",\"actions\":[{\"action\":\"a\","
         "\"description\":\"d\",\"args\":[{\"name\":\"n\",\"type\":\"date\",\"required\":true,"
         "\"description\":\"d\",\"pinned_literal\":false}]}]}],\"poll_observations\":[]}",
+        "{\"tools\":[{\"tool\":\"t\",\"description\":\"d\",\"enabled_by_alias\":\"X\","
+        "\"actions\":[{\"action\":\"a\",\"description\":\"d\",\"args\":[]}]}],"
+        "\"poll_observations\":[]}",
     };
     const char *schema = "{\"type\":\"object\"}";
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
@@ -457,6 +467,7 @@ static void test_concurrent_contexts_are_independent(void **state) {
     (void)state;
     /* Two contexts with different gates answer independently (no global state). */
     defn_options on = {.gate_enabled = enable_all};
+    unsetenv("WF_CODE_EXEC_ENABLED");
     unsetenv("UPSQUAD_CODE_EXEC_ENABLED");
     defn_ctx *a = load_real(&on), *b = load_real(NULL);
     assert_non_null(defn_catalog_find(a, "code_exec", "run"));
