@@ -6,8 +6,10 @@
  * Locking: c->mu guards the queue and the flags below it in struct rpc_call, and, for a
  * stream, the outgoing status (c->code, c->message: the handler's rpc_error, a producer's
  * rpc_stream_finish and the close completion meet there). Callbacks (on_close) run without
- * it. Nothing here allocates from the call's arena, which belongs to the handler's thread:
- * a final message from rpc_stream_finish is a heap copy. */
+ * it, and so does grpc_call_start_batch: the next batch is chosen under it (pump_locked) and
+ * started after it is released (pump_start), so a producer never waits on it for a write. Nothing
+ * here allocates from the call's arena, which belongs to the handler's thread: a final message from
+ * rpc_stream_finish is a heap copy. */
 #include <assert.h>
 #include <errno.h>
 #include <stdlib.h>
