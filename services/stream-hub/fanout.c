@@ -660,13 +660,16 @@ static void on_org_msg(bus *b, natsMsg *m, void *ud) {
     leave = rpc_frame_encode(&l.base);
     if (!f || !leave) goto done;
     int bit = status[0] ? hub_status_bit(status) : 0;
+    /* a deleted workflow's run leaves every set for good (spec DeleteWorkflow: its runs
+     * "become UNDISCOVERABLE through the workflow") */
+    int gone = sc->workflow_deleted;
     pthread_mutex_lock(&t->mu);
     seen *tr = seen_get(&t->runs, sc->run_id, 1);
     if (tr && ev->seq > tr->seq) tr->seq = ev->seq;
     batch_begin(t, more);
     for (hub_sub *s = t->subs; s; s = s->next) {
         if (!sub_sees(s, sc->visibility, sc->team_id, sc->owner_id)) continue;
-        int match = status[0] ? (s->status_mask & bit) != 0 : -1;
+        int match = gone ? 0 : status[0] ? (s->status_mask & bit) != 0 : -1;
         if (s->state == SS_SNAP)
             pending_add(s, f, leave, ev->seq, sc->run_id, "", match, 0);
         else if (s->state == SS_LIVE)

@@ -51,6 +51,7 @@ static int project_run_event(hub *h, const uint8_t *data, size_t len) {
         .visibility = sc->visibility,
         .owner_id = sc->owner_id,
         .display_name = sc->display_name,
+        .workflow_deleted = sc->workflow_deleted,
         .status = "",
         .body = data,
         .len = len,

@@ -156,6 +156,9 @@ int hs_put_run_event(db_pool *p, const hs_run_event *e, char *err, size_t errlen
                           done,
                           b(e->has_counters)};
     rc = db_exec(db_tx_conn(tx), SQL_PUT_RUN, 19, rv, NULL, err, errlen);
+    if (rc == DB_OK && e->workflow_deleted) /* sticky: no seq order needed */
+        rc = db_exec(db_tx_conn(tx), "UPDATE runs SET workflow_deleted = true WHERE run_id = $1", 1,
+                     &e->run_id, NULL, err, errlen);
     if (rc != DB_OK) goto done;
     /* after the upsert: the run row is locked until commit, so replicas projecting events of
      * this run advance its contiguous prefix one after the other, each seeing the others'
@@ -254,7 +257,7 @@ static const char SQL_VISIBLE_RUNS[] =
     "FROM (SELECT * FROM runs r "
     "  WHERE ((r.visibility <> 'private' AND r.team_id = ANY($2::text[])) "
     "   OR (r.visibility = 'private' AND r.owner_id = $1)) "
-    "  AND ($3::boolean OR r.status = ANY($4::text[])) "
+    "  AND ($3::boolean OR r.status = ANY($4::text[])) AND NOT r.workflow_deleted "
     "  ORDER BY r.started_at DESC, r.run_id DESC LIMIT $5) r "
     "LEFT JOIN LATERAL (SELECT count(*)::int AS nodes, "
     "  count(*) FILTER (WHERE x.status IN ('done', 'failed'))::int AS done, "

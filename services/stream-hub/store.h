@@ -59,6 +59,8 @@ typedef struct hs_run_event {
     const char *node_status;
     /* counters ('r' only) */
     int has_counters, nodes_total, nodes_done;
+    /* the run's workflow is deleted (RunScope.workflow_deleted: no visible-runs set has it) */
+    int workflow_deleted;
     const uint8_t *body;
     size_t len;
 } hs_run_event;

@@ -374,6 +374,23 @@ done:
     return rc;
 }
 
+/* A deleted workflow's runs "become UNDISCOVERABLE through the workflow" (spec DeleteWorkflow):
+ * each one's RunTransition, its scope now saying workflow_deleted, in the delete's transaction
+ * (one event per run: the delete of a workflow with N runs writes N outbox rows). ids: the
+ * runs, locked. */
+static int runs_leave(db_tx *tx, const PGresult *ids, char *err, size_t errlen) {
+    int rc = DB_OK;
+    for (int i = 0; rc == DB_OK && i < PQntuples(ids); i++) {
+        wf_run run;
+        int found = 0;
+        rc = wf_run_load(tx, st_s(ids, i, 0), 1, &run, &found, err, errlen);
+        if (rc == DB_OK && found && !(rc = wf_run_workflow_deleted(&run, err, errlen)))
+            rc = wf_run_flush(&run, err, errlen);
+        wf_run_free(&run);
+    }
+    return rc;
+}
+
 static int delete_workflow(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
                            void *ud) {
     const P(DeleteWorkflowRequest) *rq = (const void *)req;
@@ -382,13 +399,28 @@ static int delete_workflow(rpc_call *call, const ProtobufCMessage *req, Protobuf
     const auth_identity *id;
     char err[512];
     db_tx *tx = NULL;
-    PGresult *r = NULL;
+    PGresult *r = NULL, *ids = NULL;
+    int deleted = 0;
     int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
-    if ((rc = wf_locked(call, e, id, rq->workflow_id, &tx, &r))) goto done;
-    /* soft delete: runs, actions and logs stay, readable by id */
-    if ((rc = st_wf_delete(tx, rq->workflow_id, err, sizeof err)) ||
-        (rc = st_schedule_drop(tx, rq->workflow_id, err, sizeof err)) ||
+    /* lock order: the workflow's runs, then the workflow row (a tick holds its run while it
+     * needs a share of the workflow row: locking the row first deadlocked with ticks) */
+    if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err)) ||
+        (rc = st_wf_get(tx, rq->workflow_id, id->sub, 0, &r, err, sizeof err)) ||
+        (PQntuples(r) > 0 &&
+         ((rc = st_wf_run_ids(tx, rq->workflow_id, &ids, err, sizeof err)) ||
+          (rc = st_wf_delete(tx, rq->workflow_id, &deleted, err, sizeof err))))) {
+        rc = wfr_db_fail(call, rc, err);
+        goto done;
+    }
+    if (!deleted) { /* absent, invisible, or deleted meanwhile */
+        rc = rpc_error(call, RPC_NOT_FOUND, "workflow %s not found", rq->workflow_id);
+        goto done;
+    }
+    /* soft delete: runs, actions and logs stay, readable by id; each run tells the bus it left
+     * every visible-runs set (the stream-hub's StreamVisibleRuns) */
+    if ((rc = st_schedule_drop(tx, rq->workflow_id, err, sizeof err)) ||
+        (rc = runs_leave(tx, ids, err, sizeof err)) ||
         (rc = st_audit(tx, id->org_id, id->sub, rq->workflow_id, "workflow.delete", "", err,
                        sizeof err)) ||
         (rc = db_tx_commit(tx, err, sizeof err))) {
@@ -397,8 +429,10 @@ static int delete_workflow(rpc_call *call, const ProtobufCMessage *req, Protobuf
         goto done;
     }
     tx = NULL;
+    wf_engine_kick_relay(e);
 done:
     db_tx_rollback(tx);
+    PQclear(ids);
     PQclear(r);
     return rc;
 }

@@ -44,6 +44,7 @@ int wf_run_take(db_tx *tx, PGresult *res, wf_run *r, int *found) {
     cp(r->visibility, sizeof r->visibility, st_s(res, 0, RL_VISIBILITY));
     cp(r->owner, sizeof r->owner, st_s(res, 0, RL_OWNER));
     cp(r->classification, sizeof r->classification, st_s(res, 0, RL_CLASSIFICATION));
+    r->wf_deleted = st_b(res, 0, RL_WF_DELETED);
     r->wf_name = strdup(st_s(res, 0, RL_WF_NAME));
     r->display_name = strdup(st_s(res, 0, RL_DISPLAY));
     r->seq = r->seq_loaded = st_i(res, 0, RL_SEQ);
@@ -121,6 +122,7 @@ static void scope_of(const wf_run *r, RunScope *s) {
     s->triggered_by = (char *)r->triggered_by;
     s->data_classification = (char *)r->classification;
     s->display_name = r->display_name ? r->display_name : "";
+    s->workflow_deleted = r->wf_deleted;
 }
 
 /* Encodes ev with the next seq and writes it to the outbox for subject kind. */
@@ -235,22 +237,18 @@ int wf_emit_log(wf_run *r, const char *action_id, const char *level, const char 
     return put_event(r, &ev, SUBJ_WF_LOG, err, errlen);
 }
 
-int wf_run_transition(wf_run *r, const char *status, const char *reason, char *err, size_t errlen) {
+/* The run's RunTransition event (status now r->status, before prev), with its counters. */
+static int emit_run(wf_run *r, const char *prev, const char *reason, char *err, size_t errlen) {
     RunEvent ev;
     Upsquad__Internal__V1__RunTransition rt;
     Google__Protobuf__Timestamp started, completed;
     PGresult *row = NULL;
-    char prev[16], msg[512];
-    cp(prev, sizeof prev, r->status);
-    int rc = st_run_set_status(r->tx, r->id, status, reason, err, errlen);
-    if (rc != DB_OK) return rc;
-    cp(r->status, sizeof r->status, status);
-    rc = st_run_counts(r->tx, r->id, &row, err, errlen);
+    int rc = st_run_counts(r->tx, r->id, &row, err, errlen);
     if (rc != DB_OK) return rc;
     upsquad__internal__v1__run_event__init(&ev);
     upsquad__internal__v1__run_transition__init(&rt);
     rt.status = r->status;
-    rt.previous_status = prev;
+    rt.previous_status = (char *)prev;
     rt.nodes_total = (int32_t)st_i(row, 0, RC_TOTAL);
     rt.nodes_done = (int32_t)st_i(row, 0, RC_DONE);
     rt.cost_usd = st_d(row, 0, RC_COST);
@@ -264,11 +262,23 @@ int wf_run_transition(wf_run *r, const char *status, const char *reason, char *e
     PQclear(row);
     ev.event_case = UPSQUAD__INTERNAL__V1__RUN_EVENT__EVENT_RUN;
     ev.run = &rt;
-    rc = put_event(r, &ev, SUBJ_WF_STATUS, err, errlen);
+    return put_event(r, &ev, SUBJ_WF_STATUS, err, errlen);
+}
+
+int wf_run_transition(wf_run *r, const char *status, const char *reason, char *err, size_t errlen) {
+    char prev[16], msg[512];
+    cp(prev, sizeof prev, r->status);
+    int rc = st_run_set_status(r->tx, r->id, status, reason, err, errlen);
     if (rc != DB_OK) return rc;
+    cp(r->status, sizeof r->status, status);
+    if ((rc = emit_run(r, prev, reason, err, errlen)) != DB_OK) return rc;
     snprintf(msg, sizeof msg, "run %s%s%s", status, reason && reason[0] ? ": " : "",
              reason ? reason : "");
     return wf_emit_log(r, NULL, !strcmp(status, "failed") ? "ERROR" : "INFO", msg, err, errlen);
+}
+
+int wf_run_workflow_deleted(wf_run *r, char *err, size_t errlen) {
+    return emit_run(r, r->status, "", err, errlen); /* the scope says why */
 }
 
 /* ---- projection rules: the spec's single source (WorkflowAction.status) ---- */

@@ -13,7 +13,8 @@ typedef struct wf_run {
     char id[37], org[37], wf[37], triggered_by[37], team[37], owner[37];
     char status[16], visibility[16], classification[16];
     char *wf_name, *display_name;
-    int64_t seq; /* last event seq written */
+    int wf_deleted; /* its workflow is soft-deleted (RunScope.workflow_deleted) */
+    int64_t seq;    /* last event seq written */
     int64_t seq_loaded;
     int64_t started_ms;
     cJSON *def, *context;
@@ -49,6 +50,10 @@ int wf_emit_node(wf_run *r, const wf_node_ev *n, char *err, size_t errlen);
 /* Sets the run status (timestamps per st_run_set_status) and emits the RunTransition and a
  * log line. */
 int wf_run_transition(wf_run *r, const char *status, const char *reason, char *err, size_t errlen);
+/* Emits the run's RunTransition, status unchanged, after its workflow was soft-deleted (loaded
+ * after the delete, its scope carries workflow_deleted: the run leaves every visible-runs
+ * set). Flush with wf_run_flush. */
+int wf_run_workflow_deleted(wf_run *r, char *err, size_t errlen);
 int wf_emit_log(wf_run *r, const char *action_id, const char *level, const char *msg, char *err,
                 size_t errlen);
 

@@ -184,12 +184,23 @@ int st_wf_set_trigger(db_tx *tx, const char *id, int enabled, const char *trigge
     return rc != DB_OK ? rc : wf_by_id(tx, id, out, err, errlen);
 }
 
-int st_wf_delete(db_tx *tx, const char *id, char *err, size_t errlen) {
+int st_wf_delete(db_tx *tx, const char *id, int *deleted, char *err, size_t errlen) {
     const char *p[] = {id};
-    return ex(tx,
-              "UPDATE " S "workflows SET deleted_at = now(), enabled = false "
-              "WHERE id = $1::uuid AND deleted_at IS NULL",
-              1, p, NULL, err, errlen);
+    PGresult *r = NULL;
+    int rc = ex(tx,
+                "UPDATE " S "workflows SET deleted_at = now(), enabled = false "
+                "WHERE id = $1::uuid AND deleted_at IS NULL RETURNING id",
+                1, p, &r, err, errlen);
+    *deleted = rc == DB_OK && PQntuples(r) == 1;
+    PQclear(r);
+    return rc;
+}
+
+int st_wf_run_ids(db_tx *tx, const char *wf, PGresult **out, char *err, size_t errlen) {
+    const char *p[] = {wf};
+    /* by id: every deleter locks a workflow's runs in the same order */
+    return ex(tx, "SELECT id FROM " S "runs WHERE workflow_id = $1::uuid ORDER BY id FOR UPDATE", 1,
+              p, out, err, errlen);
 }
 
 /* ---- schedules ---- */
@@ -317,7 +328,8 @@ int st_run_insert(db_tx *tx, const char *id, const char *org, const char *wf,
     "SELECT r.id, r.org_id, r.workflow_id, r.triggered_by, r.status, r.context::text, "            \
     "r.definition::text, r.display_name, r.event_seq, r.cost_usd, " MS("r.started_at") ", " MS(    \
         "r.completed_at") ", w.name, w.team_id, w.visibility, w.created_by, "                      \
-                          "w.data_classification FROM " S "runs r JOIN " S                         \
+                          "w.data_classification, w.deleted_at IS NOT NULL FROM " S                \
+                          "runs r JOIN " S                                                         \
                           "workflows w ON w.id = r.workflow_id WHERE r.id = $1::uuid"
 
 int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *err, size_t errlen) {

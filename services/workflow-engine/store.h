@@ -79,7 +79,10 @@ int st_wf_set_trigger(db_tx *tx, const char *id, int enabled, const char *trigge
                       const char *trigger_config, PGresult **out, char *err, size_t errlen);
 /* Any workflow of the org by id, deleted or private included (the scheduler's view). */
 int st_wf_row(db_tx *tx, const char *id, PGresult **out, char *err, size_t errlen);
-int st_wf_delete(db_tx *tx, const char *id, char *err, size_t errlen);
+/* *deleted 0: it was already deleted. */
+int st_wf_delete(db_tx *tx, const char *id, int *deleted, char *err, size_t errlen);
+/* Every run of the workflow (column 0: id), ordered by id, locked (FOR UPDATE). */
+int st_wf_run_ids(db_tx *tx, const char *wf, PGresult **out, char *err, size_t errlen);
 
 /* ---- schedules ---- */
 int st_schedule_put(db_tx *tx, const char *wf, const char *org, const char *spec_json,
@@ -129,6 +132,7 @@ enum {
     RL_VISIBILITY,
     RL_OWNER,
     RL_CLASSIFICATION,
+    RL_WF_DELETED,
     RL_NCOLS
 };
 int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *err, size_t errlen);

@@ -308,6 +308,44 @@ class PromptFrames(unittest.TestCase):
             response_payload=st({"option_key": "go", "fields": {}})), AP.RecordDecisionResponse,
             svc="/upsquad.approval.v1.ApprovalService/")
 
+    def test_5_a_deleted_workflows_run_leaves_the_visible_set(self):
+        """DeleteWorkflow: spec, the runs "become UNDISCOVERABLE through the workflow". The
+        engine says so on the bus for each run (RunScope.workflow_deleted): a StreamVisibleRuns
+        subscriber gets `leaving` for the parked run, a new snapshot leaves it out, and the run
+        stays readable by id."""
+        d = {"version": 1, "start": "g",
+             "steps": {"g": {"type": "approval_gate", "required_clearance": 1, "summary": "ship?"}}}
+        wf = self.wf("CreateWorkflow", W.CreateWorkflowRequest(name="doomed", definition=st(d),
+                                                               team_id=self.team)).workflow
+        run = self.wf("TriggerWorkflow", W.TriggerWorkflowRequest(workflow_id=wf.id)).run.id
+        self.parked(run, "g")
+        rpc = self.hub_ch.unary_stream(SVC + "StreamVisibleRuns",
+                                        request_serializer=W.StreamVisibleRunsRequest.SerializeToString,
+                                        response_deserializer=W.VisibleRunEvent.FromString)
+
+        def snapshot():
+            r = VisReader(rpc, self.tok(1))
+            wait_until(lambda: any(m.snapshot_done for m in r.msgs), 15, "snapshot_done")
+            return r
+        end = time.time() + 10
+        while True:     # the hub projects from the bus asynchronously
+            live = snapshot()
+            if any(m.run_id == run and m.is_snapshot for m in live.msgs) or time.time() > end:
+                break
+            live.cancel()
+        self.assertIn(run, [m.run_id for m in live.msgs if m.is_snapshot])
+        self.wf("DeleteWorkflow", W.DeleteWorkflowRequest(workflow_id=wf.id))
+        wait_until(lambda: any(m.run_id == run and m.leaving for m in live.msgs), 15, "leaving")
+        live.cancel()
+        end = time.time() + 10
+        while True:
+            snap = snapshot()
+            snap.cancel()
+            if run not in [m.run_id for m in snap.msgs] or time.time() > end:
+                break
+        self.assertNotIn(run, [m.run_id for m in snap.msgs])
+        self.assertEqual(self.wf("GetWorkflowStatus", W.GetWorkflowStatusRequest(run_id=run)).run.id, run)
+
     def test_3_agent_ask_user_frame_between_token_frames_is_no_gap(self):
         run = self.start({"a": {"type": "agent_action", "agent_role": "eng", "prompt": "deploy"}}, "a")
         lo = self.subscribe(run, 3)

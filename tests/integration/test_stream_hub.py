@@ -1045,6 +1045,40 @@ class StreamHub(unittest.TestCase):
         self.assertEqual(live_all, [(r5, "running", False), (r1, "running", False),
                                     (r1, "completed", False)])
 
+    def test_visible_runs_leave_out_a_deleted_workflows_runs(self):
+        """DeleteWorkflow: the workflow's runs "become UNDISCOVERABLE through the workflow"
+        (RunScope.workflow_deleted on every event from the delete on): a live subscriber gets
+        `leaving` for each, a later event of such a run (it may still be running) does not bring
+        it back, a new snapshot leaves it out; by id it stays readable."""
+        org, team, me = uid(), uid(), uid()
+        wf = uid()
+        r1 = self.new_run(org, team=team, name="doomed")
+        r2 = self.new_run(org, team=team, name="kept")
+        for r in (r1, r2):
+            self.projected(r, 1)
+        kw = dict(teams=(team,), sub=me, clearance=1)
+        live = self.read(self.a, "StreamVisibleRuns", W.StreamVisibleRunsRequest(status_filter=4), org, **kw)
+        wait_until(lambda: any(m.snapshot_done for m in live.msgs), 10, "snapshot_done")
+        self.assertEqual({m.run_id for m in live.msgs[:-1]}, {r1, r2})
+        self.pub("run", org=org, run=r1, seq=2, status="running", team=team, workflow_id=wf,
+                 workflow_deleted=True)
+        self.pub("node", org=org, run=r1, seq=3, node_id="x", status="running", team=team,
+                 run_status="running", workflow_id=wf, workflow_deleted=True)
+        self.pub("run", org=org, run=r2, seq=2, status="completed", team=team)
+        wait_until(lambda: any(m.run_id == r2 for m in live.msgs[3:]), 10, "r2's delta")
+        self.projected(r1, 3)
+        time.sleep(0.3)
+        live.cancel()
+        self.assertEqual([(m.run_id, m.leaving) for m in live.msgs[3:]], [(r1, True), (r2, False)])
+        again = self.read(self.b, "StreamVisibleRuns", W.StreamVisibleRunsRequest(status_filter=4), org, **kw)
+        wait_until(lambda: any(m.snapshot_done for m in again.msgs), 10, "snapshot_done")
+        again.cancel()
+        self.assertEqual([m.run_id for m in again.msgs[:-1]], [r2])
+        st = self.read(self.b, "StreamRunStatus", W.StreamRunStatusRequest(run_id=r1), org, **kw)
+        wait_until(lambda: st.msgs, 10, "r1 by id")
+        st.cancel()
+        self.assertEqual(st.msgs[0].update.node_id, "x")
+
     def test_visible_runs_snapshot_rows_describe_the_whole_run(self):
         # spec VisibleRunEvent: a snapshot row carries the run's action count and the actions in
         # a terminal status, is_waiting is the run-level roll-up (a node parked on a wait), and

@@ -7,7 +7,7 @@
  *
  * Commands ("op"):
  *   run   {org, run, seq, status, nodes_total, nodes_done, workflow_id, workflow_name, team,
- *          visibility, owner, display_name}                   -> wf.status.<org>.<run> (JetStream)
+ *          visibility, owner, display_name, workflow_deleted} -> wf.status.<org>.<run> (JetStream)
  *   node  {... scope as run, seq, node_id, step, status, run_status, iteration, blocked_by,
  *          elapsed_ms, cost_usd, at_ms_ago (the transition's `at` that long before now),
  *          raw_status, needs_input, needs_approval, prompt_id, is_waiting} -> wf.status (JS)
@@ -76,6 +76,7 @@ static int publish_run_event(const cJSON *c, const char *op, char *err, size_t e
     sc.visibility = (char *)str(c, "visibility", "team");
     sc.owner_id = (char *)str(c, "owner", "");
     sc.display_name = (char *)str(c, "display_name", "");
+    sc.workflow_deleted = flag(c, "workflow_deleted");
     ev.scope = &sc;
     ev.seq = (int64_t)num(c, "seq", 0);
     ev.at = &at;
