@@ -42,8 +42,8 @@
 #define TEXT_MAX 4000
 #define PENDING_DEFAULT 50
 #define PENDING_MAX 100
-#define CLEARANCE_CAP 5
-#define ESCALATE_STEP 1
+#define CLEARANCE_CAP WF_CLEARANCE_MAX
+#define ESCALATE_STEP WF_ESCALATE_STEP
 
 static const char *jstr(const cJSON *o, const char *k) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);

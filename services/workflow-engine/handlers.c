@@ -903,6 +903,21 @@ static int key_char_ok(const char *k) {
     return 1;
 }
 
+/* The payload is "the OPAQUE event body as JSON bytes" (spec), bound as the wait's output: one
+ * JSON value and nothing after it but whitespace. cJSON_ParseWithLength stops after the first
+ * value, so `{"a":1} x` would bind {"a":1} and drop the rest silently. NULL when malformed. */
+static cJSON *event_payload_parse(const uint8_t *data, size_t len) {
+    const char *end = NULL, *s = (const char *)data;
+    cJSON *v = cJSON_ParseWithLengthOpts(s, len, &end, 0);
+    if (!v) return NULL;
+    for (; end < s + len; end++)
+        if (!strchr(" \t\r\n", *end) || !*end) {
+            cJSON_Delete(v);
+            return NULL;
+        }
+    return v;
+}
+
 static int deliver_event(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
                          void *ud) {
     const P(DeliverWorkflowEventRequest) *rq = (const void *)req;
@@ -928,10 +943,9 @@ static int deliver_event(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
         return rpc_error(call, RPC_INVALID_ARGUMENT, "payload must be at most %d bytes",
                          EVENT_PAYLOAD_MAX);
     /* an absent payload and an explicit JSON null both normalise to {} */
-    cJSON *pj = rq->payload.len
-                    ? cJSON_ParseWithLength((const char *)rq->payload.data, rq->payload.len)
-                    : cJSON_CreateObject();
-    if (!pj) return rpc_error(call, RPC_INVALID_ARGUMENT, "payload must be JSON");
+    cJSON *pj = rq->payload.len ? event_payload_parse(rq->payload.data, rq->payload.len)
+                                : cJSON_CreateObject();
+    if (!pj) return rpc_error(call, RPC_INVALID_ARGUMENT, "payload must be one JSON value");
     if (cJSON_IsNull(pj)) {
         cJSON_Delete(pj);
         pj = cJSON_CreateObject();

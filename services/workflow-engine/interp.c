@@ -590,9 +590,14 @@ static int start_gate(tick *t, act *a, const cJSON *sd) {
     return SCOPE_BUSY;
 }
 
-/* A parked gate whose window closed: its on_timeout decides (docs/workflow-definitions.md). */
+/* A parked gate whose window closed: its on_timeout decides (docs/workflow-definitions.md).
+ * The window is the step's (GetRunPrompt.expires_at, "the deadline the run's own timer will
+ * honour", spec) and an escalation does not move it: an escalated gate is still "parked" and
+ * "WILL transition again" (spec), so the timer fires on it as on an awaiting one. */
 static int gate_timed_out(tick *t, act *a, const cJSON *sd) {
-    if (a->deadline_ms <= 0 || strcmp(a->status, "awaiting_approval")) return SCOPE_BUSY;
+    if (a->deadline_ms <= 0 ||
+        (strcmp(a->status, "awaiting_approval") && strcmp(a->status, "escalated")))
+        return SCOPE_BUSY;
     if (t->now < a->deadline_ms) {
         wake_at(t, a->deadline_ms);
         return SCOPE_BUSY;
@@ -601,6 +606,28 @@ static int gate_timed_out(tick *t, act *a, const cJSON *sd) {
     char line[300];
     snprintf(line, sizeof line, "step %s timed out waiting for a person (on_timeout %s)", a->step,
              ot[0] ? ot : "none");
+    if (!strcmp(a->type, "approval_gate") && !strcmp(ot, "escalate")) {
+        /* "escalated = parked, escalated to a higher clearance" (spec): the row stays pending
+         * and decidable ("can remain in the queue", spec) with its floor one level up, as
+         * EscalateAction leaves it. The window is spent: the gate waits for a decision, with
+         * no timer left to escalate again. */
+        int floor = 0;
+        char why[340];
+        if (a->approval[0])
+            t->rc = st_gate_escalate_by(t->tx, a->approval, WF_ESCALATE_STEP, WF_CLEARANCE_MAX,
+                                        "timed out", &floor, t->err, sizeof t->err);
+        snprintf(why, sizeof why, "%s: escalated to clearance %d", line, floor);
+        if (!t->rc) t->rc = wf_emit_log(t->run, a->id, "WARN", why, t->err, sizeof t->err);
+        if (!t->rc && a->approval[0])
+            t->rc = st_audit(t->tx, t->run->org, "", a->approval, "gate.escalate", why, t->err,
+                             sizeof t->err);
+        if (t->rc) return SCOPE_BUSY;
+        a->deadline_ms = 0;
+        set_status(a, "escalated");
+        save(t, a);
+        return SCOPE_BUSY;
+    }
+    /* every other policy resolves the gate: the row closes as expired */
     if (a->approval[0]) t->rc = st_governance_expire(t->tx, a->approval, t->err, sizeof t->err);
     if (!t->rc) t->rc = wf_emit_log(t->run, a->id, "WARN", line, t->err, sizeof t->err);
     if (t->rc) return SCOPE_BUSY;
@@ -608,12 +635,6 @@ static int gate_timed_out(tick *t, act *a, const cJSON *sd) {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "answered_by", "timeout");
     if (!strcmp(a->type, "approval_gate")) {
-        if (!strcmp(ot, "escalate")) {
-            cJSON_Delete(o);
-            set_status(a, "escalated");
-            save(t, a);
-            return SCOPE_BUSY;
-        }
         cJSON_AddStringToObject(o, "decision", "rejected");
         cJSON_AddStringToObject(o, "decided_by", "timeout");
         set_output(a, o);

@@ -840,6 +840,23 @@ int st_gate_escalate(db_tx *tx, const char *id, int floor, const char *comment, 
               3, p, NULL, err, errlen);
 }
 
+int st_gate_escalate_by(db_tx *tx, const char *id, int step, int cap, const char *comment,
+                        int *floor, char *err, size_t errlen) {
+    char s[16], c[16];
+    snprintf(s, sizeof s, "%d", step);
+    snprintf(c, sizeof c, "%d", cap);
+    const char *p[] = {id, s, c, comment ? comment : ""};
+    PGresult *r = NULL;
+    int rc = ex(tx,
+                "UPDATE " S "governance SET required_clearance = LEAST(required_clearance + "
+                "$2::int, $3::int), escalations = escalations + 1, comment = $4 "
+                "WHERE id = $1::uuid AND status = 'pending' RETURNING required_clearance",
+                4, p, &r, err, errlen);
+    *floor = rc == DB_OK && PQntuples(r) > 0 ? (int)st_i(r, 0, 0) : 0;
+    PQclear(r);
+    return rc;
+}
+
 int st_action_decided(db_tx *tx, const char *action_id, const char *member, char *err,
                       size_t errlen) {
     const char *p[] = {action_id, member};

@@ -364,6 +364,10 @@ int st_gate_decide(db_tx *tx, const char *id, const char *status, const char *me
                    size_t errlen);
 int st_gate_escalate(db_tx *tx, const char *id, int floor, const char *comment, char *err,
                      size_t errlen);
+/* A gate's on_timeout "escalate": raises a pending row's floor by step, at most to cap, and
+ * counts the escalation; *floor is the floor after (0 when the row was no longer pending). */
+int st_gate_escalate_by(db_tx *tx, const char *id, int step, int cap, const char *comment,
+                        int *floor, char *err, size_t errlen);
 int st_action_decided(db_tx *tx, const char *action_id, const char *member, char *err,
                       size_t errlen);
 /* AC_* rows of the actions in ids (a Postgres uuid[] literal). */

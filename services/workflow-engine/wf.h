@@ -15,6 +15,10 @@
 #include "metrics.h"
 
 #define WF_SCHEMA "workflow_engine"
+/* escalation ("escalated to a higher clearance", spec) raises a gate's floor this many levels,
+ * up to the highest clearance; EscalateAction and a gate's on_timeout "escalate" alike */
+#define WF_CLEARANCE_MAX 5
+#define WF_ESCALATE_STEP 1
 
 typedef struct wf_config {
     char *pg_dsn;

@@ -530,8 +530,11 @@ class EngineTest(unittest.TestCase):
         self.err(C.INVALID_ARGUMENT, deliver, "", "d9", contains="event_key")
         self.err(C.INVALID_ARGUMENT, deliver, "ci.done", "", contains="delivery_id")
         self.err(C.INVALID_ARGUMENT, deliver, "ci.done", "d9", b"{not json", contains="payload")
+        # one JSON value and nothing after it but whitespace: the rest is not dropped silently
+        for bad in (b'{"n": 2} x', b'{"n": 2}{"n": 3}', b'{"n": 2}\x00', b'1 2'):
+            self.err(C.INVALID_ARGUMENT, deliver, "ci.done", "d9", bad, contains="payload")
         self.err(C.NOT_FOUND, deliver, "ci.done", "d9", b"", self.other_org)
-        deliver("ci.done", "d2", b'{"n": 2}')
+        deliver("ci.done", "d2", b' {"n": 2}\r\n\t ')
         s = self.done(run.id)
         self.assertEqual(s.run.status, "completed", self.acts(s))
         self.assertEqual(js(s.actions[2].input)["number"], 2)

@@ -469,7 +469,8 @@ class GatesTest(unittest.TestCase):
     # ---- timeouts meet the gate RPCs ----
     def expire(self, run):
         self.psql("UPDATE workflow_engine.actions SET deadline_at = now() - interval '1 second' "
-                  "WHERE run_id = '%s' AND status = 'awaiting_approval'; "
+                  "WHERE run_id = '%s' AND status IN ('awaiting_approval', 'escalated') "
+                  "AND deadline_at IS NOT NULL; "
                   "UPDATE workflow_engine.run_queue SET wake_at = now(), wake_gen = wake_gen + 1 "
                   "WHERE run_id = '%s'" % (run, run))
 
@@ -505,6 +506,74 @@ class GatesTest(unittest.TestCase):
         # whatever it carries (a choice the prompt never offered, text it does not allow)
         r = self.A("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=pid, choice="zzz", text="free"))
         self.assertEqual((r.recorded, r.already_answered, r.prompt.answered_choice), (False, True, "b"))
+
+    def test_05f_escalate_on_timeout(self):
+        """on_timeout "escalate": "escalated = parked, escalated to a higher clearance" and such
+        a park "WILL transition again" (spec): the row stays pending and decidable, one level
+        up, and the spent window does not fire again."""
+        run = self.start(defn("g", {"g": gate(2, timeout_minutes=1, on_timeout="escalate", on_approve="end"),
+                                    "end": DONE}))
+        a = self.parked(run, "g")
+        self.expire(run)
+        s = self.wait_for(run, lambda s: s.actions[0].status == "escalated")
+        self.assertEqual((s.run.status, s.actions[0].blocked_by), ("running", a.approval_id))
+        ap = self.high("GetApproval", AP.GetApprovalRequest(approval_id=a.approval_id)).approval
+        self.assertEqual((ap.status, ap.required_clearance, ap.escalations, ap.can_decide), ("pending", 3, 1, True))
+        self.assertIn(a.id, [p.action.id for p in self.high("ListPendingApprovals", W.ListPendingApprovalsRequest(limit=100)).approvals])
+        audit = self.psql("SELECT count(*) FROM workflow_engine.audit_log WHERE subject_id = '%s' "
+                          "AND action = 'gate.escalate' AND member_id IS NULL" % a.approval_id)
+        self.assertEqual(audit.strip(), "1")
+        # the window is spent: no timer is left, so nothing escalates again
+        self.assertEqual(self.psql("SELECT deadline_at IS NULL FROM workflow_engine.actions WHERE id = '%s'" % a.id).strip(), "t")
+        self.expire(run)
+        self.psql("UPDATE workflow_engine.run_queue SET wake_at = now(), wake_gen = wake_gen + 1 WHERE run_id = '%s'" % run)
+        time.sleep(0.5)
+        ap = self.high("GetApproval", AP.GetApprovalRequest(approval_id=a.approval_id)).approval
+        self.assertEqual((ap.status, ap.required_clearance, ap.escalations), ("pending", 3, 1))
+        n = self.psql("SELECT count(*) FROM workflow_engine.run_logs WHERE run_id = '%s' AND message LIKE '%%timed out%%'" % run)
+        self.assertEqual(n.strip(), "1")
+        # the raised floor holds (clearance 2 is now below it); a member above it decides
+        self.err(C.PERMISSION_DENIED, self.low, "ApproveAction", W.ApproveActionRequest(action_id=a.id))
+        r = self.high("ApproveAction", W.ApproveActionRequest(action_id=a.id))
+        self.assertEqual(r.action.status, "approved")
+        self.wait_for(run, lambda s: s.run.status == "completed")
+        # the same through ApprovalService.RecordDecision: a rejection is recorded, not "already decided"
+        run = self.start(defn("g", {"g": gate(5, timeout_minutes=1, on_timeout="escalate", on_reject="end"), "end": DONE}))
+        a = self.parked(run, "g")
+        self.expire(run)
+        self.wait_for(run, lambda s: s.actions[0].status == "escalated")
+        ap = self.high("GetApproval", AP.GetApprovalRequest(approval_id=a.approval_id)).approval
+        self.assertEqual((ap.status, ap.required_clearance, ap.escalations), ("pending", 5, 1))  # at the cap
+        r = self.high("RecordDecision", AP.RecordDecisionRequest(approval_id=a.approval_id, decision=AP.DECISION_REJECTED))
+        self.assertFalse(r.already_decided)
+        s = self.wait_for(run, lambda s: s.run.status == "completed")
+        self.assertEqual(s.actions[0].status, "rejected")
+
+    def test_05g_escalated_gate_keeps_its_window(self):
+        """EscalateAction does not stop the step's window: GetRunPrompt.expires_at is "the deadline
+        the run's own timer will honour" (spec), and the timer honours it on the escalated gate."""
+        run = self.start(defn("ask", {"ask": {"type": "user_input", "question": "?", "options": [{"value": "a"}, {"value": "b"}],
+                                              "default_choice": "b", "timeout_minutes": 1, "on_timeout": "default"}}))
+        a = self.parked(run, "ask")
+        p0 = self.A("GetRunPrompt", W.GetRunPromptRequest(prompt_id=a.approval_id))
+        self.assertEqual(self.A("EscalateAction", W.EscalateActionRequest(action_id=a.id)).action.status, "escalated")
+        p = self.A("GetRunPrompt", W.GetRunPromptRequest(prompt_id=a.approval_id))
+        self.assertEqual((p.status, p.expires_at), ("pending", p0.expires_at))
+        self.assertLess(p.expires_at.ToSeconds(), p.governance_expires_at.ToSeconds())
+        self.expire(run)
+        s = self.wait_for(run, lambda s: s.run.status == "completed")
+        self.assertEqual(js(s.actions[0].output)["choice"], "b")
+        p = self.A("GetRunPrompt", W.GetRunPromptRequest(prompt_id=a.approval_id))
+        self.assertEqual((p.status, p.answered_by, p.answered_choice), ("answered", "timeout", "b"))
+        # an approval gate escalated by hand still applies its on_timeout "reject"
+        run = self.start(defn("g", {"g": gate(2, timeout_minutes=1, on_timeout="reject", on_reject="end"), "end": DONE}))
+        a = self.parked(run, "g")
+        self.high("EscalateAction", W.EscalateActionRequest(action_id=a.id))
+        self.expire(run)
+        s = self.wait_for(run, lambda s: s.run.status == "completed")
+        self.assertEqual((s.actions[0].status, js(s.actions[0].output)["decided_by"]), ("rejected", "timeout"))
+        ap = self.high("GetApproval", AP.GetApprovalRequest(approval_id=a.approval_id)).approval
+        self.assertEqual((ap.status, ap.can_decide), ("expired", False))
 
     # ---- replicas, tenancy ----
     def test_06_decided_while_other_replica_leases(self):
