@@ -483,6 +483,8 @@ class GatesTest(unittest.TestCase):
         cls.a = T.Server("workflow-engine", env=ENGINE_ENV)
         cls.A.close()
         cls.A = Client(cls.a.addr, T.mint(SECRET, sub=self.user, org=self.org, clearance=3, teams=[self.team]))
+        cls.high.close()  # the later tests still reach replica a through it
+        cls.high = Client(cls.a.addr, T.mint(SECRET, sub=self.user2, org=self.org, clearance=5, teams=[self.team]))
         self.expire(run)
         self.wait_for(run, lambda s: s.run.status == "completed")
         time.sleep(0.3)
