@@ -108,7 +108,9 @@ typedef struct {
     const char *description;
     const char *enabled_by;       /* NULL, or the environment switch that gates the tool */
     const char *enabled_by_alias; /* NULL, or another name of that switch (either enables) */
-    bool enabled; /* false: refused by the validator and omitted by GetToolCatalog */
+    /* false (the switch is off): omitted by GetToolCatalog and failed at dispatch; the
+     * validator accepts the tool either way */
+    bool enabled;
     const defn_tool_action *actions;
     size_t n_actions;
 } defn_tool;
@@ -123,6 +125,8 @@ typedef struct {
 const defn_tool *defn_catalog_tools(const defn_ctx *ctx, size_t *n);
 /* The admitted poll-mode wait observations, in catalogue order. */
 const defn_poll_observation *defn_catalog_observations(const defn_ctx *ctx, size_t *n);
+/* The catalogued tool of that name, enabled or not, or NULL. */
+const defn_tool *defn_catalog_tool(const defn_ctx *ctx, const char *tool);
 /* The action of an enabled tool, or NULL. */
 const defn_tool_action *defn_catalog_find(const defn_ctx *ctx, const char *tool,
                                           const char *action);

@@ -213,6 +213,10 @@ const defn_poll_observation *defn_catalog_observations(const defn_ctx *ctx, size
     return ctx->catalog.observations;
 }
 
+const defn_tool *defn_catalog_tool(const defn_ctx *ctx, const char *tool) {
+    return defn__catalog_tool(&ctx->catalog, tool);
+}
+
 const defn_tool_action *defn_catalog_find(const defn_ctx *ctx, const char *tool,
                                           const char *action) {
     const defn_tool *t = defn__catalog_tool(&ctx->catalog, tool);

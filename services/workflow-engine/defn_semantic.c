@@ -866,7 +866,6 @@ static void list_tools(const sem *s, char *buf, size_t len) {
     buf[0] = '\0';
     for (size_t k = 0; k < s->ctx->catalog.n_tools && used < len; k++) {
         const defn_tool *t = &s->ctx->catalog.tools[k];
-        if (!t->enabled) continue;
         int w = snprintf(buf + used, len - used, "%s\"%s\"", used ? ", " : "", t->tool);
         if (w > 0) used += (size_t)w;
     }
@@ -918,11 +917,10 @@ static void check_tool_call(sem *s, int i, const cJSON *obj, const char *prefix,
             tname, list);
         return;
     }
-    if (!t->enabled) {
-        add(s, loc(s, i, tool_field, -1, tool_sub),
-            "tool \"%s\" is not enabled in this deployment (switch %s)", tname, t->enabled_by);
-        return;
-    }
+    /* A tool whose gate is off is checked like any other: the create-time whitelist is the
+     * catalogue, gate or not (spec GetToolCatalogResponse.tools: a node built from a gated-off
+     * tool "would validate at create, render on the canvas, and then fail closed at dispatch").
+     * The gate only hides it from GetToolCatalog and fails the step when the run reaches it. */
     const defn_tool_action *act = defn__catalog_action(t, aname);
     if (!act) {
         add(s, loc(s, i, prefix ? prefix : "action", -1, prefix ? "action" : NULL),

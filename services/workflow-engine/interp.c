@@ -524,8 +524,23 @@ static int start_agent(tick *t, act *a, const cJSON *sd) {
     return send_agent(t, a, sd);
 }
 
+/* A tool_action whose tool is behind a process-level gate that is off here validated at create
+ * (the whitelist is the catalogue, gate or not) and must "fail closed at dispatch" (spec
+ * GetToolCatalogResponse.tools): the step fails before any request is sent, naming the tool
+ * and its switch. Returns 1 when it failed the step. */
+static int fail_if_gated_off(tick *t, act *a, const char *tool) {
+    const defn_tool *d = tool ? defn_catalog_tool(t->e->defn, tool) : NULL;
+    if (!d || d->enabled) return 0;
+    char msg[256];
+    snprintf(msg, sizeof msg, "tool %s is not enabled in this deployment (%s)", d->tool,
+             d->enabled_by);
+    fail_act(t, a, "tool_disabled", msg);
+    return 1;
+}
+
 static int start_tool(tick *t, act *a, const cJSON *sd) {
     char e2[300];
+    if (fail_if_gated_off(t, a, str(sd, "tool"))) return SCOPE_FAILED;
     cJSON *with = item(sd, "with") ? wf_expr_render_tree(t->state, item(sd, "with"), e2, sizeof e2)
                                    : cJSON_CreateObject();
     if (!with) {
@@ -1114,6 +1129,8 @@ static int walk_step(tick *t, const char *name, const char *lap, int iteration) 
         }
         if (!strcmp(type, "tool_action")) {
             if (a->result) return apply_tool_result(t, a);
+            /* dispatched by a process whose gate was on: this one never sends it */
+            if (fail_if_gated_off(t, a, str(sd, "tool"))) return SCOPE_FAILED;
             /* in progress without a result: (re)invoke with the same key; a provider returns
              * the recorded result for a key it has executed */
             add_tool_job(t, a, str(sd, "tool"), str(sd, "action"), a->key);

@@ -28,7 +28,7 @@ if not DSN or not NATS:
 import grpc  # noqa: E402
 from google.protobuf import json_format  # noqa: E402
 from upsquad.workflow.v1 import workflow_pb2 as W  # noqa: E402
-from upsquad.internal.v1 import agent_step_pb2 as A, run_events_pb2 as E  # noqa: E402
+from upsquad.internal.v1 import agent_step_pb2 as A, run_events_pb2 as E, tool_pb2 as ToolPB  # noqa: E402
 
 status_pb2 = T.load_generated("google/rpc/status_pb2.py", "status_pb2")
 SVC = "/upsquad.workflow.v1.WorkflowService/"
@@ -36,6 +36,7 @@ SECRET = secrets.token_hex(16)
 PAGE_KEY = secrets.token_hex(16)
 C = grpc.StatusCode
 REPO = "acme/widgets"
+SUBJ_TOOL_INVOKE = "tool.invoke"  # libcommon/subjects.h: .<tool>
 
 ENGINE_ENV = T.engine_env(DSN, NATS, SECRET, UPSQUAD_WF_PAGE_KEY=PAGE_KEY,
                           UPSQUAD_WF_TOOL_TIMEOUT="700ms", UPSQUAD_WF_TOOL_ATTEMPTS="3",
@@ -307,9 +308,7 @@ class EngineTest(unittest.TestCase):
         with self.assertRaises(RuntimeError) as bad_switch:  # a malformed value stops the start
             T.Server("workflow-engine", env=dict(ENGINE_ENV, WF_CODE_EXEC_ENABLED="maybe"))
         self.assertIn("WF_CODE_EXEC_ENABLED", str(bad_switch.exception))
-        self.err(C.INVALID_ARGUMENT, self.create, defn("x", {"x": {"type": "tool_action", "tool": "code_exec", "action": "run",
-                                                                  "with": {"language": "python", "code": "print(1)"}}}),
-                 contains="WF_CODE_EXEC_ENABLED")
+        self.gated_off_tool_fails_at_dispatch()
         gi = [a for a in tools["github"].actions if a.action == "get_issue"][0]
         self.assertTrue([x for x in gi.args if x.name == "repo"][0].pinned_literal)
         self.assertEqual(len(cat.poll_observations), 4)
@@ -322,6 +321,50 @@ class EngineTest(unittest.TestCase):
             self.assertIn("stream-hub", ctx.exception.details())
         bad = Client(self.a.addr, "garbage")
         self.err(C.UNAUTHENTICATED, lambda: bad("GetToolCatalog", W.GetToolCatalogRequest()))
+
+    def gated_off_tool_fails_at_dispatch(self):
+        """Spec GetToolCatalogResponse.tools: a node built from a tool whose master gate is off
+        "would validate at create, render on the canvas, and then fail closed at dispatch"; the
+        class's replicas run with code_exec's gate off."""
+        code = {"type": "tool_action", "tool": "code_exec", "action": "run",
+                "with": {"language": "python", "code": "print(1)"}}
+        d = defn("pre", {"pre": tool("get_issue", "x", number=1), "x": dict(code, next="post"),
+                         "post": tool("get_issue", number=2)})
+        wf = self.create(d)
+        self.A("UpdateWorkflowDefinition", W.UpdateWorkflowDefinitionRequest(workflow_id=wf.id, definition=st(d)))
+        # its action and arguments are still checked, pinned literals included
+        self.err(C.INVALID_ARGUMENT, self.create, defn("x", {"x": dict(code, **{"with": {"language": "python"}})}),
+                 contains="missing required argument \"code\"")
+        self.err(C.INVALID_ARGUMENT, self.create,
+                 defn("x", {"x": dict(code, **{"with": {"language": "python", "code": "${/trigger/c}"}})}),
+                 contains="/steps/x/with/code")
+        self.err(C.INVALID_ARGUMENT, self.create, defn("x", {"x": dict(code, action="eval")}),
+                 contains="/steps/x/action")
+        # the run: the step fails at dispatch without a request to any provider, and the run
+        # fails as on any failed step; every tool request of the run is watched on the bus
+        sid, q = self.nc.subscribe(SUBJ_TOOL_INVOKE + ".>")
+        self.nc.flush()
+        try:
+            run = self.trigger(wf.id)
+            s = self.done(run.id)
+            self.nc.flush()
+        finally:
+            self.nc.unsubscribe(sid)
+        self.assertEqual(s.run.status, "failed")
+        self.assertEqual(self.acts(s), [("pre", "completed", 0), ("x", "failed", 0)])
+        x = [a for a in s.actions if a.step_name == "x"][0]
+        self.assertEqual(js(x.output), {"error": "tool_disabled", "message":
+                                        "tool code_exec is not enabled in this deployment (WF_CODE_EXEC_ENABLED)"})
+        seen = set()
+        while not q.empty():
+            subj, _, _, data = q.get()
+            r = ToolPB.ToolInvokeRequest.FromString(data)
+            if r.run_id == run.id:
+                seen.add((subj, r.tool, r.step_name))
+        # the watch does see this run's requests: the github step's, and nothing else
+        self.assertEqual(seen, {(SUBJ_TOOL_INVOKE + ".github", "github", "pre")})
+        stats = json.loads(self.nc.request("devtools.stats", json.dumps({"run_id": run.id}).encode()))
+        self.assertEqual([(r["tool"], r["step_name"]) for r in stats["records"]], [("github", "pre")])
 
     # ---- runs ----
     def test_03_step_kinds(self):

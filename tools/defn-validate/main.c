@@ -2,41 +2,26 @@
  * defn-validate: checks workflow definition files with the workflow engine's validator (the
  * same schema, catalogue and rules CreateWorkflow applies).
  *
- *   defn-validate [--schema PATH] [--catalog PATH] [--enable SWITCH]... [--json] FILE...
+ *   defn-validate [--schema PATH] [--catalog PATH] [--json] FILE...
  *
  * FILE "-" reads standard input. Without --json it prints "FILE: valid" or one
  * "FILE: <pointer>: <message>" line per violation; with --json one JSON object per file:
  * {"file", "valid", "violations": [{"instance_location", "message"}]}.
  * Exit status: 0 all valid, 1 some invalid, 2 usage or load error.
- * Tools gated by a switch (catalogue `enabled_by`, or its `enabled_by_alias`) follow the
- * environment unless --enable names the switch (either name).
+ * A tool gated by a switch (catalogue `enabled_by`) is accepted whether its switch is on or
+ * off, as CreateWorkflow accepts it: the gate decides only what GetToolCatalog serves and
+ * whether the step runs.
  */
 #include <cjson/cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 #include "../../services/workflow-engine/defn.h"
 
 /* Larger inputs are still handed to the validator (which refuses them by size); this only
  * bounds what the tool holds in memory. */
 #define MAX_INPUT (64u * 1024u * 1024u)
-#define MAX_ENABLE 16
-
-typedef struct {
-    const char *names[MAX_ENABLE];
-    size_t n;
-} enabled_set;
-
-static bool gate(const char *name, void *arg) {
-    const enabled_set *set = arg;
-    for (size_t i = 0; i < set->n; i++)
-        if (strcmp(set->names[i], name) == 0) return true;
-    const char *v = getenv(name);
-    return v && (strcmp(v, "1") == 0 || strcasecmp(v, "true") == 0 || strcasecmp(v, "yes") == 0 ||
-                 strcasecmp(v, "on") == 0);
-}
 
 static int read_input(const char *path, char **out, size_t *len) {
     FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
@@ -88,15 +73,13 @@ static void print_json(const char *file, int rc, const defn_violations *v) {
 }
 
 static int usage(void) {
-    fprintf(stderr, "usage: defn-validate [--schema PATH] [--catalog PATH] [--enable SWITCH]... "
-                    "[--json] FILE...\n");
+    fprintf(stderr, "usage: defn-validate [--schema PATH] [--catalog PATH] [--json] FILE...\n");
     return 2;
 }
 
 int main(int argc, char **argv) {
     const char *schema = "services/workflow-engine/schema/workflow-definition.schema.json";
     const char *catalog = "services/workflow-engine/catalog/tools.json";
-    enabled_set enabled = {.n = 0};
     bool json = false;
     int i = 1;
     for (; i < argc && strncmp(argv[i], "--", 2) == 0; i++) {
@@ -106,8 +89,6 @@ int main(int argc, char **argv) {
             schema = argv[++i];
         } else if (i + 1 < argc && strcmp(argv[i], "--catalog") == 0) {
             catalog = argv[++i];
-        } else if (i + 1 < argc && strcmp(argv[i], "--enable") == 0 && enabled.n < MAX_ENABLE) {
-            enabled.names[enabled.n++] = argv[++i];
         } else {
             return usage();
         }
@@ -115,8 +96,7 @@ int main(int argc, char **argv) {
     if (i >= argc) return usage();
     char err[512];
     defn_ctx *ctx = NULL;
-    defn_options opts = {.gate_enabled = gate, .gate_arg = &enabled};
-    if (defn_ctx_load(schema, catalog, &opts, &ctx, err, sizeof(err)) != 0) {
+    if (defn_ctx_load(schema, catalog, NULL, &ctx, err, sizeof(err)) != 0) {
         fprintf(stderr, "defn-validate: %s\n", err);
         return 2;
     }

@@ -379,18 +379,17 @@ static void test_catalog_views_and_gate(void **state) {
         assert_non_null(strstr(obs[i].rationale, "Read-only"));
         assert_non_null(strstr(obs[i].rationale, "Idempotent"));
     }
-    const char *doc =
-        "{\"version\":1,\"start\":\"run\",\"steps\":{\"run\":{\"type\":\"tool_action\","
-        "\"tool\":\"code_exec\",\"action\":\"run\",\"with\":{\"language\":\"python\","
-        "\"code\":\"print(1)\"}}}}";
-    expect(ctx, doc,
-           "/steps/run/tool|tool \"code_exec\" is not enabled in this deployment "
-           "(switch WF_CODE_EXEC_ENABLED)");
+    /* The gated-off tool is still catalogued for the validator (defn_catalog_tool). */
+    const defn_tool *ce = defn_catalog_tool(ctx, "code_exec");
+    assert_non_null(ce);
+    assert_false(ce->enabled);
+    assert_null(defn_catalog_tool(ctx, "slack"));
     defn_ctx_free(ctx);
     /* The switch, through the environment by either name and through the options. */
     setenv("WF_CODE_EXEC_ENABLED", "true", 1);
     ctx = load_real(NULL);
-    expect(ctx, doc, "");
+    assert_non_null(defn_catalog_find(ctx, "code_exec", "run"));
+    assert_true(defn_catalog_tool(ctx, "code_exec")->enabled);
     defn_ctx_free(ctx);
     setenv("WF_CODE_EXEC_ENABLED", "0", 1);
     ctx = load_real(NULL);
@@ -399,13 +398,46 @@ static void test_catalog_views_and_gate(void **state) {
     unsetenv("WF_CODE_EXEC_ENABLED");
     setenv("UPSQUAD_CODE_EXEC_ENABLED", "on", 1);
     ctx = load_real(NULL);
-    expect(ctx, doc, "");
+    assert_non_null(defn_catalog_find(ctx, "code_exec", "run"));
     defn_ctx_free(ctx);
     unsetenv("UPSQUAD_CODE_EXEC_ENABLED");
     defn_options opts = {.gate_enabled = enable_all};
     ctx = load_real(&opts);
-    expect(ctx, doc, "");
+    assert_non_null(defn_catalog_find(ctx, "code_exec", "run"));
     defn_ctx_free(ctx);
+}
+
+/* A tool behind a gate validates whether the gate is on or off (spec GetToolCatalogResponse
+ * .tools: such a node "would validate at create ... and then fail closed at dispatch"), and its
+ * action and arguments are checked either way, pinned literals included. */
+static void test_gated_tool_validates_gate_on_or_off(void **state) {
+    (void)state;
+    unsetenv("WF_CODE_EXEC_ENABLED");
+    unsetenv("UPSQUAD_CODE_EXEC_ENABLED");
+    defn_options on = {.gate_enabled = enable_all};
+    defn_ctx *ctxs[2] = {load_real(NULL), load_real(&on)};
+    const char *good =
+        "{\"version\":1,\"start\":\"run\",\"steps\":{\"run\":{\"type\":\"tool_action\","
+        "\"tool\":\"code_exec\",\"action\":\"run\",\"with\":{\"language\":\"python\","
+        "\"code\":\"print(1)\",\"input\":{\"n\":\"${/trigger/n}\"}}}}}";
+    const char *bad =
+        "{\"version\":1,\"start\":\"run\",\"steps\":{\"run\":{\"type\":\"tool_action\","
+        "\"tool\":\"code_exec\",\"action\":\"run\",\"with\":{\"language\":\"python\","
+        "\"code\":\"${/trigger/code}\",\"timeout_seconds\":\"9\",\"shell\":true},"
+        "\"next\":\"nope\"},"
+        "\"nope\":{\"type\":\"tool_action\",\"tool\":\"code_exec\",\"action\":\"eval\"}}}";
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(defn_catalog_tool(ctxs[k], "code_exec")->enabled, k == 1);
+        expect(ctxs[k], good, "");
+        expect(ctxs[k], bad,
+               "/steps/run/with/code|argument \"code\" is pinned: it must be a literal, not a "
+               "template\n"
+               "/steps/run/with/timeout_seconds|argument \"timeout_seconds\" must be integer, but "
+               "got string\n"
+               "/steps/run/with/shell|\"code_exec.run\" has no argument \"shell\"\n"
+               "/steps/nope/action|tool \"code_exec\" has no action \"eval\"");
+        defn_ctx_free(ctxs[k]);
+    }
 }
 
 static void test_catalog_load_errors(void **state) {
@@ -489,6 +521,7 @@ int main(void) {
         cmocka_unit_test(test_encode_round_trip),
         cmocka_unit_test(test_catalog_views_and_gate),
         cmocka_unit_test(test_catalog_load_errors),
+        cmocka_unit_test(test_gated_tool_validates_gate_on_or_off),
         cmocka_unit_test(test_semantic_rules_point_at_values),
         cmocka_unit_test(test_concurrent_contexts_are_independent),
     };

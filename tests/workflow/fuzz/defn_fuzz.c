@@ -14,23 +14,17 @@
 
 static defn_ctx *ctx;
 
-static bool gate_on(const char *name, void *arg) {
-    (void)name;
-    (void)arg;
-    return true; /* fuzz the gated tool's arguments too */
-}
-
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argc;
     (void)argv;
     char err[512];
     const char *schema = getenv("DEFN_SCHEMA");
     const char *catalog = getenv("DEFN_CATALOG");
-    defn_options opts = {.gate_enabled = gate_on};
+    /* no gate options: a gated tool's arguments are checked whether its gate is on or off */
     if (defn_ctx_load(schema ? schema
                              : "services/workflow-engine/schema/workflow-definition.schema.json",
-                      catalog ? catalog : "services/workflow-engine/catalog/tools.json", &opts,
-                      &ctx, err, sizeof(err)) != 0) {
+                      catalog ? catalog : "services/workflow-engine/catalog/tools.json", NULL, &ctx,
+                      err, sizeof(err)) != 0) {
         fprintf(stderr, "defn_fuzz: %s\n", err);
         abort();
     }
