@@ -331,14 +331,18 @@ static int set_enabled(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
         return rpc_error(call, RPC_INVALID_ARGUMENT,
                          "trigger_type must be \"manual\" or \"schedule\"");
     int schedule = !strcmp(type, "schedule");
-    if (schedule) {
-        if (!rq->trigger_config)
-            return rpc_error(call, RPC_INVALID_ARGUMENT,
-                             "trigger_config is required for a schedule trigger");
+    if (schedule && rq->enabled && !rq->trigger_config)
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "trigger_config is required to enable a schedule trigger");
+    if (schedule && rq->trigger_config) {
         cJSON *j = pbjson_struct_to_json(rq->trigger_config);
         cfg = j ? cJSON_PrintUnformatted(j) : NULL;
         cJSON_Delete(j);
-        if (!cfg || wf_schedule_next(e->pool, cfg, wf_now_ms(), &next, err, sizeof err) != 0) {
+        /* spec: "the RPC writes workflows.enabled / trigger_type / trigger_config": a dormant
+         * schedule's config is stored as given; one that is to fire must be one this engine
+         * can fire (docs/workflow-engine.md, Schedules) */
+        if (!cfg || (rq->enabled &&
+                     wf_schedule_next(e->pool, cfg, wf_now_ms(), &next, err, sizeof err) != 0)) {
             rc =
                 rpc_error(call, RPC_INVALID_ARGUMENT, "trigger_config: %s", cfg ? err : "not JSON");
             free(cfg);

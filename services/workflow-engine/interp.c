@@ -1701,6 +1701,31 @@ static int cron_field(const char *f, int lo, int hi, char *out, size_t outlen, i
     return 0;
 }
 
+/* The usual cron macros, as their five fields. NULL: not a macro. */
+static const char *cron_macro(const char *m) {
+    static const char *const names[][2] = {{"@yearly", "0 0 1 1 *"},  {"@annually", "0 0 1 1 *"},
+                                           {"@monthly", "0 0 1 * *"}, {"@weekly", "0 0 * * 0"},
+                                           {"@daily", "0 0 * * *"},   {"@midnight", "0 0 * * *"},
+                                           {"@hourly", "0 * * * *"}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(m, names[i][0])) return names[i][1];
+    return NULL;
+}
+
+/* "interval": a duration string ("90s", "15m", "1h", "1d"; a bare number is seconds) as
+ * seconds; -1 when it is not one. */
+static double interval_of(const char *s) {
+    char *end = NULL;
+    double v = strtod(s, &end);
+    if (end == s || v <= 0) return -1;
+    double unit = !*end || !strcmp(end, "s") ? 1
+                  : !strcmp(end, "m")        ? 60
+                  : !strcmp(end, "h")        ? 3600
+                  : !strcmp(end, "d")        ? 86400
+                                             : -1;
+    return unit < 0 ? -1 : v * unit;
+}
+
 int wf_schedule_next(db_pool *p, const char *spec_json, int64_t after_ms, int64_t *next_ms,
                      char *err, size_t errlen) {
     cJSON *spec = cJSON_Parse(spec_json);
@@ -1708,12 +1733,26 @@ int wf_schedule_next(db_pool *p, const char *spec_json, int64_t after_ms, int64_
     const cJSON *iv = item(spec, "interval_seconds");
     const char *cron = str(spec, "cron");
     const char *tz = str(spec, "timezone") ? str(spec, "timezone") : "UTC";
+    if (cron && cron_macro(cron)) cron = cron_macro(cron);
+    if (!iv && str(spec, "interval")) { /* the same as interval_seconds, as a duration */
+        double secs = interval_of(str(spec, "interval"));
+        cJSON_DeleteItemFromObjectCaseSensitive(spec, "interval_seconds");
+        iv = secs > 0 ? cJSON_AddNumberToObject(spec, "interval_seconds", secs) : NULL;
+        if (!iv) {
+            snprintf(err, errlen,
+                     "interval must be a duration such as \"90s\", \"15m\", "
+                     "\"1h\" or \"1d\"");
+            goto done;
+        }
+    }
     if (!cJSON_IsObject(spec)) {
         snprintf(err, errlen, "must be an object");
     } else if (iv) {
         if (!cJSON_IsNumber(iv) || iv->valuedouble < 1 || iv->valuedouble > 86400 * 366 ||
             iv->valuedouble != (double)(int64_t)iv->valuedouble) {
-            snprintf(err, errlen, "interval_seconds must be an integer from 1 to 31622400");
+            snprintf(err, errlen,
+                     "interval_seconds (or interval) must be a whole number of "
+                     "seconds from 1 to 31622400");
         } else {
             int64_t step = (int64_t)iv->valuedouble * 1000;
             *next_ms = (after_ms / step + 1) * step; /* epoch-aligned slots */

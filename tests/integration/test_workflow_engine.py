@@ -260,6 +260,24 @@ class EngineTest(unittest.TestCase):
             workflow_id=w.id, enabled=False, trigger_type="schedule",
             trigger_config=st({"cron": "30 9 * * 1-5", "timezone": "Europe/Paris"}))).workflow
         self.assertEqual((s.trigger_type, s.enabled), ("schedule", False))
+        # spec: "the RPC writes workflows.enabled / trigger_type / trigger_config": a dormant
+        # schedule's config is stored as given; one that is to fire must be one the engine fires
+        dormant = self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
+            workflow_id=w.id, enabled=False, trigger_type="schedule", trigger_config=st({"every": "monday"}))).workflow
+        self.assertEqual((dormant.trigger_type, dormant.enabled), ("schedule", False))
+        self.assertEqual((self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
+            workflow_id=w.id, trigger_type="schedule")).workflow.enabled), False)
+        for cfg in ({"cron": "@daily"}, {"cron": "@hourly", "timezone": "Asia/Tokyo"}, {"interval": "1h"},
+                    {"interval": "90s"}):
+            on = self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
+                workflow_id=w.id, enabled=True, trigger_type="schedule", trigger_config=st(cfg))).workflow
+            self.assertEqual((on.trigger_type, on.enabled), ("schedule", True), cfg)
+        for cfg in ({"interval": "soon"}, {"interval": "5 parsecs"}, {"cron": "@fortnightly"}, {"every": "monday"}):
+            req = W.SetWorkflowEnabledRequest(workflow_id=w.id, enabled=True, trigger_type="schedule", trigger_config=st(cfg))
+            self.err(C.INVALID_ARGUMENT, lambda: self.A("SetWorkflowEnabled", req), contains="trigger_config")
+        self.err(C.INVALID_ARGUMENT, lambda: self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
+            workflow_id=w.id, enabled=True, trigger_type="schedule")), contains="trigger_config")
+        self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(workflow_id=w.id, trigger_type="manual"))
         # archived: never scheduled, not triggerable; archiving turns a schedule off
         arch = self.create(d, name="arch")
         on = self.A("SetWorkflowEnabled", W.SetWorkflowEnabledRequest(
