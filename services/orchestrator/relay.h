@@ -5,9 +5,9 @@
  *   structured_answer                     forwarded when within every budget of the spec
  *                                         (summary <= 4 KiB, note <= 2 KiB, <= 32 columns of
  *                                         <= 64 bytes, <= 200 rows, <= 32 cells of <= 1 KiB per
- *                                         row, <= 8 followups of <= 256 bytes, schema_id <= 64
- *                                         bytes); over budget: dropped whole, debug log, the
- *                                         stream goes on
+ *                                         row, <= 8 followups of <= 256 bytes); over budget:
+ *                                         dropped whole, debug log, the stream goes on; a
+ *                                         schema_id over 64 bytes is emptied, not relayed
  *   write_confirm                         forwarded with every field re-clamped (relay.c)
  *   interrupt_required                    InterruptRequiredEvent with the tool's name and call
  *                                         id only (never pending_tool_intent)

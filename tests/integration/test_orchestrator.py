@@ -414,6 +414,8 @@ class Orch(unittest.TestCase):
             {"structuredAnswer": {"summary": "s", "rows": [{"cells": ["1"]}] * 201}},
             {"structuredAnswer": {"summary": "s", "followups": ["f"] * 9}},
             {"structuredAnswer": {"summary": "s", "rows": [{"cells": ["y" * 1025]}]}},
+            {"structuredAnswer": {"summary": "tagged", "schemaId": "chart.v2"}},
+            {"structuredAnswer": {"summary": "long tag", "schemaId": "t" * 65}},  # not a budget
             {"writeConfirm": {"approvalId": "0d5e0000-0000-0000-0000-000000000009",
                               "summary": "é" * 1500, "deepLink": "https://evil.example/x",
                               "requiredClearance": 9, "actionType": "trigger_workflow"}},
@@ -424,10 +426,12 @@ class Orch(unittest.TestCase):
         ]
         evs = self.fake_turn(events)
         kinds = [e.WhichOneof("event") for e in evs]
-        self.assertEqual(kinds, ["status", "structured_answer", "write_confirm", "write_confirm",
-                                 "token", "completion"])
+        self.assertEqual(kinds, ["status", "structured_answer", "structured_answer", "structured_answer",
+                                 "write_confirm", "write_confirm", "token", "completion"])
         self.assertEqual(evs[1].structured_answer.summary, "ok")
-        w1, w2 = evs[2].write_confirm, evs[3].write_confirm
+        self.assertEqual([(e.structured_answer.summary, e.structured_answer.schema_id) for e in evs[2:4]],
+                         [("tagged", "chart.v2"), ("long tag", "")])
+        w1, w2 = evs[4].write_confirm, evs[5].write_confirm
         self.assertEqual(w1.approval_id, "0d5e0000-0000-0000-0000-000000000009")
         self.assertLessEqual(len(w1.summary.encode()), 2048)
         self.assertEqual(w1.summary, "\u00e9" * 1024)  # never a cut character
