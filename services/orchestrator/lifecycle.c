@@ -563,9 +563,10 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     int64_t left = rpc_deadline_ms(call);
     int64_t timeout = o->cfg->step_timeout_ms;
     if (left < timeout) timeout = left > 0 ? left : 1;
+    /* in flight until its end is stored, which comes after the step's timeout */
     rc = orch_store_turn_begin(o->pool, id->org_id, sid, rq->message, (int)o->cfg->prior_turns,
-                               (size_t)o->cfg->prior_bytes, timeout, &turns, &nturns, parent, state,
-                               err, sizeof err);
+                               (size_t)o->cfg->prior_bytes, timeout + ORCH_TURN_END_SLACK_MS,
+                               &turns, &nturns, parent, state, err, sizeof err);
     if (rc == ORCH_ESTATE) {
         rc = rpc_error(call, RPC_FAILED_PRECONDITION, "session %s is %s: it takes no messages", sid,
                        state);
@@ -581,6 +582,14 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     }
     if (orch_request_build(o, &a, &s, rq->message, rq->execution_mode, turns, nturns, &ereq,
                            &snap)) {
+        /* the turn began (it counts as in flight): it ends, failed, or a pause would wait for
+         * it until its deadline */
+        orch_turn_end e = {.agent_status = 4, /* ERROR */
+                           .loop_base = s.loop_count,
+                           .error_code = "INTERNAL",
+                           .error_msg = "the session snapshot could not be read"};
+        if (orch_store_turn_end(o->pool, id->org_id, sid, parent, &e, err, sizeof err) != DB_OK)
+            log_error("store.turn_end", "session %s: %s", sid, err);
         rc = rpc_error(call, RPC_INTERNAL, "the session snapshot could not be read");
         goto done;
     }

@@ -22,6 +22,9 @@
 #define ORCH_WORKER_SCOPE "runtime.worker"
 /* The scope of the bearer this service sends on its calls to workers. */
 #define ORCH_CALLER_SCOPE "runtime.orchestrator"
+/* A turn's end is stored a little after its step timeout (the worker call returns, then the
+ * turn's transaction): the time a turn may count as in flight is its timeout plus this. */
+#define ORCH_TURN_END_SLACK_MS 5000
 
 typedef struct orch_config {
     char *pg_dsn;

@@ -86,7 +86,7 @@ static int pause_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCM
                                   : UPSQUAD__RUNTIME__V1__PAUSE_SOURCE__PAUSE_SOURCE_OPERATOR;
     const char *reason = rq->reason[0] ? rq->reason : "paused by the operator";
     int waited = 0, counted = 0;
-    int64_t bound = o->cfg->step_timeout_ms + 5000; /* a turn never outlives its step timeout */
+    int64_t bound = o->cfg->step_timeout_ms + ORCH_TURN_END_SLACK_MS; /* no turn runs longer */
     int64_t t0 = util_mono_ms();
     for (;;) {
         rc = orch_store_pause(o->pool, id->org_id, rq->session_id, reason, source,

@@ -609,8 +609,9 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
                       * count it began with, or what the checkpoints already showed (they race
                       * the turn's end: orch_store_checkpoint), whichever is more. A session
                       * terminated while the turn ran keeps the status its termination
-                      * reported ("the final session status"). */
-                     "UPDATE sessions SET agent_status = CASE WHEN state = 'terminated'"
+                      * reported ("the final session status"), a suspended one SUSPENDED. */
+                     "UPDATE sessions SET agent_status = CASE WHEN state IN ('terminated', "
+                     "'suspended')"
                      " THEN agent_status ELSE $2::int END,"
                      " last_heartbeat = CASE WHEN $9::bool THEN now() ELSE last_heartbeat END,"
                      " loop_count = greatest(loop_count, $3::int),"
@@ -713,10 +714,11 @@ int orch_store_session_status(db_pool *p, const char *org, const char *session_i
     snprintf(st, sizeof st, "%d", status);
     TX_BEGIN(org);
     const char *v[] = {session_id, st};
-    /* a terminated session keeps the status its termination reported */
+    /* a terminated session keeps the status its termination reported, a suspended one
+     * SUSPENDED */
     rc = db_exec(c,
                  "UPDATE sessions SET agent_status = $2::int"
-                 " WHERE session_id = $1::uuid AND state <> 'terminated'",
+                 " WHERE session_id = $1::uuid AND state NOT IN ('terminated', 'suspended')",
                  2, v, NULL, err, errlen);
     return tx_end(tx, rc, err, errlen);
 }

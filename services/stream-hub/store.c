@@ -30,11 +30,12 @@ static const char SQL_PUT_EVENT[] =
 static const char SQL_PUT_RUN[] =
     "INSERT INTO runs AS r (org_id, run_id, workflow_id, workflow_name, team_id, visibility, "
     " owner_id, display_name, status, needs_input, needs_approval, prompt_kind, prompt_id, "
-    " asked_by_role, is_waiting, status_seq, nodes_total, nodes_done, counters_seq, last_seq) "
+    " asked_by_role, is_waiting, status_seq, nodes_total, nodes_done, counters_seq, last_seq, "
+    " workflow_deleted) "
     "VALUES ($1, $2, $3, $4, $5, CASE WHEN $6 = '' THEN 'team' ELSE $6 END, $7, $8, "
     " CASE WHEN $9 = '' THEN 'pending' ELSE $9 END, $10, $11, $12, $13, $14, $15, "
     " CASE WHEN $9 = '' THEN 0 ELSE $16::bigint END, $17, $18, "
-    " CASE WHEN $19 THEN $16::bigint ELSE 0 END, $16::bigint) "
+    " CASE WHEN $19 THEN $16::bigint ELSE 0 END, $16::bigint, $20::boolean) "
     "ON CONFLICT (run_id) DO UPDATE SET "
     " workflow_id = CASE WHEN EXCLUDED.workflow_id <> '' THEN EXCLUDED.workflow_id "
     "   ELSE r.workflow_id END, "
@@ -67,7 +68,9 @@ static const char SQL_PUT_RUN[] =
     "   ELSE r.nodes_done END, "
     " counters_seq = CASE WHEN $19 THEN greatest(r.counters_seq, $16::bigint) "
     "   ELSE r.counters_seq END, "
-    " last_seq = greatest(r.last_seq, $16::bigint), updated_at = now()";
+    " last_seq = greatest(r.last_seq, $16::bigint), updated_at = now(), "
+    /* sticky: a soft delete is not undone, whatever the order of the events */
+    " workflow_deleted = r.workflow_deleted OR EXCLUDED.workflow_deleted";
 
 /* The end of a run's first block of consecutive seqs, scanning from `start` (a seq known to be
  * in that block, or 0): the first seq whose successor is missing. An ordered index scan that
@@ -136,7 +139,7 @@ int hs_put_run_event(db_pool *p, const hs_run_event *e, char *err, size_t errlen
         rc = db_exec(db_tx_conn(tx), SQL_PUT_NODE, 12, nv, NULL, err, errlen);
         if (rc != DB_OK) goto done;
     }
-    const char *rv[19] = {e->org_id,
+    const char *rv[20] = {e->org_id,
                           e->run_id,
                           s(e->workflow_id),
                           s(e->workflow_name),
@@ -154,11 +157,9 @@ int hs_put_run_event(db_pool *p, const hs_run_event *e, char *err, size_t errlen
                           seq,
                           tot,
                           done,
-                          b(e->has_counters)};
-    rc = db_exec(db_tx_conn(tx), SQL_PUT_RUN, 19, rv, NULL, err, errlen);
-    if (rc == DB_OK && e->workflow_deleted) /* sticky: no seq order needed */
-        rc = db_exec(db_tx_conn(tx), "UPDATE runs SET workflow_deleted = true WHERE run_id = $1", 1,
-                     &e->run_id, NULL, err, errlen);
+                          b(e->has_counters),
+                          b(e->workflow_deleted)};
+    rc = db_exec(db_tx_conn(tx), SQL_PUT_RUN, 20, rv, NULL, err, errlen);
     if (rc != DB_OK) goto done;
     /* after the upsert: the run row is locked until commit, so replicas projecting events of
      * this run advance its contiguous prefix one after the other, each seeing the others'

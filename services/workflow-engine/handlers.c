@@ -387,7 +387,7 @@ static int runs_leave(db_tx *tx, const PGresult *ids, char *err, size_t errlen) 
     for (int i = 0; rc == DB_OK && i < PQntuples(ids); i++) {
         wf_run run;
         int found = 0;
-        rc = wf_run_load(tx, st_s(ids, i, 0), 1, &run, &found, err, errlen);
+        rc = wf_run_load(tx, st_s(ids, i, 0), 0, &run, &found, err, errlen); /* locked */
         if (rc == DB_OK && found && !(rc = wf_run_workflow_deleted(&run, err, errlen)))
             rc = wf_run_flush(&run, err, errlen);
         wf_run_free(&run);
@@ -407,13 +407,14 @@ static int delete_workflow(rpc_call *call, const ProtobufCMessage *req, Protobuf
     int deleted = 0;
     int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
-    /* lock order: the workflow's runs, then the workflow row (a tick holds its run while it
-     * needs a share of the workflow row: locking the row first deadlocked with ticks) */
+    /* the row is updated, not locked FOR UPDATE: a tick holds its run while it re-checks the
+     * run's key on the workflow row (a key share, which FOR UPDATE blocks: that deadlocked);
+     * a trigger's FOR SHARE makes the delete wait for its run, so the run list has it */
     if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err)) ||
         (rc = st_wf_get(tx, rq->workflow_id, id->sub, 0, &r, err, sizeof err)) ||
         (PQntuples(r) > 0 &&
-         ((rc = st_wf_run_ids(tx, rq->workflow_id, &ids, err, sizeof err)) ||
-          (rc = st_wf_delete(tx, rq->workflow_id, &deleted, err, sizeof err))))) {
+         ((rc = st_wf_delete(tx, rq->workflow_id, &deleted, err, sizeof err)) ||
+          (deleted && (rc = st_wf_run_ids(tx, rq->workflow_id, &ids, err, sizeof err)))))) {
         rc = wfr_db_fail(call, rc, err);
         goto done;
     }

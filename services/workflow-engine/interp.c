@@ -1731,30 +1731,26 @@ int wf_schedule_next(db_pool *p, const char *spec_json, int64_t after_ms, int64_
     cJSON *spec = cJSON_Parse(spec_json);
     int rc = -1;
     const cJSON *iv = item(spec, "interval_seconds");
-    const char *cron = str(spec, "cron");
+    const char *cron = str(spec, "cron"), *macro = cron ? cron_macro(cron) : NULL;
     const char *tz = str(spec, "timezone") ? str(spec, "timezone") : "UTC";
-    if (cron && cron_macro(cron)) cron = cron_macro(cron);
-    if (!iv && str(spec, "interval")) { /* the same as interval_seconds, as a duration */
-        double secs = interval_of(str(spec, "interval"));
-        cJSON_DeleteItemFromObjectCaseSensitive(spec, "interval_seconds");
-        iv = secs > 0 ? cJSON_AddNumberToObject(spec, "interval_seconds", secs) : NULL;
-        if (!iv) {
-            snprintf(err, errlen,
-                     "interval must be a duration such as \"90s\", \"15m\", "
-                     "\"1h\" or \"1d\"");
-            goto done;
-        }
+    /* interval_seconds, or "interval" as a duration; -1: neither */
+    double secs = !iv ? -1 : cJSON_IsNumber(iv) ? iv->valuedouble : 0;
+    if (macro) cron = macro;
+    if (!iv && str(spec, "interval") && (secs = interval_of(str(spec, "interval"))) <= 0) {
+        snprintf(err, errlen,
+                 "interval must be a duration such as \"90s\", \"15m\", \"1h\" or "
+                 "\"1d\"");
+        goto done;
     }
     if (!cJSON_IsObject(spec)) {
         snprintf(err, errlen, "must be an object");
-    } else if (iv) {
-        if (!cJSON_IsNumber(iv) || iv->valuedouble < 1 || iv->valuedouble > 86400 * 366 ||
-            iv->valuedouble != (double)(int64_t)iv->valuedouble) {
+    } else if (secs >= 0) {
+        if (secs < 1 || secs > 86400 * 366 || secs != (double)(int64_t)secs) {
             snprintf(err, errlen,
                      "interval_seconds (or interval) must be a whole number of "
                      "seconds from 1 to 31622400");
         } else {
-            int64_t step = (int64_t)iv->valuedouble * 1000;
+            int64_t step = (int64_t)secs * 1000;
             *next_ms = (after_ms / step + 1) * step; /* epoch-aligned slots */
             rc = 0;
         }

@@ -126,8 +126,10 @@ int st_wf_def(db_tx *tx, const char *id, const char *member, PGresult **out, cha
               size_t errlen) {
     const char *p[] = {id, member};
     return ex(tx,
+              /* FOR SHARE: a concurrent DeleteWorkflow waits for this trigger's run (and then
+               * tells the bus it left), or this trigger for the delete (and finds nothing) */
               "SELECT w.status, w.definition::text FROM " S "workflows w "
-              "WHERE w.id = $1::uuid AND " WF_VISIBLE,
+              "WHERE w.id = $1::uuid AND " WF_VISIBLE "FOR SHARE OF w",
               2, p, out, err, errlen);
 }
 
