@@ -409,7 +409,8 @@ static int delete_workflow(rpc_call *call, const ProtobufCMessage *req, Protobuf
     if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
     /* the row is updated, not locked FOR UPDATE: a tick holds its run while it re-checks the
      * run's key on the workflow row (a key share, which FOR UPDATE blocks: that deadlocked);
-     * a trigger's FOR SHARE makes the delete wait for its run, so the run list has it */
+     * the delete and a trigger of the workflow serialise on the store's trigger lock, so the
+     * run list has every run a trigger committed */
     if ((rc = st_begin(e->pool, id->org_id, id->sub, &tx, err, sizeof err)) ||
         (rc = st_wf_get(tx, rq->workflow_id, id->sub, 0, &r, err, sizeof err)) ||
         (PQntuples(r) > 0 &&

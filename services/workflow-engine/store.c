@@ -122,14 +122,24 @@ int st_wf_get(db_tx *tx, const char *id, const char *member, int lock, PGresult 
               2, p, out, err, errlen);
 }
 
+/* A trigger and a delete of one workflow serialise on a transaction-scoped advisory lock, in a
+ * statement of its own so the next statement's snapshot is taken after the wait: a trigger
+ * (shared) that wins makes the delete wait for its run, which the delete's run list then has
+ * (and tells the bus it left); a delete (exclusive) that wins makes the trigger find nothing.
+ * A row lock (FOR SHARE) did the same but made every trigger of a busy workflow write a
+ * multixact into its row, which cost the interpreter three quarters of its throughput. */
+#define WF_TRIGGER_LOCK(mode)                                                                      \
+    "SELECT pg_advisory_xact_lock" mode "(hashtext('workflow_engine.workflow_trigger'), "          \
+    "hashtext($1::text))"
+
 int st_wf_def(db_tx *tx, const char *id, const char *member, PGresult **out, char *err,
               size_t errlen) {
     const char *p[] = {id, member};
+    int rc = ex(tx, WF_TRIGGER_LOCK("_shared"), 1, p, NULL, err, errlen);
+    if (rc != DB_OK) return rc;
     return ex(tx,
-              /* FOR SHARE: a concurrent DeleteWorkflow waits for this trigger's run (and then
-               * tells the bus it left), or this trigger for the delete (and finds nothing) */
               "SELECT w.status, w.definition::text FROM " S "workflows w "
-              "WHERE w.id = $1::uuid AND " WF_VISIBLE "FOR SHARE OF w",
+              "WHERE w.id = $1::uuid AND " WF_VISIBLE,
               2, p, out, err, errlen);
 }
 
@@ -189,10 +199,13 @@ int st_wf_set_trigger(db_tx *tx, const char *id, int enabled, const char *trigge
 int st_wf_delete(db_tx *tx, const char *id, int *deleted, char *err, size_t errlen) {
     const char *p[] = {id};
     PGresult *r = NULL;
-    int rc = ex(tx,
-                "UPDATE " S "workflows SET deleted_at = now(), enabled = false "
-                "WHERE id = $1::uuid AND deleted_at IS NULL RETURNING id",
-                1, p, &r, err, errlen);
+    *deleted = 0;
+    int rc = ex(tx, WF_TRIGGER_LOCK(""), 1, p, NULL, err, errlen);
+    if (rc != DB_OK) return rc;
+    rc = ex(tx,
+            "UPDATE " S "workflows SET deleted_at = now(), enabled = false "
+            "WHERE id = $1::uuid AND deleted_at IS NULL RETURNING id",
+            1, p, &r, err, errlen);
     *deleted = rc == DB_OK && PQntuples(r) == 1;
     PQclear(r);
     return rc;

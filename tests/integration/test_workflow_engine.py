@@ -305,6 +305,68 @@ class EngineTest(unittest.TestCase):
         self.assertEqual([r.id for r in self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id)).runs], [run.id])
         self.err(C.NOT_FOUND, lambda: self.other_org("ListRuns", W.ListRunsRequest(workflow_id=w.id)))
 
+    def test_01b_triggers_racing_a_delete(self):
+        # A trigger racing DeleteWorkflow is either refused (NOT_FOUND) or commits its run before
+        # the delete lists the workflow's runs: every run that exists is in that list and gets
+        # the delete's workflow_deleted event, so no subscriber keeps it in a visible set.
+        # Triggers from 12 threads over both replicas keep coming until each is refused.
+        # (runs park on a wait: no later event of theirs says it for the delete)
+        w = self.create(defn("w", {"w": {"type": "wait", "mode": "signal", "event_key": "k"}}),
+                        name="racing", team_id=self.team)
+        sid, q = self.nc.subscribe("wf.status.%s.>" % self.org)
+        self.nc.flush()
+        runs, refused, errors = [], [], []
+        lock = threading.Lock()
+        go = threading.Barrier(13)
+
+        def trig(i):
+            go.wait()
+            for _ in range(300):
+                try:
+                    r = self.trigger(w.id, client=self.A if i % 2 else self.B)
+                except grpc.RpcError as e:
+                    with lock:
+                        (refused if e.code() == C.NOT_FOUND else errors).append(e.details())
+                    return
+                with lock:
+                    runs.append(r.id)
+
+        ts = [threading.Thread(target=trig, args=(i,)) for i in range(12)]
+        for t in ts:
+            t.start()
+        go.wait()
+        time.sleep(0.15)
+        self.B("DeleteWorkflow", W.DeleteWorkflowRequest(workflow_id=w.id))
+        for t in ts:
+            t.join(60)
+        self.assertEqual(errors, [])
+        self.assertEqual(len(refused), 12)
+        self.assertTrue(runs)
+        print("%d runs raced the delete" % len(runs), file=sys.stderr)
+        listed, tok = set(), ""
+        while True:
+            page = self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id, page_size=100,
+                                                        page_token=tok))
+            listed |= {r.id for r in page.runs}
+            tok = page.next_page_token
+            if not tok:
+                break
+        self.assertEqual(listed, set(runs))
+        left = set(runs)
+        end = time.time() + 20
+        while left and time.time() < end:
+            try:
+                subj, reply, hdr, data = q.get(timeout=0.5)
+            except Exception:
+                continue
+            ev = E.RunEvent.FromString(data)
+            if ev.scope.workflow_deleted:
+                left.discard(ev.scope.run_id)
+        self.nc.unsubscribe(sid)
+        self.assertEqual(left, set(), "runs without a workflow_deleted event")
+        for r in runs:
+            self.B("CancelRun", W.CancelRunRequest(run_id=r))
+
     def test_02_catalog_and_streams(self):
         cat = self.A("GetToolCatalog", W.GetToolCatalogRequest())
         tools = {t.tool: t for t in cat.tools}
