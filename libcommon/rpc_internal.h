@@ -109,6 +109,8 @@ struct rpc_call {
     rpc_frame **q;
     size_t q_cap, q_head, q_len;
     int send_inflight;
+    int hint_run;      /* frames sent in a row with the write-buffer hint (pump_locked) */
+    size_t hint_bytes; /* and their bytes */
     int md_sent;
     int finishing;   /* a status is queued behind the frames */
     int end_started; /* the status batch has been started */
@@ -144,6 +146,12 @@ void rpc__call_run_defers(rpc_call *c);
 /* rpc_stream.c */
 int rpc__stream_init(rpc_call *c, int queue_cap);
 void rpc__stream_on_send(rpc_call *c, int ok);
+/* Whether the frame about to be sent (frame_len bytes, c->q_len frames behind it) goes with the
+ * write-buffer hint: while frames wait behind it, up to RPC_STREAM_HINT_FRAMES frames or
+ * RPC_STREAM_HINT_BYTES bytes in a row; c->mu held. */
+#define RPC_STREAM_HINT_FRAMES 16
+#define RPC_STREAM_HINT_BYTES 4096
+int rpc__stream_hint(rpc_call *c, size_t frame_len);
 void rpc__stream_on_end(rpc_call *c);
 void rpc__stream_on_close(rpc_call *c);
 void rpc__stream_destroy(rpc_call *c);

@@ -92,6 +92,27 @@ typedef struct send_batch {
 /* Picks the next batch if none is in flight: the next frame (with the status too when it is
  * the last one and the stream is finishing), or the status alone. Returns 1 when *b is to be
  * started with pump_start (the call holds a reference for it). */
+/* A stream's run of frames sent with the write-buffer hint ends after RPC_STREAM_HINT_FRAMES
+ * frames or RPC_STREAM_HINT_BYTES bytes (rpc_internal.h): the next frame goes without it and
+ * the transport writes what it holds. Without a bound, a subscriber whose whole burst was
+ * queued before its sends began passed every frame of it to the transport hinted: with 1,000
+ * such streams the completion-queue thread spent about 300 ms handing 200,000 frames to the
+ * transport while the socket stayed idle, and only then did the first byte go out
+ * (docs/benchmarks.md, "stream-hub fan-out": the hub's slow rounds). Bounded, the writes start
+ * after a stream's first frames and overlap the rest. c->mu held; frame_len: the frame about
+ * to be sent, with c->q_len frames behind it. */
+int rpc__stream_hint(rpc_call *c, size_t frame_len) {
+    if (c->q_len > 0 && c->hint_run < RPC_STREAM_HINT_FRAMES &&
+        c->hint_bytes < RPC_STREAM_HINT_BYTES) {
+        c->hint_run++;
+        c->hint_bytes += frame_len;
+        return 1;
+    }
+    c->hint_run = 0;
+    c->hint_bytes = 0;
+    return 0;
+}
+
 static int pump_locked(rpc_call *c, send_batch *b) {
     b->n = 0;
     b->tag = &c->t_send;
@@ -103,13 +124,15 @@ static int pump_locked(rpc_call *c, send_batch *b) {
         rpc_frame *f = c->q[c->q_head];
         c->q_head = (c->q_head + 1) % c->q_cap;
         c->q_len--;
+        size_t flen = GRPC_SLICE_LENGTH(f->slice);
         c->inflight = grpc_raw_byte_buffer_create(&f->slice, 1);
         rpc_frame_unref(f);
         b->ops[b->n].op = GRPC_OP_SEND_MESSAGE;
         /* more frames wait behind this one: let the transport hold its bytes for the next
          * write (one write syscall for several messages, each still its own message); the
-         * last frame of a run goes without the hint and flushes them all */
-        if (c->q_len > 0) b->ops[b->n].flags = GRPC_WRITE_BUFFER_HINT;
+         * last frame of a run, or of a bounded run of hinted frames (rpc__stream_hint), goes
+         * without the hint and flushes them all */
+        if (rpc__stream_hint(c, flen)) b->ops[b->n].flags = GRPC_WRITE_BUFFER_HINT;
         b->ops[b->n++].data.send_message.send_message = c->inflight;
     }
     if (c->q_len == 0 && c->finishing) {

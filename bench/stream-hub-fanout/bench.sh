@@ -29,7 +29,9 @@
 # and the ratio is the hub's median over it. Every round's own ratio is printed too, with the
 # load average around it. The CPU (user + system) each serving process spent per delivered
 # frame, from the client's ready to its last frame, is printed per side: steadier than the
-# rates on a machine shared with other work, and where the hub's cost shows.
+# rates on a machine shared with other work, and where the hub's cost shows; so is the client's
+# own CPU per frame, and every round's longest pause between two live frames (a sender that
+# stalls, as a transport holding a whole burst before its first write did, shows there).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -174,7 +176,7 @@ hub_round() {
     c0=$(cpu_ticks "$HUB_PID")
     publish "$FRAMES" 0 "$SIZE"
     client_result
-    echo "hub $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected) $(($(cpu_ticks "$HUB_PID") - c0))" >>"$TMP/rounds"
+    echo "hub $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected) $(($(cpu_ticks "$HUB_PID") - c0)) $(json "$RESULT" client_cpu_us) $(json "$RESULT" max_gap_us)" >>"$TMP/rounds"
 }
 bare_round() { # THREADS [BATCH]: side "bare<threads>" or "bare<threads>b<batch>"
     local side=bare$1
@@ -193,7 +195,7 @@ bare_round() { # THREADS [BATCH]: side "bare<threads>" or "bare<threads>b<batch>
     local c1
     c1=$(cpu_ticks "$BARE_PID")
     kill "$BARE_PID"; wait "$BARE_PID" 2>/dev/null || true
-    echo "$side $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected) $((c1 - c0))" >>"$TMP/rounds"
+    echo "$side $(json "$RESULT" rate) $(json "$RESULT" delivered) $(json "$RESULT" expected) $((c1 - c0)) $(json "$RESULT" client_cpu_us) $(json "$RESULT" max_gap_us)" >>"$TMP/rounds"
 }
 : >"$TMP/rounds"
 for r in $(seq "$ROUNDS"); do
@@ -247,7 +249,7 @@ sed 's/^/  /' "$TMP/rounds"
 import json, statistics, sys
 import os
 tick = os.sysconf("SC_CLK_TCK")
-rounds, per, loads, cur, cpu = {}, [], [], {}, {}
+rounds, per, loads, cur, cpu, ccpu, pause = {}, [], [], {}, {}, {}, {}
 for line in open(sys.argv[1]):
     w = line.split()
     if w[0] in ("round", "end"):
@@ -258,6 +260,8 @@ for line in open(sys.argv[1]):
         continue
     rounds.setdefault(w[0], []).append((float(w[1]), int(w[2]), int(w[3])))
     cpu.setdefault(w[0], []).append(int(w[4]) * 1e6 / tick / max(int(w[2]), 1))
+    ccpu.setdefault(w[0], []).append(int(w[5]) / max(int(w[2]), 1))
+    pause.setdefault(w[0], []).append(int(w[6]) / 1000)
     cur[w[0]] = float(w[1])
 hl, bl, hs = (json.loads(a) for a in sys.argv[2:5])
 rss0, rss1, brss0, brss1, subs = (int(a) for a in sys.argv[5:10])
@@ -288,6 +292,14 @@ print("server CPU per delivered frame (user+system of the serving process, from 
       "hub rounds: %s" % (statistics.median(cpu["hub"]), statistics.median(cpu[best]),
       knob(best), " ".join("%.2f" % c for c in cpu["hub"])) + "; bare: %s" % "; ".join(
           "%s %.2f us" % (knob(k), statistics.median(cpu[k])) for k in bares))
+print("client CPU per delivered frame (the one client's user+system from its first live frame to "
+      "its last; median over the rounds): hub side %.2f us (rounds: %s), bare side %.2f us (%s; "
+      "rounds: %s)" % (statistics.median(ccpu["hub"]), " ".join("%.2f" % c for c in ccpu["hub"]),
+                       statistics.median(ccpu[best]), knob(best),
+                       " ".join("%.2f" % c for c in ccpu[best])))
+print("longest pause between two live frames, per round (ms): hub %s; bare (%s) %s" % (
+    " ".join("%.0f" % p for p in pause["hub"]), knob(best),
+    " ".join("%.0f" % p for p in pause[best])))
 print("stalled: one subscriber stops reading: the others lost %.2f%% (target < 5%%), the "
       "stalled one got %d frames, %d gaps" % (100 * loss, hs["stalled_live"], hs["gaps"]))
 print("latency publish->client at 20 frames/s x %d: hub p50 %.2f ms p99 %.2f ms; bare p50 "

@@ -16,7 +16,9 @@
  *       has a connection of its own without BDP probing and stops reading after
  *       snapshot_done. Prints "ready" when every stream has its snapshot_done, then counts live
  *       frames until every reading stream has BENCH_FRAMES or BENCH_IDLE_MS pass without one,
- *       and prints one JSON line: deliveries, rate, publish-to-client latency p50/p99, loss. */
+ *       and prints one JSON line: deliveries, rate, publish-to-client latency p50/p99, loss,
+ *       the client's own CPU from the first live frame to the last, and the longest pause
+ *       between two live frames (a sender that stalls shows there). */
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
@@ -28,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -59,6 +62,14 @@ static long n_calls, want_subs;
 static void on_close(rpc_call *c, void *ud) {
     (void)c;
     (void)ud;
+}
+
+/* user + system CPU of this process, in microseconds */
+static int64_t cpu_us(void) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (int64_t)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000 + ru.ru_utime.tv_usec +
+           ru.ru_stime.tv_usec;
 }
 
 static int bare_stream(rpc_call *call, const ProtobufCMessage *req, void *ud) {
@@ -263,6 +274,9 @@ static int run_client(const char *addr) {
     long n_lat = 0, cap_lat = frames * readers + 16, total = 0, gaps = 0;
     int64_t *lat = malloc((size_t)cap_lat * sizeof *lat), t_first = 0, t_last = 0;
     int said_ready = 0;
+    int64_t max_gap = 0;   /* the longest pause between two live frames (a stalled sender) */
+    long gap_at = 0;       /* live frames received before it */
+    int64_t cpu_first = 0; /* the client's own CPU (us) at the first live frame */
     for (;;) {
         grpc_event ev = grpc_completion_queue_next(
             cq, gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(100, GPR_TIMESPAN)),
@@ -309,7 +323,14 @@ static int run_client(const char *addr) {
                 s->live++;
                 if (!s->stalled) {
                     total++;
-                    if (!t_first) t_first = now;
+                    if (t_last && now - t_last > max_gap) {
+                        max_gap = now - t_last;
+                        gap_at = total;
+                    }
+                    if (!t_first) {
+                        t_first = now;
+                        cpu_first = cpu_us();
+                    }
                     t_last = now;
                     const char *tok = r->live->token_text;
                     if (tok && n_lat < cap_lat) lat[n_lat++] = now - strtoll(tok, NULL, 10);
@@ -336,11 +357,13 @@ static int run_client(const char *addr) {
         if (!S[i].stalled && S[i].live < min_live) min_live = S[i].live;
     printf("{\"subs\":%ld,\"ready\":%ld,\"frames\":%ld,\"delivered\":%ld,\"expected\":%ld,"
            "\"secs\":%.4f,\"rate\":%.0f,\"p50_ms\":%.3f,\"p99_ms\":%.3f,\"min_per_stream\":%ld,"
-           "\"gaps\":%ld,\"stalled_live\":%ld}\n",
+           "\"gaps\":%ld,\"stalled_live\":%ld,\"client_cpu_us\":%lld,\"max_gap_us\":%lld,"
+           "\"gap_at\":%ld}\n",
            NS, ready, frames, total, frames * readers, secs, secs > 0 ? (double)total / secs : 0,
            n_lat ? (double)lat[n_lat / 2] / 1e6 : 0,
            n_lat ? (double)lat[(size_t)((double)n_lat * 0.99)] / 1e6 : 0, min_live, gaps,
-           stalled ? S[0].live : 0);
+           stalled ? S[0].live : 0, (long long)(t_first ? cpu_us() - cpu_first : 0),
+           (long long)(max_gap / 1000), gap_at);
     fflush(stdout);
     _exit(0); /* streams are cancelled by the exit */
 }
