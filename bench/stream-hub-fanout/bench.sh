@@ -115,6 +115,10 @@ client() {
         sleep 0.1
     done
     echo "stream-hub bench: the client did not get ready"; cat "$TMP/client.err" | tail -3
+    # a server that died says why in its own stderr ($TMP is removed on exit unless KEEP=1)
+    for f in "$TMP"/*.err; do
+        [[ "$f" == "$TMP/client.err" || ! -s "$f" ]] || { echo "--- $f"; tail -n 20 "$f"; }
+    done
     return 1
 }
 # waits for the client (not in a subshell: only the parent can wait for it); sets RESULT
