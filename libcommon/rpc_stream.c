@@ -89,9 +89,6 @@ typedef struct send_batch {
     rpc__tag *tag;
 } send_batch;
 
-/* Picks the next batch if none is in flight: the next frame (with the status too when it is
- * the last one and the stream is finishing), or the status alone. Returns 1 when *b is to be
- * started with pump_start (the call holds a reference for it). */
 /* A stream's run of frames sent with the write-buffer hint ends after RPC_STREAM_HINT_FRAMES
  * frames or RPC_STREAM_HINT_BYTES bytes (rpc_internal.h): the next frame goes without it and
  * the transport writes what it holds. Without a bound, a subscriber whose whole burst was
@@ -113,6 +110,9 @@ int rpc__stream_hint(rpc_call *c, size_t frame_len) {
     return 0;
 }
 
+/* Picks the next batch if none is in flight: the next frame (with the status too when it is
+ * the last one and the stream is finishing), or the status alone. Returns 1 when *b is to be
+ * started with pump_start (the call holds a reference for it). */
 static int pump_locked(rpc_call *c, send_batch *b) {
     b->n = 0;
     b->tag = &c->t_send;

@@ -193,6 +193,16 @@ class EngineTest(unittest.TestCase):
     def done(self, run, timeout=20):
         return self.wait_for(run, lambda s: s.run.status in ("completed", "failed", "cancelled"), timeout)
 
+    def pages(self, client, method, make):
+        """Every page of a keyset-paged list, in order; make(token) builds each request."""
+        tok = ""
+        while True:
+            page = client(method, make(tok))
+            yield page
+            tok = page.next_page_token
+            if not tok:
+                return
+
     def acts(self, s):
         return [(a.step_name, a.status, a.iteration) for a in s.actions]
 
@@ -342,15 +352,8 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(errors, [])
         self.assertEqual(len(refused), 12)
         self.assertTrue(runs)
-        print("%d runs raced the delete" % len(runs), file=sys.stderr)
-        listed, tok = set(), ""
-        while True:
-            page = self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id, page_size=100,
-                                                        page_token=tok))
-            listed |= {r.id for r in page.runs}
-            tok = page.next_page_token
-            if not tok:
-                break
+        listed = {r.id for page in self.pages(self.A, "ListRuns", lambda tok: W.ListRunsRequest(
+            workflow_id=w.id, page_size=100, page_token=tok)) for r in page.runs}
         self.assertEqual(listed, set(runs))
         left = set(runs)
         end = time.time() + 20
@@ -804,14 +807,11 @@ class EngineTest(unittest.TestCase):
         orun = self.trigger(other_team.id).id
         for r in runs + [prun, orun]:
             self.done(r)
-        got, tok = [], ""
-        while True:
-            page = self.B("ListRuns", W.ListRunsRequest(workflow_id=team_wf.id, page_size=2, page_token=tok))
+        got = []
+        for page in self.pages(self.B, "ListRuns", lambda tok: W.ListRunsRequest(
+                workflow_id=team_wf.id, page_size=2, page_token=tok)):
             got += [r.id for r in page.runs]
             self.assertLessEqual(len(page.runs), 2)
-            tok = page.next_page_token
-            if not tok:
-                break
         self.assertEqual(got, list(reversed(runs)))
         self.assertTrue(all(r.nodes_total == 1 and r.nodes_done == 1 for r in page.runs))
         p1 = self.A("ListRuns", W.ListRunsRequest(workflow_id=team_wf.id, page_size=2))
@@ -829,18 +829,14 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(len(self.A("ListRuns", W.ListRunsRequest(workflow_id=team_wf.id, status_filter=W.RUN_STATUS_FILTER_COMPLETED, page_size=500)).runs), 5)
         # visible runs: my team's and my private ones; not another team's
         seen = set()
-        tok = ""
-        while True:
-            page = self.A("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=3, page_token=tok))
+        for page in self.pages(self.A, "ListVisibleRuns",
+                               lambda tok: W.ListVisibleRunsRequest(page_size=3, page_token=tok)):
             seen |= {r.run.id for r in page.runs}
             for r in page.runs:
                 self.assertTrue(r.workflow_name)
                 if r.run.id in runs or r.run.id == prun:  # "exactly as ListRuns"
                     self.assertEqual((r.run.nodes_total, r.run.nodes_done), (1, 1))
                 self.assertTrue(r.HasField("open_prompt_count"))
-            tok = page.next_page_token
-            if not tok:
-                break
         self.assertTrue(set(runs) | {prun} <= seen)
         self.assertNotIn(orun, seen)
         theirs = {r.run.id for r in self.other_user("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=100)).runs}

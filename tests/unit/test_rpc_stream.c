@@ -45,7 +45,7 @@ static void test_small_frames_end_their_run_at_the_frame_bound(void **state) {
 static void test_large_frames_end_their_run_at_the_byte_bound(void **state) {
     (void)state;
     int runs[256], n;
-    size_t len = 300; /* the fan-out bench's frames */
+    size_t len = 300;                                          /* the fan-out bench's frames */
     int want = (int)((RPC_STREAM_HINT_BYTES + len - 1) / len); /* hinted until the bound */
     assert_true(want < RPC_STREAM_HINT_FRAMES);
     drain(200, len, runs, &n);
