@@ -10,8 +10,10 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "mr_fixture.h"
+#include "util.h"
 #include "../../../services/model-registry/snapshot.h"
 
 static const fx_model pair[] = {
@@ -175,10 +177,16 @@ static void test_concurrent_swaps(void **state) {
     for (int i = 0; i < 4; i++)
         assert_int_equal(pthread_create(&th[i], NULL, reader, &r), 0);
     /* keep swapping until the readers have overlapped many swaps, however the threads are
-     * scheduled (valgrind runs one thread at a time) */
+     * scheduled: valgrind runs one thread at a time and may not switch for a whole burst of
+     * swaps, so past the first 2,000 a swap is followed by a nap that lets a reader run
+     * (bounded: 30 s without 200 reads fails below) */
     int v = 1;
-    while (++v <= 2000 || (atomic_load(&r.reads) < 200 && v < 200000))
+    int64_t until = util_mono_ms() + 30000;
+    const struct timespec nap = {0, 200000};
+    while (++v <= 2000 || (atomic_load(&r.reads) < 200 && util_mono_ms() < until)) {
         mr_holder_swap(&r.h, snapshot_priced(v));
+        if (v > 2000) nanosleep(&nap, NULL);
+    }
     v--;
     atomic_store(&r.stop, 1);
     for (int i = 0; i < 4; i++)
