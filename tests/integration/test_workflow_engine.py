@@ -700,6 +700,38 @@ class EngineTest(unittest.TestCase):
                 cl.close()
         self.A("CancelRun", W.CancelRunRequest(run_id=run.id))
 
+    def test_04e_template_amplification_is_bounded(self):
+        # the attack: a gate summary repeating a 256 KiB trigger value 600 times (157 MB once
+        # rendered); UPSQUAD_WF_MAX_RENDERED (1 MiB default) fails the step instead
+        x = "A" * (256 * 1024)
+        d = defn("gate", {"gate": {"type": "approval_gate", "required_clearance": 1,
+                                   "summary": "${/trigger/x}" * 600}})
+        w = self.create(d, name="amplify")
+        run = self.trigger(w.id, {"x": x})
+        s = self.done(run.id, timeout=30)
+        self.assertEqual(s.run.status, "failed")
+        self.assertEqual(self.acts(s), [("gate", "failed", 0)])
+        self.assertIn("UPSQUAD_WF_MAX_RENDERED", str(s))
+        # nothing huge stored: the action row holds no rendered text
+        size = self.scoped_sql("SELECT coalesce(octet_length(input::text), 0) + coalesce(octet_length(output::text), 0) "
+                               "FROM workflow_engine.actions WHERE run_id = '%s'" % run.id)
+        self.assertLess(int(size[0]), 64 * 1024)
+        # a tool's with block is rendered under the same budget
+        t = self.create(defn("a", {"a": tool("create_comment", number=1, body="${/trigger/x}" * 8)}),
+                        name="amplify2")
+        s2 = self.done(self.trigger(t.id, {"x": x}).id, timeout=30)
+        self.assertEqual(s2.run.status, "failed")
+        self.assertIn("UPSQUAD_WF_MAX_RENDERED", str(s2))
+        # a value just under the limit still renders
+        ok = self.create(defn("gate", {"gate": {"type": "approval_gate", "required_clearance": 1,
+                                                "summary": "${/trigger/x}${/trigger/x}"}}), name="amplify-ok")
+        okrun = self.trigger(ok.id, {"x": x})
+        self.wait_for(okrun.id, lambda s: s.actions and s.actions[0].status == "awaiting_approval")
+        # the aggregating reads still answer
+        self.status(run.id)
+        self.A("ListPendingApprovals", W.ListPendingApprovalsRequest(limit=100))
+        self.A("CancelRun", W.CancelRunRequest(run_id=okrun.id))
+
     def test_04b_gate_timeouts(self):
         parked = lambda s: s.actions and s.actions[0].status == "awaiting_approval"
         rej = self.create(defn("g", {"g": {"type": "approval_gate", "required_clearance": 1, "summary": "ok?",
