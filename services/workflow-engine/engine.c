@@ -12,6 +12,7 @@
 #include "upsquad/internal/v1/tool.pb-c.h"
 #include "util.h"
 #include "wf.h"
+#include "wf_expr.h"
 
 static wf_config C;
 
@@ -42,6 +43,10 @@ static const cfg_var vars[] = {
      &C.page_key, 0, 0, CFG_SECRET},
     {"UPSQUAD_WF_WORKERS", CFG_INT, "2", "interpreter threads (each advances one run at a time)",
      &C.workers, 1, 64},
+    {"UPSQUAD_WF_MAX_RENDERED", CFG_INT, "1048576",
+     "bytes one template render may produce (a step's prompt, summary or whole `with` block); "
+     "a step whose templates expand past it fails with an error naming this variable",
+     &C.max_rendered, 1024, 8388608},
     {"UPSQUAD_WF_LEASE", CFG_MS, "15s",
      "run lease: a replica that dies holding a run loses it after this long and any replica "
      "continues it",
@@ -246,6 +251,7 @@ int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen
     bus_opts bo;
     memset(e, 0, sizeof *e);
     e->cfg = cfg;
+    wf_expr_max_rendered = (size_t)cfg->max_rendered; /* before any interpreter thread */
     pthread_mutex_init(&e->mu, NULL);
     util_cond_init_monotonic(&e->cv);
     util_cond_init_monotonic(&e->relay_cv);

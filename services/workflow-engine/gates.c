@@ -738,7 +738,12 @@ static A(Approval) * approval_msg(rpc_call *call, const gate *g, const auth_iden
     a->decided_at = wfr_ts(call, g->r, 0, GT_DECIDED_AT);
     a->comment = wfr_s(call, g->r, 0, GT_COMMENT);
     a->response_payload = wfr_struct(call, st_s(g->r, 0, GT_ANSWER));
-    a->spec = wfr_struct_json(call, g->spec);
+    /* the spec is the gate's structure (kind, options, summary) a decider below the run's
+     * floor still needs; the sensitive-key half of the one rule applies (wfr_redact) */
+    cJSON *spec = cJSON_Duplicate(g->spec, 1);
+    wfr_redact(call, spec, id->clearance, 0, NULL, NULL, 0);
+    a->spec = wfr_struct_json(call, spec);
+    cJSON_Delete(spec);
     a->created_at = wfr_ts(call, g->r, 0, GT_CREATED);
     a->expires_at = wfr_ts(call, g->r, 0, GT_EXPIRES);
     a->escalations = (int32_t)st_i(g->r, 0, GT_ESCALATIONS);

@@ -76,7 +76,7 @@ static P(WorkflowRun) * run_msg(rpc_call *call, const PGresult *r, int row, int 
     m->org_id = wfr_s(call, r, row, RUN_ORG);
     m->triggered_by = wfr_s(call, r, row, RUN_TRIGGERED_BY);
     m->status = wfr_s(call, r, row, RUN_STATUS);
-    m->context = wfr_struct(call, st_s(r, row, RUN_CONTEXT));
+    m->context = wfr_struct_redacted(call, st_s(r, row, RUN_CONTEXT), st_s(r, row, RUN_CLASS));
     m->started_at = wfr_ts(call, r, row, RUN_STARTED_AT);
     m->completed_at = wfr_ts(call, r, row, RUN_COMPLETED_AT);
     m->created_at = wfr_ts(call, r, row, RUN_CREATED_AT);
@@ -1003,44 +1003,6 @@ done:
 
 /* ---- GetNodeIO redaction (docs/workflow-engine.md, "Node I/O redaction") ---- */
 
-static int classification_floor(const char *c) {
-    if (!strcmp(c, "public")) return 0;
-    if (!strcmp(c, "confidential")) return 3;
-    if (!strcmp(c, "restricted")) return 4;
-    return 2; /* internal */
-}
-
-static int sensitive_key(const char *k) {
-    static const char *const words[] = {"password", "secret",        "token",      "api_key",
-                                        "apikey",   "authorization", "credential", "private_key"};
-    char low[128];
-    size_t i = 0;
-    for (; k[i] && i < sizeof low - 1; i++)
-        low[i] = (char)tolower((unsigned char)k[i]);
-    low[i] = 0;
-    for (size_t w = 0; w < sizeof words / sizeof words[0]; w++)
-        if (strstr(low, words[w])) return 1;
-    return 0;
-}
-
-/* Strips the top-level keys the caller may not see; names them in *red (deduplicated). */
-static void redact(cJSON *obj, int clearance, int floor, const char ***red, size_t *nred,
-                   size_t cap, rpc_call *call) {
-    cJSON *c = obj ? obj->child : NULL;
-    while (c) {
-        cJSON *next = c->next;
-        int strip = clearance < floor || (sensitive_key(c->string) && clearance < 4);
-        if (strip) {
-            int seen = 0;
-            for (size_t i = 0; i < *nred; i++)
-                seen |= !strcmp((*red)[i], c->string);
-            if (!seen && *nred < cap) (*red)[(*nred)++] = rpc_strdup(call, c->string);
-            cJSON_DeleteItemFromObjectCaseSensitive(obj, c->string);
-        }
-        c = next;
-    }
-}
-
 static int get_node_io(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
                        void *ud) {
     const P(GetNodeIORequest) *rq = (const void *)req;
@@ -1077,9 +1039,9 @@ static int get_node_io(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
     o = wf_raw_terminal(st_s(a, 0, AC_STATUS)) ? cJSON_Parse(st_s(a, 0, AC_OUTPUT)) : NULL;
     size_t cap = (size_t)cJSON_GetArraySize(in) + (size_t)cJSON_GetArraySize(o) + 1, nred = 0;
     const char **red = rpc_alloc(call, cap * sizeof *red);
-    int floor = classification_floor(run.classification);
-    redact(in, id->clearance, floor, &red, &nred, cap, call);
-    redact(o, id->clearance, floor, &red, &nred, cap, call);
+    int floor = wfr_redact_floor(run.classification);
+    wfr_redact(call, in, id->clearance, floor, red, &nred, cap);
+    wfr_redact(call, o, id->clearance, floor, red, &nred, cap);
     out->input = cJSON_IsObject(in) ? wfr_struct_json(call, in) : NULL;
     out->output = cJSON_IsObject(o) ? wfr_struct_json(call, o) : NULL;
     out->redacted_fields = (char **)red;

@@ -163,6 +163,7 @@ enum {
     RUN_OPEN_PROMPTS,
     RUN_WAITING,
     RUN_STARTED_US,
+    RUN_CLASS, /* the workflow's data_classification (redaction floor) */
     RUN_NCOLS
 };
 int st_run_row(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen);
@@ -202,6 +203,7 @@ enum {
     AC_BLOCKED_BY,
     AC_ITERATION,
     AC_TYPE,
+    AC_CLASS, /* the run's workflow data_classification (redaction floor) */
     AC_NCOLS
 };
 int st_actions_of(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen);

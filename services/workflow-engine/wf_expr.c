@@ -44,7 +44,33 @@ static int whole_template(const char *t, char *ptr, size_t len) {
     return 1;
 }
 
-cJSON *wf_expr_render(const cJSON *state, const char *tmpl, char *err, size_t errlen) {
+size_t wf_expr_max_rendered = WF_EXPR_MAX_RENDERED_DEFAULT;
+
+/* Bytes v takes as JSON text, near enough to bound memory (strings unescaped). */
+static size_t json_size(const cJSON *v) {
+    if (cJSON_IsString(v)) return strlen(v->valuestring) + 2;
+    if (!cJSON_IsObject(v) && !cJSON_IsArray(v)) return 24;
+    size_t n = 2;
+    for (const cJSON *c = v->child; c; c = c->next)
+        n += json_size(c) + (c->string ? strlen(c->string) + 4 : 1);
+    return n;
+}
+
+static int over(size_t need, size_t *budget, char *err, size_t errlen) {
+    if (need <= *budget) {
+        *budget -= need;
+        return 0;
+    }
+    snprintf(err, errlen,
+             "rendered value exceeds %zu bytes (UPSQUAD_WF_MAX_RENDERED): templates expand "
+             "to too much data",
+             wf_expr_max_rendered);
+    return -1;
+}
+
+/* One template against state; *budget is what this render may still produce (bytes). */
+static cJSON *render(const cJSON *state, const char *tmpl, size_t *budget, char *err,
+                     size_t errlen) {
     char ptr[1024];
     if (whole_template(tmpl, ptr, sizeof ptr)) {
         const cJSON *v = wf_expr_resolve(state, ptr);
@@ -52,10 +78,12 @@ cJSON *wf_expr_render(const cJSON *state, const char *tmpl, char *err, size_t er
             snprintf(err, errlen, "template ${%s} does not resolve", ptr);
             return NULL;
         }
+        if (over(json_size(v), budget, err, errlen)) return NULL;
         return cJSON_Duplicate(v, 1);
     }
     sbuf s = {0};
     const char *p = tmpl;
+    cJSON *out = NULL;
     sb_put(&s, "", 0);
     while (*p) {
         if (p[0] == '$' && p[1] == '$' && p[2] == '{') { /* $${ is a literal ${ */
@@ -76,9 +104,11 @@ cJSON *wf_expr_render(const cJSON *state, const char *tmpl, char *err, size_t er
             const cJSON *v = wf_expr_resolve(state, ptr);
             if (!v) {
                 snprintf(err, errlen, "template ${%s} does not resolve", ptr);
-                free(s.b);
-                return NULL;
+                goto done;
             }
+            /* checked before copying: a template repeating a large value fails here, having
+             * allocated no more than the limit */
+            if (over(json_size(v), budget, err, errlen)) goto done;
             if (cJSON_IsString(v)) {
                 sb_put(&s, v->valuestring, strlen(v->valuestring));
             } else {
@@ -92,17 +122,24 @@ cJSON *wf_expr_render(const cJSON *state, const char *tmpl, char *err, size_t er
         sb_put(&s, p, 1);
         p++;
     }
-    cJSON *out = cJSON_CreateString(s.b ? s.b : "");
+    out = cJSON_CreateString(s.b ? s.b : "");
+done:
     free(s.b);
     return out;
 }
 
-cJSON *wf_expr_render_tree(const cJSON *state, const cJSON *v, char *err, size_t errlen) {
-    if (cJSON_IsString(v)) return wf_expr_render(state, v->valuestring, err, errlen);
+cJSON *wf_expr_render(const cJSON *state, const char *tmpl, char *err, size_t errlen) {
+    size_t budget = wf_expr_max_rendered;
+    return render(state, tmpl, &budget, err, errlen);
+}
+
+static cJSON *render_tree(const cJSON *state, const cJSON *v, size_t *budget, char *err,
+                          size_t errlen) {
+    if (cJSON_IsString(v)) return render(state, v->valuestring, budget, err, errlen);
     if (cJSON_IsObject(v) || cJSON_IsArray(v)) {
         cJSON *out = cJSON_IsObject(v) ? cJSON_CreateObject() : cJSON_CreateArray();
         for (const cJSON *c = v->child; c && out; c = c->next) {
-            cJSON *r = wf_expr_render_tree(state, c, err, errlen);
+            cJSON *r = render_tree(state, c, budget, err, errlen);
             if (!r) {
                 cJSON_Delete(out);
                 return NULL;
@@ -115,6 +152,13 @@ cJSON *wf_expr_render_tree(const cJSON *state, const cJSON *v, char *err, size_t
         return out;
     }
     return cJSON_Duplicate(v, 1);
+}
+
+/* The budget spans the whole tree: a `with` block of many small templates each naming the
+ * same large value amplifies as much as one long template. */
+cJSON *wf_expr_render_tree(const cJSON *state, const cJSON *v, char *err, size_t errlen) {
+    size_t budget = wf_expr_max_rendered;
+    return render_tree(state, v, &budget, err, errlen);
 }
 
 static bool num_cmp(const cJSON *a, const cJSON *b, const char *op) {

@@ -5,10 +5,16 @@
 #define WF_EXPR_H
 
 #include <cjson/cJSON.h>
+#include <stddef.h>
 #include <stdbool.h>
 
 /* The value at RFC 6901 pointer `ptr` of doc (borrowed), or NULL when it does not resolve. */
 const cJSON *wf_expr_resolve(const cJSON *state, const char *ptr);
+
+/* Bytes one render (a template, or a whole `with` tree) may produce; more fails the render
+ * with an error naming UPSQUAD_WF_MAX_RENDERED (set once at start-up, before any thread). */
+#define WF_EXPR_MAX_RENDERED_DEFAULT (1024 * 1024)
+extern size_t wf_expr_max_rendered;
 
 /* Renders a template string against state. A string that is exactly one template keeps the
  * value's JSON type. Returns a new cJSON (caller frees), or NULL with err naming the pointer

@@ -1,5 +1,8 @@
 #include "wf_rpc.h"
 
+#include <ctype.h>
+#include <string.h>
+
 #include "db.h"
 #include "err.h"
 #include "ids.h"
@@ -20,6 +23,55 @@ Google__Protobuf__Struct *wfr_struct_json(rpc_call *call, const cJSON *obj) {
 Google__Protobuf__Struct *wfr_struct(rpc_call *call, const char *json) {
     if (!json || !json[0]) return NULL;
     cJSON *o = cJSON_Parse(json);
+    Google__Protobuf__Struct *s = wfr_struct_json(call, o);
+    cJSON_Delete(o);
+    return s;
+}
+
+int wfr_redact_floor(const char *c) {
+    if (!c || !c[0]) return 2; /* unknown: internal */
+    if (!strcmp(c, "public")) return 0;
+    if (!strcmp(c, "confidential")) return 3;
+    if (!strcmp(c, "restricted")) return 4;
+    return 2; /* internal */
+}
+
+static int sensitive_key(const char *k) {
+    static const char *const words[] = {"password", "secret",        "token",      "api_key",
+                                        "apikey",   "authorization", "credential", "private_key"};
+    char low[128];
+    size_t i = 0;
+    for (; k[i] && i < sizeof low - 1; i++)
+        low[i] = (char)tolower((unsigned char)k[i]);
+    low[i] = 0;
+    for (size_t w = 0; w < sizeof words / sizeof words[0]; w++)
+        if (strstr(low, words[w])) return 1;
+    return 0;
+}
+
+void wfr_redact(rpc_call *call, cJSON *obj, int clearance, int floor, const char **red,
+                size_t *nred, size_t cap) {
+    cJSON *c = cJSON_IsObject(obj) ? obj->child : NULL;
+    while (c) {
+        cJSON *next = c->next;
+        if (clearance < floor || (sensitive_key(c->string) && clearance < 4)) {
+            int seen = 0;
+            for (size_t i = 0; red && i < *nred; i++)
+                seen |= !strcmp(red[i], c->string);
+            if (red && !seen && *nred < cap) red[(*nred)++] = rpc_strdup(call, c->string);
+            cJSON_DeleteItemFromObjectCaseSensitive(obj, c->string);
+        }
+        c = next;
+    }
+}
+
+Google__Protobuf__Struct *wfr_struct_redacted(rpc_call *call, const char *json,
+                                              const char *classification) {
+    if (!json || !json[0]) return NULL;
+    const auth_identity *id = rpc_identity(call);
+    cJSON *o = cJSON_Parse(json);
+    wfr_redact(call, o, id ? id->clearance : -1, wfr_redact_floor(classification), NULL, NULL,
+               0);
     Google__Protobuf__Struct *s = wfr_struct_json(call, o);
     cJSON_Delete(o);
     return s;
@@ -83,8 +135,8 @@ Upsquad__Workflow__V1__WorkflowAction *wfr_action_msg(rpc_call *call, const PGre
     a->step_name = wfr_s(call, r, row, AC_STEP);
     a->agent_id = wfr_s(call, r, row, AC_AGENT);
     a->status = wfr_s(call, r, row, AC_STATUS);
-    a->input = wfr_struct(call, st_s(r, row, AC_INPUT));
-    a->output = wfr_struct(call, st_s(r, row, AC_OUTPUT));
+    a->input = wfr_struct_redacted(call, st_s(r, row, AC_INPUT), st_s(r, row, AC_CLASS));
+    a->output = wfr_struct_redacted(call, st_s(r, row, AC_OUTPUT), st_s(r, row, AC_CLASS));
     a->decided_by = wfr_s(call, r, row, AC_DECIDED_BY);
     a->decided_at = wfr_ts(call, r, row, AC_DECIDED_AT);
     a->created_at = wfr_ts(call, r, row, AC_CREATED_AT);

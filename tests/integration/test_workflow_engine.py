@@ -28,6 +28,7 @@ if not DSN or not NATS:
 import grpc  # noqa: E402
 from google.protobuf import json_format  # noqa: E402
 from upsquad.workflow.v1 import workflow_pb2 as W  # noqa: E402
+from upsquad.approval.v1 import approval_pb2 as AP  # noqa: E402
 from upsquad.internal.v1 import agent_step_pb2 as A, run_events_pb2 as E, tool_pb2 as ToolPB  # noqa: E402
 
 status_pb2 = T.load_generated("google/rpc/status_pb2.py", "status_pb2")
@@ -604,6 +605,132 @@ class EngineTest(unittest.TestCase):
                "UPDATE workflow_engine.run_queue SET wake_at = now(), wake_gen = wake_gen + 1 "
                "WHERE run_id = '%s'; COMMIT;" % (self.org, run_id, run_id))
         subprocess.run(psql + ["-c", sql], check=True, capture_output=True, timeout=20)
+
+    # ---- the one redaction rule (docs/workflow-engine.md, "Redaction") ----
+    # Every unary read returning node data: step input/output (WorkflowAction), run context
+    # (WorkflowRun), gate specs (Approval). Streams of node data (StreamNodeIO,
+    # GetNodeTranscript) are the stream-hub's: "served elsewhere" here, covered in its tests.
+    REDACTED_READS = {
+        "GetWorkflowStatus", "ListRuns", "ListVisibleRuns", "ListPendingApprovals", "GetNodeIO",
+        "GetApproval",
+    }
+    # reads that return such types only for the run/action the caller just acted on (the
+    # caller's own write), through the same message builders, hence the same rule
+    SAME_BUILDER = {
+        "TriggerWorkflow", "CancelRun", "PauseRun", "ResumeRun", "ApproveAction", "RejectAction",
+        "EscalateAction", "RecordDecision", "RetryRun", "RerunFromNode", "GetRunPrompt",
+        "SubmitRunPrompt", "DeliverWorkflowEvent", "StreamNodeIO", "GetNodeTranscript", "StreamWorkflowEvents",
+    }
+    NODE_TYPES = {"upsquad.workflow.v1.WorkflowAction", "upsquad.workflow.v1.WorkflowRun",
+                  "upsquad.workflow.v1.GetNodeIOResponse", "upsquad.approval.v1.Approval",
+                  "upsquad.workflow.v1.NodeIOFrame", "upsquad.workflow.v1.TranscriptEvent"}
+
+    @staticmethod
+    def _carries(desc, seen=None):
+        seen = seen if seen is not None else set()
+        if desc.full_name in seen:
+            return False
+        seen.add(desc.full_name)
+        if desc.full_name in EngineTest.NODE_TYPES:
+            return True
+        return any(f.message_type is not None and EngineTest._carries(f.message_type, seen)
+                   for f in desc.fields)
+
+    def test_04c_every_node_data_read_is_covered(self):
+        """A new RPC returning node data must join REDACTED_READS (and the test below) or be
+        named as returning it through the same builders."""
+        missing = []
+        for svc in (W.DESCRIPTOR.services_by_name["WorkflowService"],
+                    AP.DESCRIPTOR.services_by_name["ApprovalService"]):
+            for m in svc.methods:
+                if self._carries(m.output_type) and m.name not in self.REDACTED_READS | self.SAME_BUILDER:
+                    missing.append(m.name)
+        self.assertEqual(missing, [], "RPCs returning node data not covered by the redaction test")
+
+    def test_04d_one_redaction_rule_on_every_read(self):
+        # an internal workflow (floor 2) in the member's team; a gate of clearance 1 (the
+        # lowest) so every member from 1 lists it; its summary renders the trigger's sensitive field
+        d = defn("gate", {"gate": {"type": "approval_gate", "required_clearance": 1,
+                                   "summary": "key ${/trigger/api_key}", "api_key": "lit"}},
+                 trigger={"fields": {"api_key": {"type": "string"}, "note": {"type": "string"}}})
+        try:
+            w = self.create(d, name="redact", team_id=self.team)
+        except grpc.RpcError:
+            d.pop("trigger")
+            d["steps"]["gate"].pop("api_key")
+            w = self.create(d, name="redact", team_id=self.team)
+        run = self.trigger(w.id, {"api_key": "sk-live-1", "note": "hello", "password": "pw"})
+        s = self.wait_for(run.id, lambda s: s.actions and s.actions[0].status == "awaiting_approval")
+        full_ctx = js(s.run.context)
+        full_in = js(s.actions[0].input)
+        self.assertIn("api_key", full_ctx)
+        sensitive = ("password", "secret", "token", "api_key", "apikey", "authorization",
+                     "credential", "private_key")
+
+        def rule(obj, c):  # the documented rule: below the floor nothing, sensitive below 4
+            return {k: v for k, v in obj.items()
+                    if c >= 2 and (c >= 4 or not any(x in k.lower() for x in sensitive))}
+
+        for c in range(1, 6):  # a token's clearance is 1..5 (0 is rejected as malformed)
+            cl = Client(self.b.addr, T.mint(SECRET, sub=self.user, org=self.org, clearance=c,
+                                             teams=[self.team]))
+            try:
+                want_ctx, want_in = rule(full_ctx, c), rule(full_in, c)
+                st_ = cl("GetWorkflowStatus", W.GetWorkflowStatusRequest(run_id=run.id))
+                self.assertEqual(js(st_.run.context), want_ctx, "GetWorkflowStatus context @%d" % c)
+                self.assertEqual(js(st_.actions[0].input), want_in, "GetWorkflowStatus input @%d" % c)
+                lr = [r for r in cl("ListRuns", W.ListRunsRequest(workflow_id=w.id)).runs if r.id == run.id]
+                self.assertEqual(js(lr[0].context), want_ctx, "ListRuns @%d" % c)
+                lv = [r for r in cl("ListVisibleRuns", W.ListVisibleRunsRequest(page_size=100)).runs
+                      if r.run.id == run.id]
+                self.assertEqual(js(lv[0].run.context), want_ctx, "ListVisibleRuns @%d" % c)
+                lp = [p for p in cl("ListPendingApprovals", W.ListPendingApprovalsRequest(limit=100)).approvals
+                      if p.action.run_id == run.id]
+                self.assertEqual(len(lp), 1 if c >= 1 else 0, "ListPendingApprovals @%d" % c)
+                if lp:
+                    self.assertEqual(js(lp[0].action.input), want_in, "ListPendingApprovals @%d" % c)
+                io = cl("GetNodeIO", W.GetNodeIORequest(run_id=run.id, node_id=s.actions[0].id))
+                self.assertEqual(js(io.input), want_in, "GetNodeIO @%d" % c)
+                self.assertEqual(set(io.redacted_fields), set(full_in) - set(want_in))
+                ap = cl("GetApproval", AP.GetApprovalRequest(approval_id=s.actions[0].approval_id)).approval
+                spec = js(ap.spec)
+                self.assertEqual("api_key" in spec, "api_key" in js(self.A("GetApproval", AP.GetApprovalRequest(
+                    approval_id=s.actions[0].approval_id)).approval.spec) and c >= 4, "GetApproval spec @%d" % c)
+            finally:
+                cl.close()
+        self.A("CancelRun", W.CancelRunRequest(run_id=run.id))
+
+    def test_04e_template_amplification_is_bounded(self):
+        # the attack: a gate summary repeating a 256 KiB trigger value 600 times (157 MB once
+        # rendered); UPSQUAD_WF_MAX_RENDERED (1 MiB default) fails the step instead
+        x = "A" * (256 * 1024)
+        d = defn("gate", {"gate": {"type": "approval_gate", "required_clearance": 1,
+                                   "summary": "${/trigger/x}" * 600}})
+        w = self.create(d, name="amplify")
+        run = self.trigger(w.id, {"x": x})
+        s = self.done(run.id, timeout=30)
+        self.assertEqual(s.run.status, "failed")
+        self.assertEqual(self.acts(s), [("gate", "failed", 0)])
+        self.assertIn("UPSQUAD_WF_MAX_RENDERED", str(s))
+        # nothing huge stored: the action row holds no rendered text
+        size = self.scoped_sql("SELECT coalesce(octet_length(input::text), 0) + coalesce(octet_length(output::text), 0) "
+                               "FROM workflow_engine.actions WHERE run_id = '%s'" % run.id)
+        self.assertLess(int(size[0]), 64 * 1024)
+        # a tool's with block is rendered under the same budget
+        t = self.create(defn("a", {"a": tool("create_comment", number=1, body="${/trigger/x}" * 8)}),
+                        name="amplify2")
+        s2 = self.done(self.trigger(t.id, {"x": x}).id, timeout=30)
+        self.assertEqual(s2.run.status, "failed")
+        self.assertIn("UPSQUAD_WF_MAX_RENDERED", str(s2))
+        # a value just under the limit still renders
+        ok = self.create(defn("gate", {"gate": {"type": "approval_gate", "required_clearance": 1,
+                                                "summary": "${/trigger/x}${/trigger/x}"}}), name="amplify-ok")
+        okrun = self.trigger(ok.id, {"x": x})
+        self.wait_for(okrun.id, lambda s: s.actions and s.actions[0].status == "awaiting_approval")
+        # the aggregating reads still answer
+        self.status(run.id)
+        self.A("ListPendingApprovals", W.ListPendingApprovalsRequest(limit=100))
+        self.A("CancelRun", W.CancelRunRequest(run_id=okrun.id))
 
     def test_04b_gate_timeouts(self):
         parked = lambda s: s.actions and s.actions[0].status == "awaiting_approval"
