@@ -40,7 +40,7 @@ SUBJ_TOOL_INVOKE = "tool.invoke"  # libcommon/subjects.h: .<tool>
 
 ENGINE_ENV = T.engine_env(DSN, NATS, SECRET, UPSQUAD_WF_PAGE_KEY=PAGE_KEY,
                           UPSQUAD_WF_TOOL_TIMEOUT="700ms", UPSQUAD_WF_TOOL_ATTEMPTS="3",
-                          UPSQUAD_WF_SCHEDULE_POLL="100ms")
+                          UPSQUAD_WF_SCHEDULE_POLL="100ms", UPSQUAD_WF_RUN_MAX_ACTIONS="300")
 
 
 st = T.struct
@@ -723,6 +723,35 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(s.run.status, "completed", self.acts(s))
         self.assertEqual(js(io(s.actions[0]).output), {"iterations": 2})
         self.assertEqual(js(io(s.actions[2]).output), {"lap": "2"})
+
+    def test_05c_run_budget(self):
+        # validation: the worst-case product of nested max_iterations is bounded (1000 laps),
+        # named at the loop that crosses it, with the DefinitionValidationError detail
+        loops = lambda n, m: {**{"l%d" % i: {"type": "loop", "max_iterations": m,
+                                              "body": "l%d" % (i + 1) if i < n else "x"}
+                                 for i in range(1, n + 1)}, "x": tool("get_issue", number=1)}
+        e = self.err(C.INVALID_ARGUMENT, self.create, defn("l1", loops(7, 25)), contains="run budget")
+        raw = dict(e.trailing_metadata())["grpc-status-details-bin"]
+        v = W.DefinitionValidationError.FromString(status_pb2.Status.FromString(raw).details[0].value)
+        self.assertEqual([x.instance_location for x in v.violations], ["/steps/l3/max_iterations"])
+        self.assertIn('"l3"', v.violations[0].message)
+        self.create(defn("l1", loops(3, 10)))  # 1000 laps: at the budget, valid
+        # run time: the engine runs with UPSQUAD_WF_RUN_MAX_ACTIONS=300; 25 x 25 laps of a
+        # condition and its skipped arm would create 1,300 actions: the run fails, naming it
+        w = self.create(defn("o", {
+            "o": {"type": "loop", "max_iterations": 25, "body": "i"},
+            "i": {"type": "loop", "max_iterations": 25, "body": "c"},
+            "c": {"type": "condition", "if": {"op": "eq", "path": "/loop/iteration", "value": 0},
+                  "then": "t"},
+            "t": tool("get_issue", number=1)}))
+        s = self.done(self.trigger(w.id).id)
+        self.assertEqual(s.run.status, "failed")
+        reason = " ".join(self.scoped_sql("SELECT reason FROM workflow_engine.runs WHERE id = '%s'" % s.run.id))
+        self.assertIn("run budget exceeded", reason)
+        self.assertIn("UPSQUAD_WF_RUN_MAX_ACTIONS", reason)
+        # every started step counts; the untaken arm skipped by the last condition may add its
+        # own records (at most one arm) past it
+        self.assertTrue(290 <= len(s.actions) <= 302, len(s.actions))
 
     def test_06_run_control(self):
         w = self.create(defn("s", {"s": tool("create_comment", "t", number=1, body="slow __sleep_ms=600"),
