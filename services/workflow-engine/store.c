@@ -339,6 +339,40 @@ int st_run_insert(db_tx *tx, const char *id, const char *org, const char *wf,
     return rc != DB_OK ? rc : st_queue_insert(tx, id, org, err, errlen);
 }
 
+int st_trigger_key_claim(db_tx *tx, const char *org, const char *key, const char *run_id,
+                         const char *wf, const char *context_json, int *claimed, char *prior,
+                         int *same, char *err, size_t errlen) {
+    const char *p[] = {org, key, run_id};
+    PGresult *r = NULL;
+    *claimed = *same = 0;
+    prior[0] = 0;
+    int rc = ex(tx,
+                "INSERT INTO " S "trigger_keys (org_id, idem_key, run_id) VALUES ($1, $2, $3) "
+                "ON CONFLICT (org_id, idem_key) DO UPDATE SET run_id = EXCLUDED.run_id, "
+                "created_at = now() "
+                "WHERE " S "trigger_keys.created_at < now() - interval '24 hours' RETURNING 1",
+                3, p, &r, err, errlen);
+    if (rc) goto done;
+    *claimed = PQntuples(r) == 1;
+    PQclear(r);
+    r = NULL;
+    if (*claimed) goto done;
+    const char *q[] = {org, key, wf, context_json};
+    rc = ex(tx,
+            "SELECT k.run_id, (r.workflow_id = $3::uuid AND r.context = $4::jsonb) FROM " S
+            "trigger_keys k JOIN " S "runs r ON r.id = k.run_id "
+            "WHERE k.org_id = $1 AND k.idem_key = $2",
+            4, q, &r, err, errlen);
+    if (rc) goto done;
+    if (PQntuples(r) == 1) {
+        snprintf(prior, 37, "%s", PQgetvalue(r, 0, 0));
+        *same = !strcmp(PQgetvalue(r, 0, 1), "t");
+    }
+done:
+    PQclear(r);
+    return rc;
+}
+
 #define RL_SELECT                                                                                  \
     "SELECT r.id, r.org_id, r.workflow_id, r.triggered_by, r.status, r.context::text, "            \
     "r.definition::text, r.display_name, r.event_seq, r.cost_usd, " MS("r.started_at") ", " MS(    \

@@ -14,6 +14,7 @@ import threading
 import time
 import unittest
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
 import upsquad_testlib as T  # noqa: E402
@@ -752,6 +753,37 @@ class EngineTest(unittest.TestCase):
         # every started step counts; the untaken arm skipped by the last condition may add its
         # own records (at most one arm) past it
         self.assertTrue(290 <= len(s.actions) <= 302, len(s.actions))
+
+    def test_05d_idempotent_trigger(self):
+        w = self.create(defn("s", {"s": tool("get_issue", number=1)},
+                             trigger={"fields": {"n": {"type": "integer"}}}))
+        key = "retry-" + uuid.uuid4().hex
+        def trig(client, k=key, n=1, wf=w.id):
+            req = W.TriggerWorkflowRequest(workflow_id=wf)
+            req.context.update({"n": n})
+            return client("TriggerWorkflow", req, metadata=[("x-upsquad-idempotency-key", k)]).run
+        # 20 concurrent triggers with one key, spread over both replicas: one run
+        with ThreadPoolExecutor(20) as pool:
+            runs = list(pool.map(lambda i: trig(self.A if i % 2 else self.B), range(20)))
+        self.assertEqual(len({r.id for r in runs}), 1, {r.id for r in runs})
+        self.assertEqual(runs[0].workflow_id, w.id)
+        n = self.scoped_sql("SELECT count(*) FROM workflow_engine.runs WHERE workflow_id = '%s'" % w.id)
+        self.assertEqual(n, ["1"])
+        # after the run finished, the same key still answers the same run
+        self.done(runs[0].id)
+        self.assertEqual(trig(self.A).id, runs[0].id)
+        # the same key with another request: FAILED_PRECONDITION naming the key; nothing created
+        self.err(C.FAILED_PRECONDITION, lambda: trig(self.A, n=2), contains=key)
+        self.assertEqual(self.scoped_sql("SELECT count(*) FROM workflow_engine.runs "
+                                         "WHERE workflow_id = '%s'" % w.id), ["1"])
+        # a new key: a new run; an empty or oversized key: INVALID_ARGUMENT naming the metadata
+        self.assertNotEqual(trig(self.A, k=key + "-2").id, runs[0].id)
+        for bad in ("", "x" * 129, "a b"):
+            self.err(C.INVALID_ARGUMENT, lambda: trig(self.A, k=bad), contains="x-upsquad-idempotency-key")
+        # keys are per org: another org's same key is its own (its workflow is not visible here)
+        w2 = self.create(defn("s", {"s": tool("get_issue", number=1)},
+                              trigger={"fields": {"n": {"type": "integer"}}}), client=self.other_org)
+        self.assertNotEqual(trig(self.other_org, wf=w2.id).id, runs[0].id)
 
     def test_06_run_control(self):
         w = self.create(defn("s", {"s": tool("create_comment", "t", number=1, body="slow __sleep_ms=600"),

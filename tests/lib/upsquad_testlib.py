@@ -168,7 +168,7 @@ class WorkflowClient:
         self.md = [("authorization", "Bearer " + token)]
         self.timeout = timeout
 
-    def __call__(self, method, req, timeout=None):
+    def __call__(self, method, req, timeout=None, metadata=()):
         from upsquad.approval.v1 import approval_pb2 as AP
         from upsquad.workflow.v1 import workflow_pb2 as W
         if method in self.APPROVAL:
@@ -177,7 +177,7 @@ class WorkflowClient:
             svc, resp = "/upsquad.workflow.v1.WorkflowService/", getattr(W, method + "Response")
         f = self.ch.unary_unary(svc + method, request_serializer=req.SerializeToString,
                                 response_deserializer=resp.FromString)
-        return f(req, metadata=self.md, timeout=timeout or self.timeout)
+        return f(req, metadata=self.md + list(metadata), timeout=timeout or self.timeout)
 
     def close(self):
         self.ch.close()
