@@ -73,6 +73,7 @@ for w in "${WORKERS[@]}"; do
     UPSQUAD_GRPC_ADDR=127.0.0.1:0 UPSQUAD_METRICS_ADDR= UPSQUAD_LOG_LEVEL=error \
         UPSQUAD_PG_DSN="$UPSQUAD_PG_DSN_WORKFLOW_ENGINE" UPSQUAD_PG_POOL_SIZE="$POOL" \
         UPSQUAD_WF_WORKERS="$w" UPSQUAD_RPC_UNARY_THREADS=2 \
+        UPSQUAD_WF_ORG_MAX_ACTIVE_RUNS=1000000 UPSQUAD_WF_ORG_TRIGGERS_PER_SEC=100000 \
         UPSQUAD_MIGRATIONS_DIR=services/workflow-engine/migrations \
         "$BIN/workflow-engine" >"$TMP/engine$w" 2>"$TMP/engine$w.err" &
     pid=$!

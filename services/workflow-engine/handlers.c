@@ -23,6 +23,7 @@
 #include "run.h"
 #include "store.h"
 #include "wf_rpc.h"
+#include "google/rpc/error_details.pb-c.h"
 #include "upsquad/workflow/v1/workflow.pb-c.h"
 #include "wf_expr.h"
 
@@ -558,6 +559,31 @@ static int idem_key_ok(const char *k) {
     return 1;
 }
 
+/* Per-org admission (docs/workflow-engine.md): RESOURCE_EXHAUSTED with a google.rpc.RetryInfo
+ * detail, so a flooding org is told when to come back instead of queueing unbounded work. */
+static int admit_org(rpc_call *call, wf_engine *e, db_tx *tx, const char *org) {
+    char err[512];
+    long long active, recent;
+    int rc = st_org_admission(tx, org, &active, &recent, err, sizeof err);
+    if (rc) return wfr_db_fail(call, rc, err);
+    int busy = active >= e->cfg->org_max_active;
+    if (!busy && recent < e->cfg->org_trigger_rate) return RPC_OK;
+    Google__Protobuf__Duration delay = GOOGLE__PROTOBUF__DURATION__INIT;
+    Google__Rpc__RetryInfo ri = GOOGLE__RPC__RETRY_INFO__INIT;
+    delay.seconds = busy ? 5 : 1;
+    ri.retry_delay = &delay;
+    rpc_error_detail(call, &ri.base);
+    if (busy)
+        return rpc_error(call, RPC_RESOURCE_EXHAUSTED,
+                         "the org has %lld pending or running runs, the most it may have "
+                         "(UPSQUAD_WF_ORG_MAX_ACTIVE_RUNS); retry later",
+                         active);
+    return rpc_error(call, RPC_RESOURCE_EXHAUSTED,
+                     "the org started %lld runs in the last second, the most it may "
+                     "(UPSQUAD_WF_ORG_TRIGGERS_PER_SEC); retry later",
+                     recent);
+}
+
 static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
                             void *ud) {
     const P(TriggerWorkflowRequest) *rq = (const void *)req;
@@ -626,6 +652,8 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
             goto done;
         }
     }
+    /* after the key: a retry of an admitted trigger answers its run even at the limits */
+    if ((rc = admit_org(call, e, tx, id->org_id))) goto done;
     if ((rc = st_run_insert(tx, run_id, id->org_id, rq->workflow_id, id->sub, ctx,
                             st_s(w, 0, WD_DEF), err, sizeof err)) ||
         (rc = wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err)) ||

@@ -339,6 +339,27 @@ int st_run_insert(db_tx *tx, const char *id, const char *org, const char *wf,
     return rc != DB_OK ? rc : st_queue_insert(tx, id, org, err, errlen);
 }
 
+int st_org_admission(db_tx *tx, const char *org, long long *active, long long *recent, char *err,
+                     size_t errlen) {
+    const char *p[] = {org};
+    PGresult *r = NULL;
+    int rc = ex(tx, "SELECT pg_advisory_xact_lock(hashtext('wf-admit:' || $1))", 1, p, NULL, err,
+                errlen);
+    if (!rc)
+        rc = ex(tx,
+                "SELECT (SELECT count(*) FROM " S "runs WHERE org_id = $1 "
+                "  AND status IN ('pending', 'running')), "
+                "(SELECT count(*) FROM " S "runs WHERE org_id = $1 "
+                "  AND started_at > clock_timestamp() - interval '1 second')",
+                1, p, &r, err, errlen);
+    if (!rc) {
+        *active = st_i(r, 0, 0);
+        *recent = st_i(r, 0, 1);
+    }
+    PQclear(r);
+    return rc;
+}
+
 int st_trigger_key_claim(db_tx *tx, const char *org, const char *key, const char *run_id,
                          const char *wf, const char *context_json, int *claimed, char *prior,
                          int *same, char *err, size_t errlen) {

@@ -32,6 +32,7 @@ from upsquad.workflow.v1 import workflow_pb2 as W  # noqa: E402
 from upsquad.internal.v1 import agent_step_pb2 as A, run_events_pb2 as E, tool_pb2 as ToolPB  # noqa: E402
 
 status_pb2 = T.load_generated("google/rpc/status_pb2.py", "status_pb2")
+error_details_pb2 = T.load_generated("google/rpc/error_details_pb2.py", "error_details_pb2")
 SVC = "/upsquad.workflow.v1.WorkflowService/"
 SECRET = secrets.token_hex(16)
 PAGE_KEY = secrets.token_hex(16)
@@ -784,6 +785,50 @@ class EngineTest(unittest.TestCase):
         w2 = self.create(defn("s", {"s": tool("get_issue", number=1)},
                               trigger={"fields": {"n": {"type": "integer"}}}), client=self.other_org)
         self.assertNotEqual(trig(self.other_org, wf=w2.id).id, runs[0].id)
+
+    def test_05e_org_admission(self):
+        # an engine with tight per-org limits: 4 pending/running runs, 2 starts a second
+        eng = T.Server("workflow-engine", env=dict(ENGINE_ENV, UPSQUAD_WF_ORG_MAX_ACTIVE_RUNS="4",
+                                                   UPSQUAD_WF_ORG_TRIGGERS_PER_SEC="2"))
+        org, other = str(uuid.uuid4()), str(uuid.uuid4())
+        c = Client(eng.addr, T.mint(SECRET, sub=self.user, org=org, clearance=5))
+        o = Client(eng.addr, T.mint(SECRET, sub=self.user, org=other, clearance=5))
+        try:
+            parked = defn("w", {"w": {"type": "wait", "mode": "signal", "event_key": "k"}})
+            w, wo = self.create(parked, client=c), self.create(parked, client=o)
+
+            def refused(client, wf, setting, seconds):
+                e = self.err(C.RESOURCE_EXHAUSTED, self.trigger, wf, None, client, contains=setting)
+                raw = dict(e.trailing_metadata())["grpc-status-details-bin"]
+                det = status_pb2.Status.FromString(raw).details[0]
+                self.assertEqual(det.type_url, "type.googleapis.com/google.rpc.RetryInfo")
+                self.assertEqual(error_details_pb2.RetryInfo.FromString(det.value).retry_delay.seconds, seconds)
+
+            # rate: of 6 concurrent triggers at most 2 a second start, the rest are told 1 s
+            def try_trigger(_):
+                try:
+                    return self.trigger(w.id, client=c).id
+                except grpc.RpcError as e:
+                    self.assertEqual(e.code(), C.RESOURCE_EXHAUSTED, e.details())
+                    return None
+            with ThreadPoolExecutor(6) as pool:
+                got = [r for r in pool.map(try_trigger, range(6)) if r]
+            self.assertTrue(1 <= len(got) <= 4, got)
+            refused(c, w.id, "UPSQUAD_WF_ORG_TRIGGERS_PER_SEC", 1)
+            # active runs: fill up to 4 (a second apart), then the next is told 5 s
+            while len(got) < 4:
+                time.sleep(1.1)
+                got.append(self.trigger(w.id, client=c).id)
+            time.sleep(1.1)
+            refused(c, w.id, "UPSQUAD_WF_ORG_MAX_ACTIVE_RUNS", 5)
+            # another org is not affected; a finished run frees its slot
+            self.trigger(wo.id, client=o)
+            c("CancelRun", W.CancelRunRequest(run_id=got[0]))
+            self.trigger(w.id, client=c)
+        finally:
+            c.close()
+            o.close()
+            eng.stop()
 
     def test_06_run_control(self):
         w = self.create(defn("s", {"s": tool("create_comment", "t", number=1, body="slow __sleep_ms=600"),
