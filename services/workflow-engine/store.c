@@ -729,12 +729,24 @@ int st_queue_claim(db_tx *tx, const char *owner, int64_t lease_ms, int limit, PG
     i64s(l, sizeof l, lease_ms);
     snprintf(n, sizeof n, "%d", limit);
     const char *p[] = {owner, l, n};
+    /* Fair across orgs: a due run's turn is its org's runs already leased plus its place
+     * among the org's due runs, so the org with the least in flight goes first and a flood
+     * of one org's runs queues behind its own, not behind every other org's (FIFO by wake_at
+     * within a turn). The lease conditions are repeated on the locked row: a concurrent claim
+     * may have leased it since the snapshot. */
     return ex(tx,
+              "WITH busy AS (SELECT org_id, count(*) AS n FROM " S "run_queue "
+              "  WHERE lease_until >= clock_timestamp() GROUP BY org_id), "
+              "ranked AS (SELECT d.run_id, d.wake_at, coalesce(b.n, 0) + row_number() "
+              "  OVER (PARTITION BY d.org_id ORDER BY d.wake_at) AS turn FROM " S "run_queue d "
+              "  LEFT JOIN busy b ON b.org_id = d.org_id WHERE d.wake_at <= now() "
+              "  AND (d.lease_until IS NULL OR d.lease_until < clock_timestamp())) "
               "UPDATE " S "run_queue q SET lease_owner = $1, "
               "lease_until = clock_timestamp() + $2::bigint * interval '1 millisecond' "
-              "WHERE q.run_id IN (SELECT run_id FROM " S "run_queue WHERE wake_at <= now() "
-              "  AND (lease_until IS NULL OR lease_until < clock_timestamp()) "
-              "  ORDER BY wake_at LIMIT $3::int FOR UPDATE SKIP LOCKED) "
+              "WHERE q.run_id IN (SELECT r.run_id FROM ranked k JOIN " S "run_queue r "
+              "  ON r.run_id = k.run_id WHERE r.wake_at <= now() "
+              "  AND (r.lease_until IS NULL OR r.lease_until < clock_timestamp()) "
+              "  ORDER BY k.turn, k.wake_at LIMIT $3::int FOR UPDATE OF r SKIP LOCKED) "
               "RETURNING q.run_id, q.org_id, q.wake_gen",
               3, p, out, err, errlen);
 }

@@ -830,6 +830,40 @@ class EngineTest(unittest.TestCase):
             o.close()
             eng.stop()
 
+    def test_05f_fair_across_orgs(self):
+        # one org floods the queue with 25-lap loops; another org's one-step run must still
+        # finish within a few times its idle latency (generous: 10x + 2 s), not behind the flood
+        flood, victim = str(uuid.uuid4()), str(uuid.uuid4())
+        f = Client(self.a.addr, T.mint(SECRET, sub=self.user, org=flood, clearance=5))
+        v = Client(self.b.addr, T.mint(SECRET, sub=self.user, org=victim, clearance=5))
+        try:
+            wf = self.create(defn("l", {"l": {"type": "loop", "max_iterations": 25, "body": "t"},
+                                        "t": tool("get_issue", number=1)}), client=f)
+            wv = self.create(defn("t", {"t": tool("get_issue", number=1)}), client=v)
+
+            def victim_latency():
+                t0 = time.time()
+                run = self.trigger(wv.id, client=v)
+                end = time.time() + 120
+                while time.time() < end:
+                    if v("GetWorkflowStatus", W.GetWorkflowStatusRequest(run_id=run.id)).run.status == "completed":
+                        return time.time() - t0
+                    time.sleep(0.02)
+                self.fail("the victim's run did not complete in 120 s")
+            idle = min(victim_latency() for _ in range(3))
+            with ThreadPoolExecutor(8) as pool:
+                runs = list(pool.map(lambda _: self.trigger(wf.id, client=f).id, range(150)))
+            time.sleep(0.5)  # the flood is queued and being worked
+            loaded = victim_latency()
+            print("victim latency idle %.3f s, under flood %.3f s (%.1fx)" % (idle, loaded, loaded / idle),
+                  file=sys.stderr)
+            self.assertLess(loaded, 10 * idle + 2, (idle, loaded))
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(lambda r: f("CancelRun", W.CancelRunRequest(run_id=r)), runs))
+        finally:
+            f.close()
+            v.close()
+
     def test_06_run_control(self):
         w = self.create(defn("s", {"s": tool("create_comment", "t", number=1, body="slow __sleep_ms=600"),
                                    "t": tool("get_issue", number=1)}))
