@@ -24,8 +24,8 @@
  * enclosing it (theirs included). Depth alone lets seven loops of 25 multiply to 6.1e9 laps;
  * the interpreter also caps every run's actions (UPSQUAD_WF_RUN_MAX_ACTIONS). */
 #define DEFN_MAX_RUN_LAPS 1000
-#define DEFN_MAX_STEP_NAME 128        /* code points in a step name */
-#define DEFN_MAX_TEMPLATE 8192        /* code points in a templated string inside `with` */
+#define DEFN_MAX_STEP_NAME 128 /* code points in a step name */
+#define DEFN_MAX_TEMPLATE 8192 /* code points in a templated string inside `with` */
 /* At most this many violations are returned; the rest are counted in defn_violations.dropped
  * and announced by one final violation at the root. */
 #define DEFN_MAX_VIOLATIONS 200

@@ -81,8 +81,8 @@ typedef struct {
     int slot_index;
     int entry;
     int depth;
-    int loop;   /* innermost loop whose body encloses this scope, -1 */
-    long laps;  /* worst-case laps of this scope: product of the enclosing max_iterations */
+    int loop;  /* innermost loop whose body encloses this scope, -1 */
+    long laps; /* worst-case laps of this scope: product of the enclosing max_iterations */
 } region;
 
 typedef enum {

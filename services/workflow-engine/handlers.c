@@ -632,8 +632,8 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
     if (key) {
         int claimed, same;
         char prior[37];
-        if ((rc = st_trigger_key_claim(tx, id->org_id, key, run_id, rq->workflow_id, ctx,
-                                       &claimed, prior, &same, err, sizeof err))) {
+        if ((rc = st_trigger_key_claim(tx, id->org_id, key, run_id, rq->workflow_id, ctx, &claimed,
+                                       prior, &same, err, sizeof err))) {
             rc = wfr_db_fail(call, rc, err);
             goto done;
         }
@@ -641,7 +641,8 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
             if (!same) {
                 rc = rpc_error(call, RPC_FAILED_PRECONDITION,
                                "idempotency key \"%s\" was used for run %s of another "
-                               "workflow or trigger context", key, prior);
+                               "workflow or trigger context",
+                               key, prior);
                 goto done;
             }
             out->run = run_now(call, tx, prior, &rc);

@@ -1069,7 +1069,7 @@ static int walk_step(tick *t, const char *name, const char *lap, int iteration) 
     if (!sd || !type) return SCOPE_FAILED;
     act *a = find(t, name, lap);
     if (!a) {
-        if (t->paused) return SCOPE_BUSY; /* pause: no new step starts */
+        if (t->paused) return SCOPE_BUSY;                 /* pause: no new step starts */
         if (t->n >= (size_t)t->e->cfg->run_max_actions) { /* the run budget: fails the run */
             snprintf(t->budget, sizeof t->budget,
                      "run budget exceeded: step %s would be action %zu of at most %lld "
