@@ -6,13 +6,16 @@
 #   - against `pgbench -N` (simple-update TPC-B without branch/teller updates) on the same
 #     Postgres, with as many clients as the engine has connections (UPSQUAD_PG_POOL_SIZE), as a
 #     ratio (target >= 1.0);
-#   - trigger-to-first-step latency p50/p99 (server clock: run created_at to its first action).
+#   - trigger-to-first-step latency p50/p99 (server clock: run created_at to its first action);
+#   - per-org fairness: another org's one-step run latency (median of 11, client clock) while
+#     one org floods the engine with FLOOD_RUNS loops of 25 laps, as a ratio to its idle
+#     latency (the engine's default admission limits lifted, so the flood is all queued).
 # The engine is tried with each interpreter thread count of WORKERS and the best is kept and
 # named. Needs the runtime's Postgres and NATS; prints SKIP without them.
 #
 #   BUILD  build folder (default build)   RUNS (default 100)   STEPS (default 10)
 #   POOL   engine connections = pgbench clients (default 8)   WORKERS (default "2 4")
-#   PGBENCH_SECONDS (default 5)
+#   PGBENCH_SECONDS (default 5)   FLOOD_RUNS (default 200)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -21,6 +24,7 @@ RUNS=${RUNS:-100}
 STEPS=${STEPS:-10}
 POOL=${POOL:-8}
 PGBENCH_SECONDS=${PGBENCH_SECONDS:-5}
+FLOOD_RUNS=${FLOOD_RUNS:-200}
 PGBIN=${PGBIN:-/usr/lib/postgresql/15/bin}
 read -r -a WORKERS <<<"${WORKERS:-2 4}"
 
@@ -63,21 +67,26 @@ UPSQUAD_JWT_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 ORG=$(cat /proc/sys/kernel/random/uuid)
 USER_ID=$(cat /proc/sys/kernel/random/uuid)
 TOKEN=$("$BIN/upsquad-token" --sub "$USER_ID" --org "$ORG" --ttl 3600)
+VICTIM_TOKEN=$("$BIN/upsquad-token" --sub "$USER_ID" --org "$(cat /proc/sys/kernel/random/uuid)" --ttl 3600)
 
 UPSQUAD_LOG_LEVEL=error "$BIN/devtools" >"$TMP/devtools" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 1 100); do grep -q ready "$TMP/devtools" && break; sleep 0.05; done
 
-best="" best_w=""
-for w in "${WORKERS[@]}"; do
+start_engine() { # $1 interpreter threads; sets pid and port
     UPSQUAD_GRPC_ADDR=127.0.0.1:0 UPSQUAD_METRICS_ADDR= UPSQUAD_LOG_LEVEL=error \
         UPSQUAD_PG_DSN="$UPSQUAD_PG_DSN_WORKFLOW_ENGINE" UPSQUAD_PG_POOL_SIZE="$POOL" \
-        UPSQUAD_WF_WORKERS="$w" UPSQUAD_RPC_UNARY_THREADS=2 \
+        UPSQUAD_WF_WORKERS="$1" UPSQUAD_RPC_UNARY_THREADS=2 \
+        UPSQUAD_WF_ORG_MAX_ACTIVE_RUNS=1000000 UPSQUAD_WF_ORG_TRIGGERS_PER_SEC=100000 \
         UPSQUAD_MIGRATIONS_DIR=services/workflow-engine/migrations \
-        "$BIN/workflow-engine" >"$TMP/engine$w" 2>"$TMP/engine$w.err" &
+        "$BIN/workflow-engine" >"$TMP/engine-$1" 2>"$TMP/engine-$1.err" &
     pid=$!
     PIDS+=($pid)
-    port=$(port_of "$TMP/engine$w" "$pid")
+    port=$(port_of "$TMP/engine-$1" "$pid")
+}
+best="" best_w=""
+for w in "${WORKERS[@]}"; do
+    start_engine "$w"
     r=$("$BIN/workflow-engine-load" --target "127.0.0.1:$port" --token "$TOKEN" --runs "$RUNS" --steps "$STEPS")
     echo "engine with $w interpreter thread(s): $r"
     if [[ -z "$best" ]] || (( $(echo "$(field "$r" transitions_per_s) > $(field "$best" transitions_per_s)" | bc) )); then
@@ -86,6 +95,12 @@ for w in "${WORKERS[@]}"; do
     kill "$pid"
     wait "$pid" 2>/dev/null || true
 done
+
+start_engine 2
+fair=$("$BIN/workflow-engine-load" --target "127.0.0.1:$port" --token "$TOKEN" \
+    --fairness "$VICTIM_TOKEN" --runs "$FLOOD_RUNS")
+kill "$pid"
+wait "$pid" 2>/dev/null || true
 
 "$PGBIN/pgbench" -i -s 1 -q "$UPSQUAD_PG_ADMIN_DSN" >"$TMP/pginit" 2>&1
 pg=$("$PGBIN/pgbench" -N -c "$POOL" -j 2 -T "$PGBENCH_SECONDS" -n "$UPSQUAD_PG_ADMIN_DSN" 2>&1)
@@ -100,4 +115,5 @@ printf '  %-34s %12s\n' "pgbench -N transactions/s" "$PG_TPS"
 printf '  %-34s %12s\n' "engine step transitions/s" "$ENGINE_TPS"
 echo "  ratio to baseline: ${RATIO}x (target >= 1.0)"
 echo "  trigger to first step: p50 $(field "$best" first_step_p50_ms) ms, p99 $(field "$best" first_step_p99_ms) ms"
-echo "{\"bench\":\"workflow-engine\",\"transitions_per_s\":$ENGINE_TPS,\"pgbench_tps\":$PG_TPS,\"ratio\":$RATIO,\"workers\":$best_w,\"pool\":$POOL,\"first_step_p50_ms\":$(field "$best" first_step_p50_ms),\"first_step_p99_ms\":$(field "$best" first_step_p99_ms)}"
+echo "  per-org fairness: another org's one-step run $(field "$fair" victim_idle_ms) ms idle, $(field "$fair" victim_flood_ms) ms while one org floods $FLOOD_RUNS x 25 laps: $(field "$fair" ratio)x"
+echo "{\"bench\":\"workflow-engine\",\"fairness_ratio\":$(field "$fair" ratio),\"victim_idle_ms\":$(field "$fair" victim_idle_ms),\"victim_flood_ms\":$(field "$fair" victim_flood_ms),\"transitions_per_s\":$ENGINE_TPS,\"pgbench_tps\":$PG_TPS,\"ratio\":$RATIO,\"workers\":$best_w,\"pool\":$POOL,\"first_step_p50_ms\":$(field "$best" first_step_p50_ms),\"first_step_p99_ms\":$(field "$best" first_step_p99_ms)}"

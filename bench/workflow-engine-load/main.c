@@ -3,13 +3,15 @@
  * bench.sh).
  *
  *   workflow-engine-load --target HOST:PORT --token JWT [--runs N] [--steps N]
+ *   workflow-engine-load --target HOST:PORT --token JWT --fairness VICTIM_JWT [--runs N]
  *
  * Creates one workflow of `steps` chained github.get_issue steps, triggers `runs` runs as fast
  * as it can, polls each until it ends, and prints one JSON line: runs, steps, seconds (first
  * trigger to last completion), transitions (two per step: in_progress, completed),
  * transitions_per_s, first_step_p50_ms / first_step_p99_ms (30 runs one at a time on the idle
  * engine before; server clock: the run's created_at to its first action's created_at; with 30
- * samples p99 is the maximum), failed runs. */
+ * samples p99 is the maximum), failed runs. With --fairness it measures per-org fairness
+ * instead (fairness(): another org's one-step latency under this org's flood vs idle). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,14 +61,14 @@ static char *definition(int steps) {
 static rpc_channel *ch;
 static rpc_call_opts opts;
 
-static char *trigger(const char *wf) {
+static char *trigger_as(const rpc_call_opts *o, const char *wf) {
     rpc_status st = {0};
     Upsquad__Workflow__V1__TriggerWorkflowRequest tr =
         UPSQUAD__WORKFLOW__V1__TRIGGER_WORKFLOW_REQUEST__INIT;
     tr.workflow_id = (char *)wf;
     Upsquad__Workflow__V1__TriggerWorkflowResponse *r = NULL;
     if (rpc_unary_call(ch, SVC "TriggerWorkflow", &tr.base,
-                       &upsquad__workflow__v1__trigger_workflow_response__descriptor, &opts,
+                       &upsquad__workflow__v1__trigger_workflow_response__descriptor, o,
                        (ProtobufCMessage **)&r, &st)) {
         fprintf(stderr, "TriggerWorkflow: %d\n", st.code);
         exit(1);
@@ -76,15 +78,19 @@ static char *trigger(const char *wf) {
     return id;
 }
 
+static char *trigger(const char *wf) {
+    return trigger_as(&opts, wf);
+}
+
 /* 1 when the run ended (*failed set), 0 when not yet; *first_ms the first step's delay. */
-static int finished(const char *run, int *failed, double *first_ms) {
+static int finished_as(const rpc_call_opts *o, const char *run, int *failed, double *first_ms) {
     rpc_status st = {0};
     Upsquad__Workflow__V1__GetWorkflowStatusRequest gr =
         UPSQUAD__WORKFLOW__V1__GET_WORKFLOW_STATUS_REQUEST__INIT;
     gr.run_id = (char *)run;
     Upsquad__Workflow__V1__GetWorkflowStatusResponse *g = NULL;
     if (rpc_unary_call(ch, SVC "GetWorkflowStatus", &gr.base,
-                       &upsquad__workflow__v1__get_workflow_status_response__descriptor, &opts,
+                       &upsquad__workflow__v1__get_workflow_status_response__descriptor, o,
                        (ProtobufCMessage **)&g, &st))
         return 0;
     const char *s = g->run->status;
@@ -97,8 +103,98 @@ static int finished(const char *run, int *failed, double *first_ms) {
     return end;
 }
 
+static int finished(const char *run, int *failed, double *first_ms) {
+    return finished_as(&opts, run, failed, first_ms);
+}
+
+/* The id of a new workflow of definition dj (JSON), created as o's org; caller frees. */
+static char *create_as(const rpc_call_opts *o, const char *dj) {
+    char err[256];
+    cJSON *dc = cJSON_Parse(dj);
+    Google__Protobuf__Struct *def = NULL;
+    pbjson_struct_from_json(dc, &def, err, sizeof err);
+    cJSON_Delete(dc);
+    Upsquad__Workflow__V1__CreateWorkflowRequest cr =
+        UPSQUAD__WORKFLOW__V1__CREATE_WORKFLOW_REQUEST__INIT;
+    cr.name = "bench";
+    cr.definition = def;
+    Upsquad__Workflow__V1__CreateWorkflowResponse *cw = NULL;
+    rpc_status st = {0};
+    if (rpc_unary_call(ch, SVC "CreateWorkflow", &cr.base,
+                       &upsquad__workflow__v1__create_workflow_response__descriptor, o,
+                       (ProtobufCMessage **)&cw, &st)) {
+        fprintf(stderr, "CreateWorkflow: %d %s\n", st.code, st.message ? st.message : "");
+        exit(1);
+    }
+    char *id = strdup(cw->workflow->id);
+    protobuf_c_message_free_unpacked(&cw->base, NULL);
+    return id;
+}
+
+/* Median trigger-to-completion latency (ms, client clock) of n one-step runs of wf, one at a
+ * time, as o's org. */
+static double victim_ms(const rpc_call_opts *o, const char *wf, int n) {
+    double *l = calloc((size_t)n, sizeof *l);
+    for (int i = 0; i < n; i++) {
+        double t = now_s();
+        char *id = trigger_as(o, wf);
+        int f = 0;
+        while (!finished_as(o, id, &f, NULL) && now_s() - t < 120)
+            usleep(2000);
+        l[i] = (now_s() - t) * 1000;
+        free(id);
+    }
+    qsort(l, (size_t)n, sizeof *l, cmp_d);
+    double m = l[n / 2];
+    free(l);
+    return m;
+}
+
+/* --fairness: one org (--token) floods the engine with `runs` loops of 25 laps of one tool
+ * step; another org (--victim-token) runs one-step workflows one at a time, idle and then
+ * during the flood. Prints the victim's median latencies and their ratio. */
+static int fairness(const char *victim_token, int runs) {
+    rpc_call_opts vo = opts;
+    vo.bearer = victim_token;
+    const char *loop = "{\"version\":1,\"start\":\"l\",\"steps\":{\"l\":{\"type\":\"loop\","
+                       "\"max_iterations\":25,\"body\":\"t\"},\"t\":{\"type\":\"tool_action\","
+                       "\"tool\":\"github\",\"action\":\"get_issue\",\"with\":{\"repo\":"
+                       "\"acme/widgets\",\"number\":1}}}}";
+    char *one = definition(1);
+    char *wf_flood = create_as(&opts, loop), *wf_victim = create_as(&vo, one);
+    double idle = victim_ms(&vo, wf_victim, 11);
+    char **ids = calloc((size_t)runs, sizeof *ids);
+    for (int i = 0; i < runs; i++)
+        ids[i] = trigger(wf_flood);
+    double loaded = victim_ms(&vo, wf_victim, 11);
+    int pending = 0, f = 0;
+    for (int i = 0; i < runs; i++) { /* the rest of the flood is cancelled, not left queued */
+        if (!finished(ids[i], &f, NULL)) {
+            pending++;
+            Upsquad__Workflow__V1__CancelRunRequest cr =
+                UPSQUAD__WORKFLOW__V1__CANCEL_RUN_REQUEST__INIT;
+            cr.run_id = ids[i];
+            Upsquad__Workflow__V1__CancelRunResponse *c = NULL;
+            rpc_status st = {0};
+            if (!rpc_unary_call(ch, SVC "CancelRun", &cr.base,
+                                &upsquad__workflow__v1__cancel_run_response__descriptor, &opts,
+                                (ProtobufCMessage **)&c, &st))
+                protobuf_c_message_free_unpacked(&c->base, NULL);
+        }
+        free(ids[i]);
+    }
+    printf("{\"flood_runs\":%d,\"flood_laps\":%d,\"victim_idle_ms\":%.1f,"
+           "\"victim_flood_ms\":%.1f,\"ratio\":%.2f,\"flood_unfinished_after\":%d}\n",
+           runs, runs * 25, idle, loaded, idle > 0 ? loaded / idle : 0, pending);
+    free(ids);
+    free(one);
+    free(wf_flood);
+    free(wf_victim);
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    const char *target = NULL, *token = NULL;
+    const char *target = NULL, *token = NULL, *victim = NULL;
     int runs = 100, steps = 10;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--target"))
@@ -109,9 +205,13 @@ int main(int argc, char **argv) {
             runs = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--steps"))
             steps = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--fairness"))
+            victim = argv[i + 1];
     }
     if (!target || !token || runs <= 0 || steps <= 0) {
-        fprintf(stderr, "usage: %s --target HOST:PORT --token JWT [--runs N] [--steps N]\n",
+        fprintf(stderr,
+                "usage: %s --target HOST:PORT --token JWT [--runs N] [--steps N] "
+                "[--fairness VICTIM_JWT]\n",
                 argv[0]);
         return 2;
     }
@@ -123,27 +223,15 @@ int main(int argc, char **argv) {
     }
     opts.timeout_ms = 10000;
     opts.bearer = token;
+    if (victim) return fairness(victim, runs);
     char *dj = definition(steps);
-    cJSON *dc = cJSON_Parse(dj);
-    Google__Protobuf__Struct *def = NULL;
-    pbjson_struct_from_json(dc, &def, err, sizeof err);
-    Upsquad__Workflow__V1__CreateWorkflowRequest cr =
-        UPSQUAD__WORKFLOW__V1__CREATE_WORKFLOW_REQUEST__INIT;
-    cr.name = "bench";
-    cr.definition = def;
-    Upsquad__Workflow__V1__CreateWorkflowResponse *cw = NULL;
-    rpc_status st = {0};
-    if (rpc_unary_call(ch, SVC "CreateWorkflow", &cr.base,
-                       &upsquad__workflow__v1__create_workflow_response__descriptor, &opts,
-                       (ProtobufCMessage **)&cw, &st)) {
-        fprintf(stderr, "CreateWorkflow: %d %s\n", st.code, st.message ? st.message : "");
-        return 1;
-    }
+    char *wf = create_as(&opts, dj);
+    free(dj);
     /* latency on an idle engine: one run at a time, trigger to its first step */
     int lat_runs = 30, failed = 0;
     double *lat = calloc((size_t)lat_runs, sizeof *lat);
     for (int i = 0; i < lat_runs; i++) {
-        char *id = trigger(cw->workflow->id);
+        char *id = trigger(wf);
         int f = 0;
         double t = now_s();
         while (!finished(id, &f, &lat[i]) && now_s() - t < 30)
@@ -154,7 +242,7 @@ int main(int argc, char **argv) {
     char **ids = calloc((size_t)runs, sizeof *ids);
     double t0 = now_s();
     for (int i = 0; i < runs; i++)
-        ids[i] = trigger(cw->workflow->id);
+        ids[i] = trigger(wf);
     int left = runs;
     double t_end = t0;
     for (int i = 0; i < runs && now_s() - t0 < 300;) {

@@ -20,8 +20,12 @@
 #define DEFN_MAX_BYTES (256u * 1024u) /* definition size, bytes of JSON text */
 #define DEFN_MAX_DEPTH 32             /* JSON nesting of the definition document */
 #define DEFN_MAX_SCOPE_DEPTH 8        /* loops / conditions / parallels nested in each other */
-#define DEFN_MAX_STEP_NAME 128        /* code points in a step name */
-#define DEFN_MAX_TEMPLATE 8192        /* code points in a templated string inside `with` */
+/* Worst-case laps of the innermost loop body: the product of the max_iterations of the loops
+ * enclosing it (theirs included). Depth alone lets seven loops of 25 multiply to 6.1e9 laps;
+ * the interpreter also caps every run's actions (UPSQUAD_WF_RUN_MAX_ACTIONS). */
+#define DEFN_MAX_RUN_LAPS 1000
+#define DEFN_MAX_STEP_NAME 128 /* code points in a step name */
+#define DEFN_MAX_TEMPLATE 8192 /* code points in a templated string inside `with` */
 /* At most this many violations are returned; the rest are counted in defn_violations.dropped
  * and announced by one final violation at the root. */
 #define DEFN_MAX_VIOLATIONS 200

@@ -81,7 +81,8 @@ typedef struct {
     int slot_index;
     int entry;
     int depth;
-    int loop; /* innermost loop whose body encloses this scope, -1 */
+    int loop;  /* innermost loop whose body encloses this scope, -1 */
+    long laps; /* worst-case laps of this scope: product of the enclosing max_iterations */
 } region;
 
 typedef enum {
@@ -315,7 +316,7 @@ static void describe_region(const sem *s, const region *r, char *buf, size_t len
         snprintf(buf, len, "the \"%s\" arm of condition \"%s\"", r->slot, owner);
 }
 
-static void add_region(sem *s, int owner, const ref *entry, int depth, int loop) {
+static void add_region(sem *s, int owner, const ref *entry, int depth, int loop, long laps) {
     if (s->n_regions == s->cap_regions) {
         size_t cap = s->cap_regions ? s->cap_regions * 2 : 16;
         region *r = realloc(s->regions, cap * sizeof(*r));
@@ -331,7 +332,8 @@ static void add_region(sem *s, int owner, const ref *entry, int depth, int loop)
                                           entry ? entry->index : -1,
                                           entry ? entry->target : -1,
                                           depth,
-                                          loop};
+                                          loop,
+                                          laps};
 }
 
 static void claim_conflict(sem *s, int from, const ref *r) {
@@ -351,6 +353,18 @@ static void open_scopes(sem *s, int i, int r) {
         add(s, loc(s, i, NULL, -1, NULL), "scopes nest deeper than %d levels",
             DEFN_MAX_SCOPE_DEPTH);
     int loop = s->steps[i].k == K_LOOP ? i : s->regions[r].loop;
+    long laps = s->regions[r].laps;
+    if (s->steps[i].k == K_LOOP) {
+        const cJSON *m = get(s->steps[i].node, "max_iterations");
+        laps *= cJSON_IsNumber(m) && m->valuedouble >= 1 ? (long)m->valuedouble : 1;
+        /* reported once, at the loop that first crosses the budget; deeper loops stay quiet */
+        if (laps > DEFN_MAX_RUN_LAPS && s->regions[r].laps <= DEFN_MAX_RUN_LAPS)
+            add(s, loc(s, i, "max_iterations", -1, NULL),
+                "loop \"%s\" can run %ld laps nested in its enclosing loops, more than the "
+                "run budget of %d (the product of the nested loops' max_iterations)",
+                s->steps[i].name, laps, DEFN_MAX_RUN_LAPS);
+        if (laps > DEFN_MAX_RUN_LAPS) laps = (long)DEFN_MAX_RUN_LAPS + 1; /* no overflow */
+    }
     for (size_t k = 0; k < n && s->rc == 0; k++) {
         if (refs[k].target < 0) continue;
         bool repeated = false;
@@ -364,7 +378,7 @@ static void open_scopes(sem *s, int i, int r) {
                         refs[k].target_name, refs[j].field);
                 repeated = true;
             }
-        if (!repeated) add_region(s, i, &refs[k], depth, loop);
+        if (!repeated) add_region(s, i, &refs[k], depth, loop, laps);
     }
 }
 
@@ -427,7 +441,7 @@ static void assign_scopes(sem *s, int start) {
         goto done;
     }
     ref top = {NULL, start, NULL, -1, NULL};
-    add_region(s, -1, &top, 0, -1);
+    add_region(s, -1, &top, 0, -1, 1);
     for (size_t r = 0; r < s->n_regions && s->rc == 0; r++) {
         int entry = s->regions[r].entry;
         if (entry >= 0 && s->steps[entry].region >= 0) {

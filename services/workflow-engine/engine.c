@@ -78,6 +78,18 @@ static const cfg_var vars[] = {
      &C.agent_retry_backoff_ms, 10, 600000},
     {"UPSQUAD_WF_AGENT_RETRY_BACKOFF_MAX", CFG_MS, "60s",
      "longest delay between agent step retries", &C.agent_retry_backoff_max_ms, 10, 3600000},
+    {"UPSQUAD_WF_RUN_MAX_ACTIONS", CFG_INT, "10000",
+     "actions one run may create (every step instance, each loop lap's included); the run fails "
+     "when its next step would exceed it",
+     &C.run_max_actions, 1, 1000000},
+    {"UPSQUAD_WF_ORG_MAX_ACTIVE_RUNS", CFG_INT, "200",
+     "pending and running runs one org may have; a trigger beyond is RESOURCE_EXHAUSTED with a "
+     "RetryInfo of 5 s",
+     &C.org_max_active, 1, 1000000},
+    {"UPSQUAD_WF_ORG_TRIGGERS_PER_SEC", CFG_INT, "20",
+     "runs one org may start within one second; a trigger beyond is RESOURCE_EXHAUSTED with a "
+     "RetryInfo of 1 s",
+     &C.org_trigger_rate, 1, 100000},
     /* the catalogue's switches (tools.json enabled_by, enabled_by_alias): catalog_gate */
     {"WF_CODE_EXEC_ENABLED", CFG_BOOL, "false",
      "serve the code_exec tool: GetToolCatalog lists it and definitions may use it (spec: "

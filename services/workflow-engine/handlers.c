@@ -23,6 +23,7 @@
 #include "run.h"
 #include "store.h"
 #include "wf_rpc.h"
+#include "google/rpc/error_details.pb-c.h"
 #include "upsquad/workflow/v1/workflow.pb-c.h"
 #include "wf_expr.h"
 
@@ -546,6 +547,43 @@ static P(WorkflowRun) * run_now(rpc_call *call, db_tx *tx, const char *run_id, i
     return m;
 }
 
+/* Idempotent triggers (docs/workflow-engine.md): the key is opaque to the engine; an empty one
+ * is refused rather than silently ignored, as the spec does for delivery_id. */
+#define WF_IDEMPOTENCY_KEY_MD "x-upsquad-idempotency-key"
+
+static int idem_key_ok(const char *k) {
+    size_t n = strlen(k);
+    if (n < 1 || n > 128) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (k[i] < 0x21 || k[i] > 0x7e) return 0;
+    return 1;
+}
+
+/* Per-org admission (docs/workflow-engine.md): RESOURCE_EXHAUSTED with a google.rpc.RetryInfo
+ * detail, so a flooding org is told when to come back instead of queueing unbounded work. */
+static int admit_org(rpc_call *call, wf_engine *e, db_tx *tx, const char *org) {
+    char err[512];
+    long long active, recent;
+    int rc = st_org_admission(tx, org, &active, &recent, err, sizeof err);
+    if (rc) return wfr_db_fail(call, rc, err);
+    int busy = active >= e->cfg->org_max_active;
+    if (!busy && recent < e->cfg->org_trigger_rate) return RPC_OK;
+    Google__Protobuf__Duration delay = GOOGLE__PROTOBUF__DURATION__INIT;
+    Google__Rpc__RetryInfo ri = GOOGLE__RPC__RETRY_INFO__INIT;
+    delay.seconds = busy ? 5 : 1;
+    ri.retry_delay = &delay;
+    rpc_error_detail(call, &ri.base);
+    if (busy)
+        return rpc_error(call, RPC_RESOURCE_EXHAUSTED,
+                         "the org has %lld pending or running runs, the most it may have "
+                         "(UPSQUAD_WF_ORG_MAX_ACTIVE_RUNS); retry later",
+                         active);
+    return rpc_error(call, RPC_RESOURCE_EXHAUSTED,
+                     "the org started %lld runs in the last second, the most it may "
+                     "(UPSQUAD_WF_ORG_TRIGGERS_PER_SEC); retry later",
+                     recent);
+}
+
 static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
                             void *ud) {
     const P(TriggerWorkflowRequest) *rq = (const void *)req;
@@ -560,6 +598,10 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
     int found = 0;
     int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_id(call, "workflow_id", rq->workflow_id))) return rc;
+    const char *key = rpc_metadata(call, WF_IDEMPOTENCY_KEY_MD);
+    if (key && !idem_key_ok(key))
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         WF_IDEMPOTENCY_KEY_MD " must be 1 to 128 printable ASCII characters");
     cj = rq->context ? pbjson_struct_to_json(rq->context) : cJSON_CreateObject();
     if (!cj) return rpc_error(call, RPC_INVALID_ARGUMENT, "context nests too deeply");
     /* pipelined (db.h): its statements are prepared once per connection, and the writes
@@ -587,6 +629,32 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
     }
     ctx = cJSON_PrintUnformatted(cj);
     ids_uuid_v7(run_id);
+    if (key) {
+        int claimed, same;
+        char prior[37];
+        if ((rc = st_trigger_key_claim(tx, id->org_id, key, run_id, rq->workflow_id, ctx, &claimed,
+                                       prior, &same, err, sizeof err))) {
+            rc = wfr_db_fail(call, rc, err);
+            goto done;
+        }
+        if (!claimed) { /* a retry: the original run, unless the request differs */
+            if (!same) {
+                rc = rpc_error(call, RPC_FAILED_PRECONDITION,
+                               "idempotency key \"%s\" was used for run %s of another "
+                               "workflow or trigger context",
+                               key, prior);
+                goto done;
+            }
+            out->run = run_now(call, tx, prior, &rc);
+            if (rc) goto done;
+            rc = db_tx_commit(tx, err, sizeof err);
+            tx = NULL;
+            if (rc) rc = wfr_db_fail(call, rc, err);
+            goto done;
+        }
+    }
+    /* after the key: a retry of an admitted trigger answers its run even at the limits */
+    if ((rc = admit_org(call, e, tx, id->org_id))) goto done;
     if ((rc = st_run_insert(tx, run_id, id->org_id, rq->workflow_id, id->sub, ctx,
                             st_s(w, 0, WD_DEF), err, sizeof err)) ||
         (rc = wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err)) ||

@@ -74,6 +74,7 @@ typedef struct tick {
     int n_jobs;
     int paused;
     char reason[512];
+    char budget[160]; /* set when the run exceeded UPSQUAD_WF_RUN_MAX_ACTIONS: its failure */
     char err[512];
     int rc;
 } tick;
@@ -1068,7 +1069,14 @@ static int walk_step(tick *t, const char *name, const char *lap, int iteration) 
     if (!sd || !type) return SCOPE_FAILED;
     act *a = find(t, name, lap);
     if (!a) {
-        if (t->paused) return SCOPE_BUSY; /* pause: no new step starts */
+        if (t->paused) return SCOPE_BUSY;                 /* pause: no new step starts */
+        if (t->n >= (size_t)t->e->cfg->run_max_actions) { /* the run budget: fails the run */
+            snprintf(t->budget, sizeof t->budget,
+                     "run budget exceeded: step %s would be action %zu of at most %lld "
+                     "(UPSQUAD_WF_RUN_MAX_ACTIONS)",
+                     name, t->n + 1, t->e->cfg->run_max_actions);
+            return SCOPE_FAILED;
+        }
         const char *init = !strcmp(type, "condition") ? "completed" : "in_progress";
         if (!(a = new_act(t, name, type, lap, iteration, init))) return SCOPE_BUSY;
         if (!strcmp(type, "agent_action")) return start_agent(t, a, sd);
@@ -1286,7 +1294,10 @@ static int run_tick(wf_engine *e, const char *run_id, const char *org, int64_t g
         finished = 1;
     } else if (r == SCOPE_FAILED) {
         if (!(t.rc = stop_open_actions(&t, "run failed")))
-            t.rc = wf_run_transition(&run, "failed", t.reason[0] ? t.reason : "a step failed",
+            t.rc = wf_run_transition(&run, "failed",
+                                     t.budget[0]   ? t.budget
+                                     : t.reason[0] ? t.reason
+                                                   : "a step failed",
                                      t.err, sizeof t.err);
         finished = 1;
     }

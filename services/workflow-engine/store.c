@@ -339,6 +339,61 @@ int st_run_insert(db_tx *tx, const char *id, const char *org, const char *wf,
     return rc != DB_OK ? rc : st_queue_insert(tx, id, org, err, errlen);
 }
 
+int st_org_admission(db_tx *tx, const char *org, long long *active, long long *recent, char *err,
+                     size_t errlen) {
+    const char *p[] = {org};
+    PGresult *r = NULL;
+    int rc = ex(tx, "SELECT pg_advisory_xact_lock(hashtext('wf-admit:' || $1))", 1, p, NULL, err,
+                errlen);
+    if (!rc)
+        rc = ex(tx,
+                "SELECT (SELECT count(*) FROM " S "runs WHERE org_id = $1 "
+                "  AND status IN ('pending', 'running')), "
+                "(SELECT count(*) FROM " S "runs WHERE org_id = $1 "
+                "  AND started_at > clock_timestamp() - interval '1 second')",
+                1, p, &r, err, errlen);
+    if (!rc) {
+        *active = st_i(r, 0, 0);
+        *recent = st_i(r, 0, 1);
+    }
+    PQclear(r);
+    return rc;
+}
+
+int st_trigger_key_claim(db_tx *tx, const char *org, const char *key, const char *run_id,
+                         const char *wf, const char *context_json, int *claimed, char *prior,
+                         int *same, char *err, size_t errlen) {
+    const char *p[] = {org, key, run_id};
+    PGresult *r = NULL;
+    *claimed = *same = 0;
+    prior[0] = 0;
+    int rc = ex(tx,
+                "INSERT INTO " S "trigger_keys (org_id, idem_key, run_id) VALUES ($1, $2, $3) "
+                "ON CONFLICT (org_id, idem_key) DO UPDATE SET run_id = EXCLUDED.run_id, "
+                "created_at = now() "
+                "WHERE " S "trigger_keys.created_at < now() - interval '24 hours' RETURNING 1",
+                3, p, &r, err, errlen);
+    if (rc) goto done;
+    *claimed = PQntuples(r) == 1;
+    PQclear(r);
+    r = NULL;
+    if (*claimed) goto done;
+    const char *q[] = {org, key, wf, context_json};
+    rc = ex(tx,
+            "SELECT k.run_id, (r.workflow_id = $3::uuid AND r.context = $4::jsonb) FROM " S
+            "trigger_keys k JOIN " S "runs r ON r.id = k.run_id "
+            "WHERE k.org_id = $1 AND k.idem_key = $2",
+            4, q, &r, err, errlen);
+    if (rc) goto done;
+    if (PQntuples(r) == 1) {
+        snprintf(prior, 37, "%s", PQgetvalue(r, 0, 0));
+        *same = !strcmp(PQgetvalue(r, 0, 1), "t");
+    }
+done:
+    PQclear(r);
+    return rc;
+}
+
 #define RL_SELECT                                                                                  \
     "SELECT r.id, r.org_id, r.workflow_id, r.triggered_by, r.status, r.context::text, "            \
     "r.definition::text, r.display_name, r.event_seq, r.cost_usd, " MS("r.started_at") ", " MS(    \
@@ -676,12 +731,24 @@ int st_queue_claim(db_tx *tx, const char *owner, int64_t lease_ms, int limit, PG
     i64s(l, sizeof l, lease_ms);
     snprintf(n, sizeof n, "%d", limit);
     const char *p[] = {owner, l, n};
+    /* Fair across orgs: a due run's turn is its org's runs already leased plus its place
+     * among the org's due runs, so the org with the least in flight goes first and a flood
+     * of one org's runs queues behind its own, not behind every other org's (FIFO by wake_at
+     * within a turn). The lease conditions are repeated on the locked row: a concurrent claim
+     * may have leased it since the snapshot. */
     return ex(tx,
+              "WITH busy AS (SELECT org_id, count(*) AS n FROM " S "run_queue "
+              "  WHERE lease_until >= clock_timestamp() GROUP BY org_id), "
+              "ranked AS (SELECT d.run_id, d.wake_at, coalesce(b.n, 0) + row_number() "
+              "  OVER (PARTITION BY d.org_id ORDER BY d.wake_at) AS turn FROM " S "run_queue d "
+              "  LEFT JOIN busy b ON b.org_id = d.org_id WHERE d.wake_at <= now() "
+              "  AND (d.lease_until IS NULL OR d.lease_until < clock_timestamp())) "
               "UPDATE " S "run_queue q SET lease_owner = $1, "
               "lease_until = clock_timestamp() + $2::bigint * interval '1 millisecond' "
-              "WHERE q.run_id IN (SELECT run_id FROM " S "run_queue WHERE wake_at <= now() "
-              "  AND (lease_until IS NULL OR lease_until < clock_timestamp()) "
-              "  ORDER BY wake_at LIMIT $3::int FOR UPDATE SKIP LOCKED) "
+              "WHERE q.run_id IN (SELECT r.run_id FROM ranked k JOIN " S "run_queue r "
+              "  ON r.run_id = k.run_id WHERE r.wake_at <= now() "
+              "  AND (r.lease_until IS NULL OR r.lease_until < clock_timestamp()) "
+              "  ORDER BY k.turn, k.wake_at LIMIT $3::int FOR UPDATE OF r SKIP LOCKED) "
               "RETURNING q.run_id, q.org_id, q.wake_gen",
               3, p, out, err, errlen);
 }

@@ -112,6 +112,18 @@ int st_log(db_tx *tx, const char *org, const char *run, const char *action_id, c
 int st_run_insert(db_tx *tx, const char *id, const char *org, const char *wf,
                   const char *triggered_by, const char *context_json, const char *def_json,
                   char *err, size_t errlen);
+/* Per-org admission of a new run: serialises the org's triggers on a transaction-scoped
+ * advisory lock (so concurrent triggers cannot all pass one count), then counts its pending and
+ * running runs (*active) and the runs it started in the last second (*recent). */
+int st_org_admission(db_tx *tx, const char *org, long long *active, long long *recent, char *err,
+                     size_t errlen);
+/* Claims an idempotency key for run_id (a new key, or one older than the 24-hour window).
+ * *claimed 1: run_id is the key's run now; 0: the key names a live earlier run, returned in
+ * prior (37 bytes) with *same 1 when that run is of workflow wf with this trigger context.
+ * A concurrent claim of the same key waits for the first transaction (primary key). */
+int st_trigger_key_claim(db_tx *tx, const char *org, const char *key, const char *run_id,
+                         const char *wf, const char *context_json, int *claimed, char *prior,
+                         int *same, char *err, size_t errlen);
 /* The run with its workflow's scope, for the interpreter and run control. lock: FOR UPDATE.
  * Zero rows when absent (or another org's: RLS). */
 enum {

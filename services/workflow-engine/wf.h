@@ -41,8 +41,11 @@ typedef struct wf_config {
     long long agent_retries;          /* retries of a retryable agent failure, per step */
     long long agent_retry_backoff_ms; /* first retry's delay, doubled per retry */
     long long agent_retry_backoff_max_ms;
-    int code_exec;       /* WF_CODE_EXEC_ENABLED: the catalogue's code_exec switch */
-    int code_exec_alias; /* UPSQUAD_CODE_EXEC_ENABLED: the same switch's other name */
+    long long run_max_actions;  /* actions (step instances, laps included) one run may create */
+    long long org_max_active;   /* pending + running runs of one org; more: RESOURCE_EXHAUSTED */
+    long long org_trigger_rate; /* runs one org may start per second */
+    int code_exec;              /* WF_CODE_EXEC_ENABLED: the catalogue's code_exec switch */
+    int code_exec_alias;        /* UPSQUAD_CODE_EXEC_ENABLED: the same switch's other name */
 } wf_config;
 
 const cfg_var *wf_config_vars(size_t *n);

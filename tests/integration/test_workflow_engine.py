@@ -14,6 +14,7 @@ import threading
 import time
 import unittest
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
 import upsquad_testlib as T  # noqa: E402
@@ -32,6 +33,7 @@ from upsquad.approval.v1 import approval_pb2 as AP  # noqa: E402
 from upsquad.internal.v1 import agent_step_pb2 as A, run_events_pb2 as E, tool_pb2 as ToolPB  # noqa: E402
 
 status_pb2 = T.load_generated("google/rpc/status_pb2.py", "status_pb2")
+error_details_pb2 = T.load_generated("google/rpc/error_details_pb2.py", "error_details_pb2")
 SVC = "/upsquad.workflow.v1.WorkflowService/"
 SECRET = secrets.token_hex(16)
 PAGE_KEY = secrets.token_hex(16)
@@ -41,7 +43,7 @@ SUBJ_TOOL_INVOKE = "tool.invoke"  # libcommon/subjects.h: .<tool>
 
 ENGINE_ENV = T.engine_env(DSN, NATS, SECRET, UPSQUAD_WF_PAGE_KEY=PAGE_KEY,
                           UPSQUAD_WF_TOOL_TIMEOUT="700ms", UPSQUAD_WF_TOOL_ATTEMPTS="3",
-                          UPSQUAD_WF_SCHEDULE_POLL="100ms")
+                          UPSQUAD_WF_SCHEDULE_POLL="100ms", UPSQUAD_WF_RUN_MAX_ACTIONS="300")
 
 
 st = T.struct
@@ -850,6 +852,144 @@ class EngineTest(unittest.TestCase):
         self.assertEqual(s.run.status, "completed", self.acts(s))
         self.assertEqual(js(io(s.actions[0]).output), {"iterations": 2})
         self.assertEqual(js(io(s.actions[2]).output), {"lap": "2"})
+
+    def test_05c_run_budget(self):
+        # validation: the worst-case product of nested max_iterations is bounded (1000 laps),
+        # named at the loop that crosses it, with the DefinitionValidationError detail
+        loops = lambda n, m: {**{"l%d" % i: {"type": "loop", "max_iterations": m,
+                                              "body": "l%d" % (i + 1) if i < n else "x"}
+                                 for i in range(1, n + 1)}, "x": tool("get_issue", number=1)}
+        e = self.err(C.INVALID_ARGUMENT, self.create, defn("l1", loops(7, 25)), contains="run budget")
+        raw = dict(e.trailing_metadata())["grpc-status-details-bin"]
+        v = W.DefinitionValidationError.FromString(status_pb2.Status.FromString(raw).details[0].value)
+        self.assertEqual([x.instance_location for x in v.violations], ["/steps/l3/max_iterations"])
+        self.assertIn('"l3"', v.violations[0].message)
+        self.create(defn("l1", loops(3, 10)))  # 1000 laps: at the budget, valid
+        # run time: the engine runs with UPSQUAD_WF_RUN_MAX_ACTIONS=300; 25 x 25 laps of a
+        # condition and its skipped arm would create 1,300 actions: the run fails, naming it
+        w = self.create(defn("o", {
+            "o": {"type": "loop", "max_iterations": 25, "body": "i"},
+            "i": {"type": "loop", "max_iterations": 25, "body": "c"},
+            "c": {"type": "condition", "if": {"op": "eq", "path": "/loop/iteration", "value": 0},
+                  "then": "t"},
+            "t": tool("get_issue", number=1)}))
+        s = self.done(self.trigger(w.id).id)
+        self.assertEqual(s.run.status, "failed")
+        reason = " ".join(self.scoped_sql("SELECT reason FROM workflow_engine.runs WHERE id = '%s'" % s.run.id))
+        self.assertIn("run budget exceeded", reason)
+        self.assertIn("UPSQUAD_WF_RUN_MAX_ACTIONS", reason)
+        # every started step counts; the untaken arm skipped by the last condition may add its
+        # own records (at most one arm) past it
+        self.assertTrue(290 <= len(s.actions) <= 302, len(s.actions))
+
+    def test_05d_idempotent_trigger(self):
+        w = self.create(defn("s", {"s": tool("get_issue", number=1)},
+                             trigger={"fields": {"n": {"type": "integer"}}}))
+        key = "retry-" + uuid.uuid4().hex
+        def trig(client, k=key, n=1, wf=w.id):
+            req = W.TriggerWorkflowRequest(workflow_id=wf)
+            req.context.update({"n": n})
+            return client("TriggerWorkflow", req, metadata=[("x-upsquad-idempotency-key", k)]).run
+        # 20 concurrent triggers with one key, spread over both replicas: one run
+        with ThreadPoolExecutor(20) as pool:
+            runs = list(pool.map(lambda i: trig(self.A if i % 2 else self.B), range(20)))
+        self.assertEqual(len({r.id for r in runs}), 1, {r.id for r in runs})
+        self.assertEqual(runs[0].workflow_id, w.id)
+        n = self.scoped_sql("SELECT count(*) FROM workflow_engine.runs WHERE workflow_id = '%s'" % w.id)
+        self.assertEqual(n, ["1"])
+        # after the run finished, the same key still answers the same run
+        self.done(runs[0].id)
+        self.assertEqual(trig(self.A).id, runs[0].id)
+        # the same key with another request: FAILED_PRECONDITION naming the key; nothing created
+        self.err(C.FAILED_PRECONDITION, lambda: trig(self.A, n=2), contains=key)
+        self.assertEqual(self.scoped_sql("SELECT count(*) FROM workflow_engine.runs "
+                                         "WHERE workflow_id = '%s'" % w.id), ["1"])
+        # a new key: a new run; an empty or oversized key: INVALID_ARGUMENT naming the metadata
+        self.assertNotEqual(trig(self.A, k=key + "-2").id, runs[0].id)
+        for bad in ("", "x" * 129, "a b"):
+            self.err(C.INVALID_ARGUMENT, lambda: trig(self.A, k=bad), contains="x-upsquad-idempotency-key")
+        # keys are per org: another org's same key is its own (its workflow is not visible here)
+        w2 = self.create(defn("s", {"s": tool("get_issue", number=1)},
+                              trigger={"fields": {"n": {"type": "integer"}}}), client=self.other_org)
+        self.assertNotEqual(trig(self.other_org, wf=w2.id).id, runs[0].id)
+
+    def test_05e_org_admission(self):
+        # an engine with tight per-org limits: 4 pending/running runs, 2 starts a second
+        eng = T.Server("workflow-engine", env=dict(ENGINE_ENV, UPSQUAD_WF_ORG_MAX_ACTIVE_RUNS="4",
+                                                   UPSQUAD_WF_ORG_TRIGGERS_PER_SEC="2"))
+        org, other = str(uuid.uuid4()), str(uuid.uuid4())
+        c = Client(eng.addr, T.mint(SECRET, sub=self.user, org=org, clearance=5))
+        o = Client(eng.addr, T.mint(SECRET, sub=self.user, org=other, clearance=5))
+        try:
+            parked = defn("w", {"w": {"type": "wait", "mode": "signal", "event_key": "k"}})
+            w, wo = self.create(parked, client=c), self.create(parked, client=o)
+
+            def refused(client, wf, setting, seconds):
+                e = self.err(C.RESOURCE_EXHAUSTED, self.trigger, wf, None, client, contains=setting)
+                raw = dict(e.trailing_metadata())["grpc-status-details-bin"]
+                det = status_pb2.Status.FromString(raw).details[0]
+                self.assertEqual(det.type_url, "type.googleapis.com/google.rpc.RetryInfo")
+                self.assertEqual(error_details_pb2.RetryInfo.FromString(det.value).retry_delay.seconds, seconds)
+
+            # rate: of 6 concurrent triggers at most 2 a second start, the rest are told 1 s
+            def try_trigger(_):
+                try:
+                    return self.trigger(w.id, client=c).id
+                except grpc.RpcError as e:
+                    self.assertEqual(e.code(), C.RESOURCE_EXHAUSTED, e.details())
+                    return None
+            with ThreadPoolExecutor(6) as pool:
+                got = [r for r in pool.map(try_trigger, range(6)) if r]
+            self.assertTrue(1 <= len(got) <= 4, got)
+            refused(c, w.id, "UPSQUAD_WF_ORG_TRIGGERS_PER_SEC", 1)
+            # active runs: fill up to 4 (a second apart), then the next is told 5 s
+            while len(got) < 4:
+                time.sleep(1.1)
+                got.append(self.trigger(w.id, client=c).id)
+            time.sleep(1.1)
+            refused(c, w.id, "UPSQUAD_WF_ORG_MAX_ACTIVE_RUNS", 5)
+            # another org is not affected; a finished run frees its slot
+            self.trigger(wo.id, client=o)
+            c("CancelRun", W.CancelRunRequest(run_id=got[0]))
+            self.trigger(w.id, client=c)
+        finally:
+            c.close()
+            o.close()
+            eng.stop()
+
+    def test_05f_fair_across_orgs(self):
+        # one org floods the queue with 25-lap loops; another org's one-step run must still
+        # finish within a few times its idle latency (generous: 10x + 2 s), not behind the flood
+        flood, victim = str(uuid.uuid4()), str(uuid.uuid4())
+        f = Client(self.a.addr, T.mint(SECRET, sub=self.user, org=flood, clearance=5))
+        v = Client(self.b.addr, T.mint(SECRET, sub=self.user, org=victim, clearance=5))
+        try:
+            wf = self.create(defn("l", {"l": {"type": "loop", "max_iterations": 25, "body": "t"},
+                                        "t": tool("get_issue", number=1)}), client=f)
+            wv = self.create(defn("t", {"t": tool("get_issue", number=1)}), client=v)
+
+            def victim_latency():
+                t0 = time.time()
+                run = self.trigger(wv.id, client=v)
+                end = time.time() + 120
+                while time.time() < end:
+                    if v("GetWorkflowStatus", W.GetWorkflowStatusRequest(run_id=run.id)).run.status == "completed":
+                        return time.time() - t0
+                    time.sleep(0.02)
+                self.fail("the victim's run did not complete in 120 s")
+            idle = min(victim_latency() for _ in range(3))
+            with ThreadPoolExecutor(8) as pool:
+                runs = list(pool.map(lambda _: self.trigger(wf.id, client=f).id, range(150)))
+            time.sleep(0.5)  # the flood is queued and being worked
+            loaded = victim_latency()
+            print("victim latency idle %.3f s, under flood %.3f s (%.1fx)" % (idle, loaded, loaded / idle),
+                  file=sys.stderr)
+            self.assertLess(loaded, 10 * idle + 2, (idle, loaded))
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(lambda r: f("CancelRun", W.CancelRunRequest(run_id=r)), runs))
+        finally:
+            f.close()
+            v.close()
 
     def test_06_run_control(self):
         w = self.create(defn("s", {"s": tool("create_comment", "t", number=1, body="slow __sleep_ms=600"),

@@ -134,8 +134,9 @@ def with_database(dsn, dbname):
 
 def engine_env(dsn, nats, secret, **overrides):
     """The environment of a test workflow-engine: its Postgres, NATS and token secret, the
-    tree's migrations, schema and catalogue, a fresh page key, a short lease and idle poll;
-    overrides={"UPSQUAD_...": value} replaces or adds variables."""
+    tree's migrations, schema and catalogue, a fresh page key, a short lease and idle poll, and
+    per-org admission limits out of the way (tests trigger bursts from one org; the admission
+    test sets its own); overrides={"UPSQUAD_...": value} replaces or adds variables."""
     env = {
         "UPSQUAD_PG_DSN": dsn, "UPSQUAD_NATS_URL": nats, "UPSQUAD_JWT_SECRET": secret,
         "UPSQUAD_MIGRATIONS_DIR": os.path.join(ROOT, "services/workflow-engine/migrations"),
@@ -144,6 +145,7 @@ def engine_env(dsn, nats, secret, **overrides):
         "UPSQUAD_WF_CATALOG_FILE": os.path.join(ROOT, "services/workflow-engine/catalog/tools.json"),
         "UPSQUAD_WF_PAGE_KEY": secrets.token_hex(16), "UPSQUAD_WF_LEASE": "1500ms",
         "UPSQUAD_WF_IDLE_POLL": "50ms", "UPSQUAD_LOG_LEVEL": "error", "UPSQUAD_WF_WORKERS": "2",
+        "UPSQUAD_WF_ORG_MAX_ACTIVE_RUNS": "1000000", "UPSQUAD_WF_ORG_TRIGGERS_PER_SEC": "100000",
     }
     env.update(overrides)
     return env
@@ -168,7 +170,7 @@ class WorkflowClient:
         self.md = [("authorization", "Bearer " + token)]
         self.timeout = timeout
 
-    def __call__(self, method, req, timeout=None):
+    def __call__(self, method, req, timeout=None, metadata=()):
         from upsquad.approval.v1 import approval_pb2 as AP
         from upsquad.workflow.v1 import workflow_pb2 as W
         if method in self.APPROVAL:
@@ -177,7 +179,7 @@ class WorkflowClient:
             svc, resp = "/upsquad.workflow.v1.WorkflowService/", getattr(W, method + "Response")
         f = self.ch.unary_unary(svc + method, request_serializer=req.SerializeToString,
                                 response_deserializer=resp.FromString)
-        return f(req, metadata=self.md, timeout=timeout or self.timeout)
+        return f(req, metadata=self.md + list(metadata), timeout=timeout or self.timeout)
 
     def close(self):
         self.ch.close()
