@@ -61,6 +61,19 @@ class UpsqTest(unittest.TestCase):
         got = {m["model_id"] for m in doc["models"]}
         self.assertEqual(got, self.catalog_ids())
 
+    def test_models_compare_and_recommend(self):
+        ids = sorted(self.catalog_ids())[:2]
+        rc, out, err = self.upsq("-o", "json", "models", "compare", *ids)
+        self.assertEqual(rc, 0, err)
+        for i in ids:
+            self.assertIn('"%s"' % i, out)
+        rc, out, err = self.upsq("-o", "json", "models", "recommend", "architect")
+        self.assertEqual(rc, 0, err)
+        self.assertIn(json.loads(out)["recommended"]["model_id"], self.catalog_ids())
+        rc, _, err = self.upsq("models", "compare")
+        self.assertEqual(rc, 2)
+        self.assertIn("model_ids", err)
+
     def test_models_list_text_is_readable_not_json(self):
         rc, out, err = self.upsq("models", "list")
         self.assertEqual(rc, 0, err)
