@@ -7,6 +7,7 @@ import secrets
 import subprocess
 import sys
 import unittest
+import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
 import upsquad_testlib as T  # noqa: E402
@@ -122,6 +123,59 @@ class UpsqTest(unittest.TestCase):
                                env={"UPSQUAD_MODEL_REGISTRY_ADDR": "127.0.0.1:1"})
         self.assertEqual(rc, 1)
         self.assertRegex(err, r"^upsq: (UNAVAILABLE|DEADLINE_EXCEEDED): ")
+
+
+ENGINE_DSN = os.environ.get("UPSQUAD_PG_DSN_WORKFLOW_ENGINE")
+
+
+@unittest.skipUnless(ENGINE_DSN, "UPSQUAD_PG_DSN_WORKFLOW_ENGINE is required")
+class UpsqWorkflowTest(unittest.TestCase):
+    """Workflows and runs through a real workflow-engine, in a fresh org of its own."""
+
+    @classmethod
+    def setUpClass(cls):
+        secret = secrets.token_hex(16)
+        cls.srv = T.Server("workflow-engine", env=T.engine_env(ENGINE_DSN, NATS, secret))
+        cls.org, cls.team = str(uuid.uuid4()), str(uuid.uuid4())
+        cls.token = T.mint(secret, sub=str(uuid.uuid4()), org=cls.org, clearance=5, teams=[cls.team])
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.srv.stop()
+
+    def upsq(self, *args):
+        e = {k: v for k, v in os.environ.items() if not k.startswith("UPSQUAD_")}
+        e.update({"UPSQUAD_WORKFLOW_ENGINE_ADDR": self.srv.addr, "UPSQUAD_TOKEN": self.token})
+        p = subprocess.run([UPSQ] + list(args), env=e, capture_output=True, text=True, timeout=30)
+        return p.returncode, p.stdout, p.stderr
+
+    def ok_json(self, *args):
+        rc, out, err = self.upsq("-o", "json", *args)
+        self.assertEqual(rc, 0, err)
+        return json.loads(out)
+
+    def test_create_list_trigger_describe_rerun_cancel(self):
+        path = os.path.join(T.ROOT, "examples", "workflows", "ci-gated-merge.json")
+        wf = self.ok_json("workflows", "create", "@" + path, "--name", "upsq-it", "--team", self.team)
+        wid = wf["workflow"]["id"]
+        listed = self.ok_json("workflows", "list")
+        self.assertIn(wid, [w["id"] for w in listed["workflows"]])
+        run = self.ok_json("runs", "trigger", wid, "--context", '{"pull_request": 42}')["run"]
+        desc = self.ok_json("runs", "describe", run["id"])
+        self.assertEqual(desc["run"]["context"], {"pull_request": 42})
+        again = self.ok_json("runs", "rerun", run["id"])["run"]
+        self.assertNotEqual(again["id"], run["id"])
+        self.assertEqual(self.ok_json("runs", "describe", again["id"])["run"]["context"], {"pull_request": 42})
+        runs = self.ok_json("runs", "list", "--workflow", wid)
+        self.assertEqual({r["id"] for r in runs["runs"]}, {run["id"], again["id"]})
+        rc, out, err = self.upsq("runs", "cancel", run["id"], "--reason", "test")
+        self.assertEqual(rc, 0, err)
+        rc, _, err = self.upsq("runs", "describe", str(uuid.uuid4()))
+        self.assertEqual(rc, 1)
+        self.assertTrue(err.startswith("upsq: NOT_FOUND: "), err)
+        rc, _, err = self.upsq("runs", "describe", "not-a-uuid")
+        self.assertEqual(rc, 1)
+        self.assertTrue(err.startswith("upsq: INVALID_ARGUMENT: "), err)
 
 
 if __name__ == "__main__":
