@@ -19,6 +19,7 @@
 #   tests/support/<prog>/*.c      -> $(BUILD)/bin/<prog>   (test servers and tools)
 #   bench/<prog>/*.c              -> $(BUILD)/bin/<prog>   (bench/<area>/bench.sh run by make bench)
 #   tools/<prog>/*.c              -> $(BUILD)/bin/<prog>   (operator tools, built by `make`)
+#   tools/<prog>/<prog> (no .c)   -> $(BUILD)/bin/<prog>   (script tools: a symlink, e.g. upsq)
 #   tests/**/test_*.py, test_*.sh -> run by tests/run.sh
 # Optional per-area make fragments: services/*/service.mk, tests/*/tests.mk.
 
@@ -64,7 +65,9 @@ obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
 SERVICES := $(notdir $(patsubst %/,%,$(wildcard services/*/)))
 SUPPORT  := $(notdir $(patsubst %/,%,$(wildcard tests/support/*/)))
-TOOLS    := $(notdir $(patsubst %/,%,$(wildcard tools/*/)))
+TOOLS    := $(sort $(patsubst tools/%/,%,$(dir $(wildcard tools/*/*.c))))
+# tools/<prog>/<prog> without C sources is a script, installed as is (upsq)
+SCRIPT_TOOLS := $(filter-out $(TOOLS),$(notdir $(patsubst %/,%,$(wildcard tools/*/))))
 BENCHES  := $(notdir $(patsubst %/,%,$(wildcard bench/*/)))
 
 ALL_BINS :=
@@ -163,6 +166,13 @@ $(foreach p,$(SUPPORT),$(eval $(call prog_tmpl,tests/support,$(p))))
 $(foreach p,$(BENCHES),$(eval $(call prog_tmpl,bench,$(p))))
 $(foreach p,$(TOOLS),$(eval $(call prog_tmpl,tools,$(p))))
 ALL_BINS += $(TOOLS:%=$(BUILD)/bin/%)
+define script_tmpl
+$(BUILD)/bin/$(1): tools/$(1)/$(1)
+	@mkdir -p $$(dir $$@)
+	ln -sf $$(abspath $$<) $$@
+endef
+$(foreach p,$(SCRIPT_TOOLS),$(eval $(call script_tmpl,$(p))))
+ALL_BINS += $(SCRIPT_TOOLS:%=$(BUILD)/bin/%)
 
 # ---- tests ----
 UNIT_C := $(wildcard tests/unit/test_*.c)

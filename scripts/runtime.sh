@@ -410,6 +410,7 @@ write_env() {
     {
         echo "# Written by scripts/runtime.sh up; source it to talk to this runtime."
         echo "export UPSQUAD_RUN_DIR=$RUN_DIR"
+        echo "export PATH=\"$ROOT/tools/upsq:\$PATH\""   # upsq, the CLI (docs/upsq.md)
         echo "export PGPASSFILE=$RUN_DIR/secrets/pgpass"
         echo "export UPSQUAD_PG_ADMIN_DSN='$(pg_dsn postgres "$PG_DATABASE")'"
         while read -r name idx role; do
