@@ -99,6 +99,18 @@ $(BUILD)/gen/google/protobuf/%.pb-c.c $(BUILD)/gen/google/protobuf/%.pb-c.h: /us
 	@mkdir -p $(BUILD)/gen
 	$(PROTOC_C) -I/usr/include --c_out=$(BUILD)/gen $<
 
+# The FileDescriptorSet of proto/ (with what it imports), embedded in libproto as
+# rpc_descriptor_set: gRPC server reflection answers from it (docs/rpc.md, "Reflection").
+$(BUILD)/gen/descriptor_set.pb: $(PROTOS) | preflight
+	@mkdir -p $(BUILD)/gen
+	$(PROTOC) -Iproto -I/usr/include --include_imports --descriptor_set_out=$@ $(PROTOS)
+$(BUILD)/gen/descriptor_set.c: $(BUILD)/gen/descriptor_set.pb
+	{ echo '#include <stddef.h>'; \
+	  echo 'const unsigned char rpc_descriptor_set[] = {'; \
+	  od -An -v -tx1 $< | sed 's/ *\([0-9a-f][0-9a-f]\)/0x\1,/g'; \
+	  echo '};'; \
+	  echo 'const size_t rpc_descriptor_set_len = sizeof rpc_descriptor_set;'; } >$@.tmp && mv $@.tmp $@
+
 # Python modules for tests that use the official grpcio client.
 py: $(BUILD)/py/.stamp
 $(BUILD)/py/.stamp: $(PROTOS) $(TPROTOS)
@@ -122,7 +134,7 @@ $(BUILD)/obj/gen/%.o: $(BUILD)/gen/%.c | $(GEN_H)
 	@mkdir -p $(dir $@)
 	$(CC) $(filter-out -Werror,$(CFLAGS)) $(INCS) -c $< -o $@
 
-$(PROTO_LIB): $(patsubst $(BUILD)/gen/%.c,$(BUILD)/obj/gen/%.o,$(GEN_C))
+$(PROTO_LIB): $(patsubst $(BUILD)/gen/%.c,$(BUILD)/obj/gen/%.o,$(GEN_C) $(BUILD)/gen/descriptor_set.c)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 $(TPROTO_LIB): $(patsubst $(BUILD)/gen/%.c,$(BUILD)/obj/gen/%.o,$(TGEN_C))

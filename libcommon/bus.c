@@ -342,11 +342,71 @@ int bus_subject(char *out, size_t outlen, const char *first, ...) {
     return BUS_OK;
 }
 
+/* ---- trace context (W3C traceparent in the message headers) ---- */
+
+static int bus__is_hex(const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return 0;
+    return 1;
+}
+
+/* "00-<trace id>-<span id>-01" for this thread's trace id when it is a W3C one (32 lowercase
+ * hex, what rpc_server generates or takes from a traceparent); 0 otherwise (no header). */
+static int bus__traceparent(char out[BUS_TRACEPARENT_LEN + 1]) {
+    static _Thread_local uint64_t rng;
+    static const char hex[] = "0123456789abcdef";
+    const char *t = log_get_trace();
+    if (!t || strlen(t) != 32 || !bus__is_hex(t, 32)) return 0;
+    if (rng == 0) rng = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)&rng ^ 0x9e3779b97f4a7c15ull;
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    memcpy(out, "00-", 3);
+    memcpy(out + 3, t, 32);
+    out[35] = '-';
+    for (int i = 0; i < 16; i++) /* the span: this publish (never all zero: rng != 0) */
+        out[36 + i] = hex[(rng >> (4 * i)) & 15];
+    memcpy(out + 52, "-01", 4);
+    return 1;
+}
+
+int bus_msg_trace(natsMsg *m, char out[33]) {
+    const char *tp = NULL;
+    out[0] = '\0';
+    if (!m || natsMsgHeader_Get(m, "traceparent", &tp) != NATS_OK || !tp) return 0;
+    /* version 00: 2-32-16-2 hex; a malformed header is ignored, never logged as given */
+    if (strlen(tp) < BUS_TRACEPARENT_LEN || tp[2] != '-' || tp[35] != '-' ||
+        !bus__is_hex(tp + 3, 32) || !strncmp(tp + 3, "00000000000000000000000000000000", 32))
+        return 0;
+    memcpy(out, tp + 3, 32);
+    out[32] = '\0';
+    return 1;
+}
+
+/* A message carrying this thread's trace (header) when there is one, else NULL. */
+static natsStatus bus__traced_msg(natsMsg **m, const char *subject, const char *reply,
+                                  const void *data, int len) {
+    char tp[BUS_TRACEPARENT_LEN + 1];
+    *m = NULL;
+    if (!bus__traceparent(tp)) return NATS_OK;
+    natsStatus s = natsMsg_Create(m, subject, reply, data, len);
+    if (s == NATS_OK) s = natsMsgHeader_Set(*m, "traceparent", tp);
+    if (s != NATS_OK) {
+        natsMsg_Destroy(*m);
+        *m = NULL;
+    }
+    return s;
+}
+
 /* ---- core ---- */
 
 int bus_publish(bus *b, const char *subject, const void *data, int len) {
+    natsMsg *m = NULL;
     if (!b || !subject || len < 0 || (len > 0 && !data)) return BUS_EINVAL;
-    return bus__code(natsConnection_Publish(b->nc, subject, data, len));
+    natsStatus s = bus__traced_msg(&m, subject, NULL, data, len);
+    if (s == NATS_OK)
+        s = m ? natsConnection_PublishMsg(b->nc, m)
+              : natsConnection_Publish(b->nc, subject, data, len);
+    natsMsg_Destroy(m);
+    return bus__code(s);
 }
 
 int bus_request(bus *b, const char *subject, const void *data, int len, int timeout_ms,
@@ -372,9 +432,14 @@ static _Thread_local natsSubscription *bus__cb_sub;
 static void bus__on_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure) {
     (void)nc;
     bus_sub *s = closure;
+    char trace[33];
+    /* the callback's lines (and the calls it makes) go on the publisher's trace */
+    int traced = bus_msg_trace(msg, trace);
+    if (traced) log_set_trace(trace);
     bus__cb_sub = sub;
     s->cb(s->b, msg, s->ud);
     bus__cb_sub = NULL;
+    if (traced) log_set_trace(NULL);
     natsMsg_Destroy(msg);
 }
 
@@ -589,7 +654,12 @@ int bus_js_publish(bus *b, const char *subject, const void *data, int len, const
     po.MaxWait = b->o.js_timeout_ms;
     jsPubAck *pa = NULL;
     jsErrCode jerr = 0;
-    natsStatus s = js_Publish(&pa, b->js, subject, data, len, &po, &jerr);
+    natsMsg *m = NULL;
+    natsStatus s = bus__traced_msg(&m, subject, NULL, data, len);
+    if (s == NATS_OK)
+        s = m ? js_PublishMsg(&pa, b->js, m, &po, &jerr)
+              : js_Publish(&pa, b->js, subject, data, len, &po, &jerr);
+    natsMsg_Destroy(m);
     if (s != NATS_OK) {
         if (s == NATS_NO_RESPONDERS) {
             snprintf(err, errlen, "js publish %s: no stream captures this subject", subject);
@@ -807,12 +877,15 @@ int bus_js_publish_batch(bus *b, bus_js_msg *msgs, int n, char *err, size_t errl
     }
     unsigned long long gen = ++b->batch_gen;
     size_t prefix = strlen(b->ack_inbox) + 1;
+    char tp[BUS_TRACEPARENT_LEN + 1];
+    int traced = bus__traceparent(tp);
     for (int i = 0; i < n; i++) {
         natsMsg *m = NULL;
         if (msgs[i].rc == BUS_EINVAL) continue;
         snprintf(reply, sizeof reply, "%s.%llu.%d", b->ack_inbox, gen, i);
         s = natsMsg_Create(&m, msgs[i].subject, reply, msgs[i].data, msgs[i].len);
         if (s == NATS_OK && msgs[i].msg_id) s = natsMsgHeader_Set(m, "Nats-Msg-Id", msgs[i].msg_id);
+        if (s == NATS_OK && traced) s = natsMsgHeader_Set(m, "traceparent", tp);
         if (s == NATS_OK) s = natsConnection_PublishMsg(b->nc, m);
         natsMsg_Destroy(m);
         if (s != NATS_OK)

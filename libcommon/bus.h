@@ -118,6 +118,16 @@ int bus_respond(bus *b, natsMsg *request, const void *data, int len);
 /* msg is borrowed: valid during the call only. */
 typedef void (*bus_msg_cb)(bus *b, natsMsg *msg, void *ud);
 
+/* Trace context. Every publish (core, JetStream, batch) made on a thread whose log trace id
+ * (log_set_trace) is a W3C trace id (32 lowercase hex: what the RPC server takes from a
+ * caller's traceparent or generates) carries it in a `traceparent` header
+ * ("00-<trace>-<span>-01", a fresh span per publish); a subscription callback runs with the
+ * message's trace as its thread's log trace (its lines and the RPCs it makes carry it). A pull
+ * consumer adopts it per message with bus_msg_trace: 1 and the trace id in out (33 bytes) when
+ * m carries a valid traceparent, else 0 and out "". */
+#define BUS_TRACEPARENT_LEN 55
+int bus_msg_trace(natsMsg *m, char out[33]);
+
 /* queue_group NULL: every subscriber gets every message; otherwise each message goes to one
  * member of the group. Pending limits from the bus options. *out owned: bus_unsubscribe. */
 int bus_subscribe(bus *b, const char *subject, const char *queue_group, bus_msg_cb cb, void *ud,

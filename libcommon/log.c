@@ -22,6 +22,8 @@ int log__level = LOG_INFO;
 
 static char log__svc[LOG__SVC_MAX] = "";
 static _Thread_local char log__trace[LOG__TRACE_MAX];
+static _Thread_local char log__ids[LOG_ID_N][LOG__TRACE_MAX];
+static const char *const log__id_names[LOG_ID_N] = {"org_id", "run_id", "session_id"};
 
 static const char *const log__names[] = {"debug", "info", "warn", "error", "off"};
 
@@ -55,6 +57,20 @@ void log_set_trace(const char *trace_id) {
 
 const char *log_get_trace(void) {
     return log__trace[0] ? log__trace : NULL;
+}
+
+void log_set_id(int which, const char *id) {
+    if (which < 0 || which >= LOG_ID_N) return;
+    snprintf(log__ids[which], sizeof log__ids[which], "%s", id ? id : "");
+}
+
+const char *log_get_id(int which) {
+    return which >= 0 && which < LOG_ID_N && log__ids[which][0] ? log__ids[which] : NULL;
+}
+
+void log_clear_ids(void) {
+    for (int i = 0; i < LOG_ID_N; i++)
+        log__ids[i][0] = '\0';
 }
 
 /* Appends the JSON-escaped form of s[0..n) to buf at *pos without passing cap. Invalid UTF-8
@@ -160,6 +176,13 @@ void log_vwrite(int level, const char *event, const char *fmt, va_list ap) {
     if (log__trace[0]) {
         log__append(line, &pos, cap, "\",\"trace_id\":\"");
         log__escape(line, &pos, cap, log__trace, strlen(log__trace));
+    }
+    for (int i = 0; i < LOG_ID_N; i++) {
+        if (!log__ids[i][0]) continue;
+        log__append(line, &pos, cap, "\",\"");
+        log__append(line, &pos, cap, log__id_names[i]);
+        log__append(line, &pos, cap, "\":\"");
+        log__escape(line, &pos, cap, log__ids[i], strlen(log__ids[i]));
     }
     log__append(line, &pos, cap, "\",\"msg\":\"");
     if (!log__escape(line, &pos, cap, msg, msglen)) cut = 1;

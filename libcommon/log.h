@@ -2,7 +2,7 @@
  *
  * One line per event on stderr:
  *   {"ts":"2026-12-02T14:50:01.123Z","level":"info","svc":"orchestrator",
- *    "event":"rpc.done","trace_id":"...","msg":"..."}
+ *    "event":"rpc.done","trace_id":"...","org_id":"...","run_id":"...","msg":"..."}
  * `event` is a short dotted, greppable name; `msg` is free text (JSON-escaped).
  * Never pass secrets (tokens, keys, passwords) to these functions. */
 #ifndef UPSQUAD_LOG_H
@@ -24,6 +24,13 @@ int log_init_env(const char *service);
 /* Thread-local trace id for the lines this thread writes; NULL clears. Copied (<= 64 chars). */
 void log_set_trace(const char *trace_id);
 const char *log_get_trace(void);
+/* Thread-local ids the lines this thread writes carry as fields of their own ("org_id",
+ * "run_id", "session_id"), so logs are filtered by field, not by grepping messages. NULL or ""
+ * clears one; log_clear_ids clears all (a worker thread between jobs). Copied (<= 64 chars). */
+enum { LOG_ID_ORG = 0, LOG_ID_RUN, LOG_ID_SESSION, LOG_ID_N };
+void log_set_id(int which, const char *id);
+const char *log_get_id(int which);
+void log_clear_ids(void);
 
 void log_write(int level, const char *event, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -88,7 +88,9 @@ typedef int (*rpc_unary_fn)(rpc_call *call, const ProtobufCMessage *req, Protobu
                             void *ud);
 typedef int (*rpc_stream_fn)(rpc_call *call, const ProtobufCMessage *req, void *ud);
 
-enum { RPC_UNARY = 0, RPC_SERVER_STREAM = 1 };
+/* RPC_BIDI_STREAM: the handler (a stream handler, req NULL) reads the client's messages with
+ * rpc_stream_recv and writes with rpc_stream_send, on a stream worker. */
+enum { RPC_UNARY = 0, RPC_SERVER_STREAM = 1, RPC_BIDI_STREAM = 2 };
 enum { RPC_AUTH_REQUIRED = 0, RPC_AUTH_NONE = 1 };
 /* rpc_method.flags. RPC_BLOCKING: the unary handler may block (Postgres, another service): it
  * runs on the blocking pool (blocking_workers threads, blocking_queue more calls waiting; a
@@ -148,16 +150,28 @@ typedef struct rpc_server_opts {
     int keepalive_timeout_ms;   /* and close it when the ping is not answered, default 20 s */
     int handshake_timeout_ms;   /* a connection must finish its HTTP/2 (TLS) set-up, default 10 s */
     int max_health_watches;     /* concurrent grpc.health.v1.Health/Watch streams, default 64 */
+    int max_reflection_streams; /* concurrent ServerReflectionInfo streams, default 16 */
     int blocking_workers;       /* threads running RPC_BLOCKING handlers, default 8 (started
                                    only when a method is RPC_BLOCKING) */
     int blocking_queue;         /* blocking calls waiting for a thread, default 64; more are
                                    refused with RESOURCE_EXHAUSTED */
+    /* A serialized google.protobuf.FileDescriptorSet (protoc --descriptor_set_out
+     * --include_imports; borrowed, must outlive the server): set, the server answers gRPC
+     * server reflection (grpc.reflection.v1 and v1alpha) from it. rpc_descriptor_set is the
+     * one the build embeds from proto/. */
+    const void *descriptors;
+    size_t descriptors_len;
 } rpc_server_opts;
+
+/* The FileDescriptorSet of every file under proto/, embedded by the build (libproto). */
+extern const unsigned char rpc_descriptor_set[];
+extern const size_t rpc_descriptor_set_len;
 
 int rpc_server_new(const rpc_server_opts *opts, rpc_server **out, char *err, size_t errlen);
 /* Methods are copied; register before rpc_server_start. */
 int rpc_server_add(rpc_server *s, const rpc_method *methods, size_t n);
-/* Also serves grpc.health.v1.Health (Check, Watch) for "" and each registered service. */
+/* Also serves grpc.health.v1.Health (Check, Watch) for "" and each registered service, and
+ * server reflection when opts->descriptors is set. */
 int rpc_server_start(rpc_server *s, char *err, size_t errlen);
 int rpc_server_port(const rpc_server *s);
 /* service "" = overall. serving: 1 SERVING, 0 NOT_SERVING. Watchers are notified. */
@@ -238,6 +252,15 @@ int rpc_stream_send(rpc_call *call, const ProtobufCMessage *msg);
  * full that long (nothing was queued; a subscriber that stopped reading), RPC_ECLOSED, or
  * RPC_OK. Callers bound what one stalled client can hold: a thread, its memory. */
 int rpc_stream_send_wait(rpc_call *call, const ProtobufCMessage *msg, int64_t wait_ms);
+
+/* Bidirectional streams: the next message from the client, decoded (and checked against the
+ * method's limits like any request) into *out, which the caller frees with
+ * protobuf_c_message_free_unpacked(*out, NULL). Blocks until a message arrives. RPC_OK with
+ * *out NULL: the client has half-closed (it sends no more; the handler may still write).
+ * RPC_ECLOSED: the call is over (cancelled, deadline, connection gone). A message that is not
+ * valid sets INVALID_ARGUMENT on the call and returns it. RPC_EINVAL: not a bidi call. Only the
+ * thread running the handler reads, one message at a time. */
+int rpc_stream_recv(rpc_call *call, ProtobufCMessage **out);
 
 /* Refcounted, encoded-once frames: one event encoded once, pushed to many streams. */
 rpc_frame *rpc_frame_encode(const ProtobufCMessage *msg); /* refcount 1; NULL on ENOMEM */

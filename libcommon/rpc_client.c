@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "log.h"
 #include "rpc_internal.h"
 
 #define MAX_MD 16
@@ -113,10 +114,13 @@ static void md_add(call_md *m, const char *key, const char *prefix, const char *
 }
 
 static void md_build(call_md *m, const rpc_call_opts *o) {
+    /* the call goes on the trace of the work that makes it (the handler's, a bus message's):
+     * the server it reaches logs under the same trace id (docs/libcommon.md, "Traces") */
+    const char *trace = o && o->trace_id ? o->trace_id : log_get_trace();
     m->n = 0;
+    if (trace) md_add(m, "x-request-id", "", trace);
     if (o == NULL) return;
     if (o->bearer) md_add(m, "authorization", "Bearer ", o->bearer);
-    if (o->trace_id) md_add(m, "x-request-id", "", o->trace_id);
     for (size_t i = 0; i < o->n_md; i++)
         md_add(m, o->md[i].key, "", o->md[i].value);
 }

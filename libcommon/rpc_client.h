@@ -35,7 +35,7 @@ struct rpc_call; /* rpc.h: a server call being handled */
 typedef struct rpc_call_opts {
     int64_t timeout_ms;   /* 0: no deadline */
     const char *bearer;   /* sent as "authorization: Bearer <bearer>" */
-    const char *trace_id; /* sent as x-request-id */
+    const char *trace_id; /* sent as x-request-id; NULL: the thread's log trace, if any */
     const rpc_md *md;
     size_t n_md;
     /* The server call this call is made for (borrowed; it must outlive this call): its

@@ -37,6 +37,7 @@ enum {
     RPC__TAG_UNKNOWN_END, /* ... and was answered UNIMPLEMENTED */
     RPC__TAG_UNARY_RECV,  /* the read past a call's request message: end of stream, or a
                              second message (a protocol error) */
+    RPC__TAG_STREAM_RECV, /* a bidi stream's read (rpc_stream_recv) completed */
 };
 
 typedef struct rpc__tag {
@@ -127,6 +128,9 @@ struct rpc_call {
     /* the read after the request message (rpc_limits.c) */
     rpc__tag t_recv;
     grpc_byte_buffer *extra; /* a second request message: refused */
+    /* a bidi stream's read in flight (rpc_stream_recv): the message, and done/ok guarded by mu */
+    grpc_byte_buffer *rbuf;
+    int recv_done, recv_ok;
 
     rpc__arena arena;
     _Alignas(16) unsigned char arena_inline[2048];
@@ -155,6 +159,7 @@ int rpc__stream_hint(rpc_call *c, size_t frame_len);
 void rpc__stream_on_end(rpc_call *c);
 void rpc__stream_on_close(rpc_call *c);
 void rpc__stream_destroy(rpc_call *c);
+void rpc__stream_on_recv(rpc_call *c, int ok);
 
 /* rpc_walk.c, rpc_limits.c: requests and responses checked against the rules of docs/rpc.md
  * ("Hardening"). The request walk returns 0, -1 (not a valid message) or a status code, with
@@ -168,6 +173,10 @@ int rpc__response_bad_string(const ProtobufCMessage *msg, char *path, size_t ple
 /* Walks, then decodes c->payload into c->req with alloc (the call arena); RPC_OK or the
  * status set. */
 int rpc__decode_request(rpc_call *c, ProtobufCAllocator *alloc);
+/* The same for one message of a stream: takes ownership of bb (destroyed); *out decoded with
+ * alloc (NULL: the heap). */
+int rpc__decode_message(rpc_call *c, grpc_byte_buffer *bb, ProtobufCAllocator *alloc,
+                        ProtobufCMessage **out);
 /* RPC_INTERNAL (status set) when a string field of resp is not valid UTF-8; not NDEBUG only. */
 int rpc__check_response(rpc_call *c, const ProtobufCMessage *resp);
 /* The same for a stream message: the stream is finished INTERNAL and the message not sent. */
@@ -215,6 +224,15 @@ int rpc__health_register(struct rpc_server *s);
 rpc__health *rpc__server_health(struct rpc_server *s);
 void rpc__health_set(rpc__health *h, const char *service, int serving);
 void rpc__health_set_all(rpc__health *h, int serving);
+
+/* rpc_reflect.c: grpc.reflection.v1 and v1alpha ServerReflectionInfo from opts->descriptors */
+typedef struct rpc__reflect rpc__reflect;
+/* Indexes the set (borrowed); RPC_EINVAL when it is not a FileDescriptorSet. */
+int rpc__reflect_new(struct rpc_server *s, const void *set, size_t len, rpc__reflect **out);
+void rpc__reflect_free(rpc__reflect *r);
+int rpc__reflect_register(struct rpc_server *s, rpc__reflect *r);
+/* the names of the services registered on s (borrowed; stable once the server started) */
+size_t rpc__server_services(const struct rpc_server *s, const char **names, size_t cap);
 
 /* rpc_codec.c: protobuf-c <-> grpc byte buffers */
 #define RPC_MAX_NESTING 64 /* deepest message nesting a request may have */

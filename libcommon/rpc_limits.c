@@ -14,32 +14,40 @@
 /* ---- the server's request path ---- */
 
 int rpc__decode_request(rpc_call *c, ProtobufCAllocator *alloc) {
-    const rpc_method *m = &c->method->m;
-    char msg[W_PATH_MAX + 160];
     if (c->extra)
         return rpc_error(c, RPC_INTERNAL, "protocol error: more than one request message");
     if (c->payload == NULL)
         /* the stream ended without a message, or inside one (a length prefix promising more
          * than arrived): a protocol error, not an empty request */
         return rpc_error(c, RPC_INTERNAL, "protocol error: no complete request message");
+    grpc_byte_buffer *bb = c->payload;
+    c->payload = NULL;
+    return rpc__decode_message(c, bb, alloc, &c->req);
+}
+
+int rpc__decode_message(rpc_call *c, grpc_byte_buffer *bb, ProtobufCAllocator *alloc,
+                        ProtobufCMessage **out) {
+    const rpc_method *m = &c->method->m;
+    char msg[W_PATH_MAX + 160];
     grpc_byte_buffer_reader r;
-    if (!grpc_byte_buffer_reader_init(&r, c->payload))
+    *out = NULL;
+    if (!grpc_byte_buffer_reader_init(&r, bb)) {
+        grpc_byte_buffer_destroy(bb);
         return rpc_error(c, RPC_INTERNAL, "protocol error: unreadable request message");
+    }
     grpc_slice s = grpc_byte_buffer_reader_readall(&r);
     grpc_byte_buffer_reader_destroy(&r);
     /* the raw message is no longer needed: give its memory back before decoding */
-    grpc_byte_buffer_destroy(c->payload);
-    c->payload = NULL;
+    grpc_byte_buffer_destroy(bb);
     const uint8_t *p = GRPC_SLICE_START_PTR(s);
     size_t n = GRPC_SLICE_LENGTH(s);
     size_t max =
         m->max_decoded_bytes ? m->max_decoded_bytes : rpc__server_opts(c->srv)->max_decoded_bytes;
     int rc = rpc__check_request(p, n, m->req_desc, m->limits, m->n_limits, max, msg, sizeof msg);
     if (rc == 0) {
-        c->req = protobuf_c_message_unpack(m->req_desc, alloc, n, p);
-        if (c->req == NULL)
-            snprintf(msg, sizeof msg, "request is not a valid %s", m->req_desc->name);
-        rc = c->req ? 0 : RPC_INVALID_ARGUMENT;
+        *out = protobuf_c_message_unpack(m->req_desc, alloc, n, p);
+        if (*out == NULL) snprintf(msg, sizeof msg, "request is not a valid %s", m->req_desc->name);
+        rc = *out ? 0 : RPC_INVALID_ARGUMENT;
     }
     grpc_slice_unref(s);
     if (rc < 0) rc = RPC_INVALID_ARGUMENT;
@@ -100,6 +108,7 @@ void rpc__opts_hardening_defaults(rpc_server_opts *o) {
     if (o->keepalive_timeout_ms <= 0) o->keepalive_timeout_ms = 20 * 1000;
     if (o->handshake_timeout_ms <= 0) o->handshake_timeout_ms = 10 * 1000;
     if (o->max_health_watches <= 0) o->max_health_watches = 64;
+    if (o->max_reflection_streams <= 0) o->max_reflection_streams = 16;
 }
 
 /* The C core closes a connection that has had no call for max_connection_idle (GOAWAY, so a

@@ -78,6 +78,7 @@ struct rpc_server {
     rpc_call *detached;
 
     rpc__health *health;
+    rpc__reflect *reflect; /* NULL without descriptors */
     atomic_int port; /* read by other threads (rpc_server_port) while start sets it */
     int started;
     int core_abandoned; /* a bound server whose start failed: core objects left to exit */
@@ -412,6 +413,7 @@ static int call_prepare(rpc_call *c) {
         c->ident = &c->ident_mem;
     }
     if (rpc_deadline_ms(c) <= 0) return rpc_error(c, RPC_DEADLINE_EXCEEDED, "deadline exceeded");
+    if (m->m.kind == RPC_BIDI_STREAM) return RPC_OK; /* the handler reads (rpc_stream_recv) */
     ProtobufCAllocator alloc = {arena_pb_alloc, arena_pb_free, c};
     return rpc__decode_request(c, &alloc);
 }
@@ -656,8 +658,10 @@ static void listener_arm(rpc__listener *l) {
     if (srv == NULL) {
         e = GRPC_CALL_ERROR_ALREADY_FINISHED;
     } else if (l->m) {
-        e = grpc_server_request_registered_call(srv, l->m->reg, &l->call, &l->deadline, &l->md,
-                                                &l->payload, l->cq, l->cq, &l->t);
+        /* a bidi method is registered without its first message read (its handler reads) */
+        e = grpc_server_request_registered_call(
+            srv, l->m->reg, &l->call, &l->deadline, &l->md,
+            l->m->m.kind == RPC_BIDI_STREAM ? NULL : &l->payload, l->cq, l->cq, &l->t);
     } else {
         grpc_call_details_init(&l->details);
         e = grpc_server_request_call(srv, &l->call, &l->details, &l->md, l->cq, l->cq, &l->t);
@@ -743,7 +747,7 @@ static void on_request(rpc__listener *l, int ok) {
     metric_add(s->m_inflight, 1);
     listener_arm(l);
 
-    if (l->m->m.kind == RPC_SERVER_STREAM) {
+    if (l->m->m.kind != RPC_UNARY) {
         /* The stream state exists before the close batch can complete: a client that cancels at
          * once may be seen by a completion-queue thread before stream_dispatch runs, and a close
          * that found no stream state was lost (never closed, on_close never ran: a detached
@@ -762,7 +766,9 @@ static void on_request(rpc__listener *l, int ok) {
     }
     call_trace(c);
     log_set_trace(c->trace);
-    if (rpc__expect_request_end(c)) {
+    if (l->m->m.kind == RPC_BIDI_STREAM)
+        stream_dispatch(c); /* its messages are the handler's to read */
+    else if (rpc__expect_request_end(c)) {
         /* request_read() dispatches it once the request stream has ended */
     } else if (l->m->m.kind == RPC_UNARY)
         unary_start(c);
@@ -808,6 +814,9 @@ static void *cq_thread(void *arg) {
             break;
         case RPC__TAG_UNARY_RECV:
             request_read(container_of(t, rpc_call, t_recv), ev.success);
+            break;
+        case RPC__TAG_STREAM_RECV:
+            rpc__stream_on_recv(container_of(t, rpc_call, t_recv), ev.success);
             break;
         case RPC__TAG_UNKNOWN_END: {
             rpc__unknown *u = (rpc__unknown *)t;
@@ -1019,6 +1028,13 @@ int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
     }
     if (tls_check(s->o.tls, err, errlen) != 0) return RPC_EINVAL;
     if (rpc__health_register(s) != 0) goto oom;
+    if (s->o.descriptors) {
+        if (rpc__reflect_new(s, s->o.descriptors, s->o.descriptors_len, &s->reflect) != RPC_OK) {
+            snprintf(err, errlen, "descriptors: not a serialized FileDescriptorSet");
+            return RPC_EINVAL;
+        }
+        if (rpc__reflect_register(s, s->reflect) != 0) goto oom;
+    }
     s->srv = grpc_server_create(&ca, NULL);
     s->n_workers = s->o.stream_workers;
     if (make_queues(s, &s->ucq, s->o.unary_threads, &s->n_ucq) != 0) goto oom;
@@ -1032,7 +1048,10 @@ int rpc_server_start(rpc_server *s, char *err, size_t errlen) {
     s->shutdown_cq = grpc_completion_queue_create_for_pluck(NULL);
     for (size_t i = 0; i < s->n_methods; i++) {
         s->methods[i].reg = grpc_server_register_method(
-            s->srv, s->methods[i].m.path, NULL, GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+            s->srv, s->methods[i].m.path, NULL,
+            s->methods[i].m.kind == RPC_BIDI_STREAM ? GRPC_SRM_PAYLOAD_NONE
+                                                    : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER,
+            0);
         if (s->methods[i].reg == NULL) {
             snprintf(err, errlen, "cannot register method %s (registered twice?)",
                      s->methods[i].m.path);
@@ -1091,6 +1110,17 @@ const rpc_server_opts *rpc__server_opts(const rpc_server *s) {
 
 rpc__health *rpc__server_health(rpc_server *s) {
     return s->health;
+}
+
+size_t rpc__server_services(const rpc_server *s, const char **names, size_t cap) {
+    size_t n = 0;
+    for (size_t i = 0; i < s->n_methods; i++) {
+        size_t j = 0;
+        while (j < n && strcmp(names[j], s->methods[i].service) != 0)
+            j++;
+        if (j == n && n < cap) names[n++] = s->methods[i].service;
+    }
+    return n;
 }
 
 int rpc_server_port(const rpc_server *s) {
@@ -1241,6 +1271,7 @@ void rpc_server_free(rpc_server *s) {
 
         free(s->methods[i].service);
     rpc__health_free(s->health);
+    rpc__reflect_free(s->reflect);
     rpc__pool_free(s->bpool);
     free(s->methods);
     free(s->listeners);

@@ -364,3 +364,47 @@ int rpc_stream_abort(rpc_call *c, int code, const char *message) {
     if (go) grpc_call_cancel_with_status(c->call, (grpc_status_code)code, message, NULL);
     return RPC_OK;
 }
+
+/* ---- bidirectional streams: the handler's reads ---- */
+
+int rpc_stream_recv(rpc_call *c, ProtobufCMessage **out) {
+    grpc_op op;
+    *out = NULL;
+    if (c->method->m.kind != RPC_BIDI_STREAM || !c->is_stream) return RPC_EINVAL;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &c->rbuf;
+    pthread_mutex_lock(&c->mu);
+    c->recv_done = 0;
+    pthread_mutex_unlock(&c->mu);
+    c->t_recv.kind = RPC__TAG_STREAM_RECV;
+    rpc__call_ref(c); /* the batch's; released by rpc__stream_on_recv */
+    RPC__TSAN_RELEASE(&c->t_recv);
+    if (grpc_call_start_batch(c->call, &op, 1, &c->t_recv, NULL) != GRPC_CALL_OK) {
+        rpc_call_unref(c);
+        return RPC_ECLOSED;
+    }
+    /* the core completes a pending read when the call ends for any reason: this wait ends */
+    pthread_mutex_lock(&c->mu);
+    while (!c->recv_done)
+        pthread_cond_wait(&c->cv, &c->mu);
+    int ok = c->recv_ok;
+    grpc_byte_buffer *bb = c->rbuf;
+    c->rbuf = NULL;
+    pthread_mutex_unlock(&c->mu);
+    if (!ok || rpc_cancelled(c)) {
+        if (bb) grpc_byte_buffer_destroy(bb);
+        return RPC_ECLOSED;
+    }
+    if (bb == NULL) return RPC_OK; /* half-closed */
+    return rpc__decode_message(c, bb, NULL, out);
+}
+
+void rpc__stream_on_recv(rpc_call *c, int ok) {
+    pthread_mutex_lock(&c->mu);
+    c->recv_done = 1;
+    c->recv_ok = ok;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    rpc_call_unref(c);
+}

@@ -20,7 +20,7 @@ static struct {
     long long jwt_leeway_ms;
     /* hardening (docs/rpc.md) */
     long long max_decoded, conn_idle_ms, keepalive_ms, keepalive_timeout_ms, handshake_ms;
-    long long max_health_watches, metrics_conns, metrics_per_ip, metrics_idle_ms;
+    long long max_health_watches, max_reflection_streams, metrics_conns, metrics_per_ip, metrics_idle_ms;
     long long blocking_workers, blocking_queue, bus_delivery_threads;
 } C;
 
@@ -96,6 +96,10 @@ static const cfg_var common_vars[] = {
      "concurrent grpc.health.v1.Health/Watch streams (no token needed); more are refused with "
      "RESOURCE_EXHAUSTED, so they cannot take the slots of authenticated streams",
      &C.max_health_watches, 1, 100000},
+    {"UPSQUAD_RPC_MAX_REFLECTION_STREAMS", CFG_INT, "16",
+     "concurrent gRPC server reflection streams (grpcurl; no token needed); more are refused "
+     "with RESOURCE_EXHAUSTED",
+     &C.max_reflection_streams, 1, 100000},
     {"UPSQUAD_METRICS_MAX_CONNECTIONS", CFG_INT, "256",
      "open connections to the metrics port; more are closed at once", &C.metrics_conns, 2, 4096},
     {"UPSQUAD_METRICS_MAX_PER_IP", CFG_INT, "8",
@@ -200,6 +204,9 @@ int svc_main(const svc_def *def, int argc, char **argv) {
         .keepalive_timeout_ms = (int)C.keepalive_timeout_ms,
         .handshake_timeout_ms = (int)C.handshake_ms,
         .max_health_watches = (int)C.max_health_watches,
+        .max_reflection_streams = (int)C.max_reflection_streams,
+        .descriptors = rpc_descriptor_set,
+        .descriptors_len = rpc_descriptor_set_len,
     };
     if (rpc_server_new(&o, &srv, err, sizeof err) != 0) goto fail;
     if (def->init && def->init(def->state, srv, err, sizeof err) != 0) goto fail;

@@ -613,6 +613,11 @@ int dw_step_run(dw_worker *w, rpc_call *call, const StepRequest *rq) {
     atomic_init(&r.ref.terminated, 0);
     dw_step_register(w, &r.ref);
     metric_inc(w->m_steps);
+    /* the step's lines carry the caller's trace (the run's, through the orchestrator) and the
+     * tenant and session as fields (docs/libcommon.md "Traces and log ids") */
+    log_set_id(LOG_ID_ORG, r.tenant);
+    log_set_id(LOG_ID_SESSION, rq->session_id);
+    log_info("step.started", "iteration %d, %s", r.iter, plan ? "plan" : "step");
 
     /* any step after a restore consumes its suspension; only the suspended script resumes */
     if (!dw_session_take_resume(w, rq->session_id, r.message_sha, &r.resume_at, r.resume_call,
@@ -626,6 +631,7 @@ int dw_step_run(dw_worker *w, rpc_call *call, const StepRequest *rq) {
         rc = run_echo(&r);
 
     dw_step_unregister(w, &r.ref);
+    log_clear_ids();
     if (rc == RUN_TERMINATED && atomic_load(&r.ref.terminated)) {
         metric_inc(w->m_steps_cancelled);
         rc = send_error(&(run){.w = w, .call = call, .rq = rq}, "SESSION_TERMINATED",

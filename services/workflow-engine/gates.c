@@ -626,7 +626,7 @@ static int get_run_prompt(rpc_call *call, const ProtobufCMessage *req, ProtobufC
     const auth_identity *id;
     gate g = {0};
     int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
-    if (rc || (rc = wfr_need_id(call, "prompt_id", rq->prompt_id))) return rc;
+    if (rc || (rc = wfr_need_gate_id(call, "prompt_id", rq->prompt_id))) return rc;
     if ((rc = gate_open(call, ud, id, "prompt_id", rq->prompt_id, 0, 0, &g))) goto done;
     if (!strcmp(g_kind(&g), "approval_gate")) {
         rc = rpc_error(call, RPC_INVALID_ARGUMENT,
@@ -681,7 +681,7 @@ static int answer_run_prompt(rpc_call *call, const ProtobufCMessage *req, Protob
     char *ids = NULL;
     int won = 0;
     int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
-    if (rc || (rc = wfr_need_id(call, "prompt_id", rq->prompt_id))) return rc;
+    if (rc || (rc = wfr_need_gate_id(call, "prompt_id", rq->prompt_id))) return rc;
     if ((rc = gate_open(call, e, id, "prompt_id", rq->prompt_id, 0, 1, &g)) ||
         (rc = wrong_door(call, "prompt_id", g_kind(&g), "user_prompt")))
         goto done;
@@ -836,7 +836,7 @@ static int record_decision(rpc_call *call, const ProtobufCMessage *req, Protobuf
     cJSON *payload = NULL, *o = NULL;
     int won = 0;
     int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
-    if (rc || (rc = wfr_need_id(call, "approval_id", rq->approval_id))) return rc;
+    if (rc || (rc = wfr_need_gate_id(call, "approval_id", rq->approval_id))) return rc;
     int approve = rq->decision == UPSQUAD__APPROVAL__V1__DECISION__DECISION_APPROVED;
     if (!approve && rq->decision != UPSQUAD__APPROVAL__V1__DECISION__DECISION_REJECTED)
         return rpc_error(call, RPC_INVALID_ARGUMENT,
@@ -927,7 +927,7 @@ static int get_approval(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     const auth_identity *id;
     gate g = {0};
     int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
-    if (rc || (rc = wfr_need_id(call, "approval_id", rq->approval_id))) return rc;
+    if (rc || (rc = wfr_need_gate_id(call, "approval_id", rq->approval_id))) return rc;
     if (!(rc = gate_open(call, ud, id, "approval_id", rq->approval_id, 0, 0, &g)))
         out->approval = approval_msg(call, &g, id);
     gate_free(&g);

@@ -656,7 +656,7 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
     /* after the key: a retry of an admitted trigger answers its run even at the limits */
     if ((rc = admit_org(call, e, tx, id->org_id))) goto done;
     if ((rc = st_run_insert(tx, run_id, id->org_id, rq->workflow_id, id->sub, ctx,
-                            st_s(w, 0, WD_DEF), err, sizeof err)) ||
+                            st_s(w, 0, WD_DEF), rpc_trace_id(call), err, sizeof err)) ||
         (rc = wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err)) ||
         (rc = wf_run_transition(&run, "pending", "", err, sizeof err)) ||
         (rc = wf_run_flush(&run, err, sizeof err)) ||
@@ -673,6 +673,11 @@ static int trigger_workflow(rpc_call *call, const ProtobufCMessage *req, Protobu
         goto done;
     }
     metric_inc(e->m_runs_started);
+    /* the run's first line, on the trace its steps will carry (docs/libcommon.md "Traces") */
+    log_set_id(LOG_ID_ORG, id->org_id);
+    log_set_id(LOG_ID_RUN, run_id);
+    log_info("run.triggered", "workflow %s", rq->workflow_id);
+    log_clear_ids();
     wf_engine_kick(e);
 done:
     db_tx_rollback(tx);

@@ -443,7 +443,9 @@ static int dispatch_agent(tick *t, act *a, const cJSON *sd) {
     d.feedback = a->feedback;
     d.triggered_by = t->run->triggered_by;
     d.timeout_ms = (int32_t)t->e->cfg->agent_timeout_ms;
-    d.trace_id = a->key;
+    /* the run's trace (the call that triggered it) follows the step to the orchestrator and
+     * the worker; a run no call made goes on the step's key */
+    d.trace_id = t->run->trace[0] ? t->run->trace : a->key;
     d.dispatched_at = &now;
     d.team_id = t->run->team;
     Upsquad__Runtime__V1__AskUserResume aur = UPSQUAD__RUNTIME__V1__ASK_USER_RESUME__INIT;
@@ -1820,7 +1822,8 @@ static int fire_one(wf_engine *e) {
         ids_uuid_v7(run_id);
         if (st_firing_insert(tx, org, wf, slot, run_id, &inserted, err, sizeof err)) goto fail;
         if (inserted &&
-            (st_run_insert(tx, run_id, org, wf, NULL, "{}", st_s(w, 0, WF_DEF), err, sizeof err) ||
+            (st_run_insert(tx, run_id, org, wf, NULL, "{}", st_s(w, 0, WF_DEF), NULL, err,
+                           sizeof err) ||
              wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err) ||
              wf_run_transition(&run, "pending", "schedule", err, sizeof err) ||
              wf_run_flush(&run, err, sizeof err)))

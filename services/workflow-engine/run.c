@@ -44,6 +44,7 @@ int wf_run_take(db_tx *tx, PGresult *res, wf_run *r, int *found) {
     cp(r->visibility, sizeof r->visibility, st_s(res, 0, RL_VISIBILITY));
     cp(r->owner, sizeof r->owner, st_s(res, 0, RL_OWNER));
     cp(r->classification, sizeof r->classification, st_s(res, 0, RL_CLASSIFICATION));
+    cp(r->trace, sizeof r->trace, st_s(res, 0, RL_TRACE));
     r->wf_deleted = st_b(res, 0, RL_WF_DELETED);
     r->wf_name = strdup(st_s(res, 0, RL_WF_NAME));
     r->display_name = strdup(st_s(res, 0, RL_DISPLAY));

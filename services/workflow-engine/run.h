@@ -12,6 +12,7 @@ typedef struct wf_run {
     db_tx *tx; /* borrowed */
     char id[37], org[37], wf[37], triggered_by[37], team[37], owner[37];
     char status[16], visibility[16], classification[16];
+    char trace[65]; /* the creating call's trace id ("" none) */
     char *wf_name, *display_name;
     int wf_deleted; /* its workflow is soft-deleted (RunScope.workflow_deleted) */
     int64_t seq;    /* last event seq written */

@@ -330,12 +330,12 @@ int st_log(db_tx *tx, const char *org, const char *run, const char *action_id, c
 
 int st_run_insert(db_tx *tx, const char *id, const char *org, const char *wf,
                   const char *triggered_by, const char *context_json, const char *def_json,
-                  char *err, size_t errlen) {
-    const char *p[] = {id, org, wf, nz(triggered_by), context_json, def_json};
+                  const char *trace, char *err, size_t errlen) {
+    const char *p[] = {id, org, wf, nz(triggered_by), context_json, def_json, trace ? trace : ""};
     int rc = ex(tx,
                 "INSERT INTO " S "runs (id, org_id, workflow_id, triggered_by, context, "
-                "definition) VALUES ($1, $2, $3, $4, $5::jsonb, $6::jsonb)",
-                6, p, NULL, err, errlen);
+                "definition, trace_id) VALUES ($1, $2, $3, $4, $5::jsonb, $6::jsonb, $7)",
+                7, p, NULL, err, errlen);
     return rc != DB_OK ? rc : st_queue_insert(tx, id, org, err, errlen);
 }
 
@@ -398,7 +398,7 @@ done:
     "SELECT r.id, r.org_id, r.workflow_id, r.triggered_by, r.status, r.context::text, "            \
     "r.definition::text, r.display_name, r.event_seq, r.cost_usd, " MS("r.started_at") ", " MS(    \
         "r.completed_at") ", w.name, w.team_id, w.visibility, w.created_by, "                      \
-                          "w.data_classification, w.deleted_at IS NOT NULL FROM " S                \
+                          "w.data_classification, w.deleted_at IS NOT NULL, r.trace_id FROM " S    \
                           "runs r JOIN " S                                                         \
                           "workflows w ON w.id = r.workflow_id WHERE r.id = $1::uuid"
 

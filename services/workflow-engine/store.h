@@ -109,9 +109,10 @@ int st_log(db_tx *tx, const char *org, const char *run, const char *action_id, c
            const char *message, char *err, size_t errlen);
 
 /* ---- runs ---- */
+/* trace: the creating call's trace id (NULL: none), kept for the run's later work. */
 int st_run_insert(db_tx *tx, const char *id, const char *org, const char *wf,
                   const char *triggered_by, const char *context_json, const char *def_json,
-                  char *err, size_t errlen);
+                  const char *trace, char *err, size_t errlen);
 /* Per-org admission of a new run: serialises the org's triggers on a transaction-scoped
  * advisory lock (so concurrent triggers cannot all pass one count), then counts its pending and
  * running runs (*active) and the runs it started in the last second (*recent). */
@@ -145,6 +146,7 @@ enum {
     RL_OWNER,
     RL_CLASSIFICATION,
     RL_WF_DELETED,
+    RL_TRACE,
     RL_NCOLS
 };
 int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *err, size_t errlen);

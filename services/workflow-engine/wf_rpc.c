@@ -119,6 +119,26 @@ int wfr_need_id(rpc_call *call, const char *field, const char *v) {
     return RPC_OK;
 }
 
+int wfr_need_gate_id(rpc_call *call, const char *field, const char *v) {
+    /* spec NodeStatusUpdate.blocked_by: a question parks under the sub-kind token
+     * "awaiting-question", never its governance row's id; every gate's id (approval gate,
+     * prompt, question, an agent's park) is WorkflowAction.approval_id, and prompt_id on the
+     * live run events: the one address every door takes. A wait has no gate (spec: approval_id
+     * is never stamped on a waiting row). */
+    if (v && !strcmp(v, "awaiting-question"))
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "%s must be a UUID: \"awaiting-question\" is the blocked_by sub-kind "
+                         "token of a question, not its id; the question's id is the node's "
+                         "approval_id (GetWorkflowStatus, ListWorkflowActions)",
+                         field);
+    if (v && (!strcmp(v, "waiting-on-signal") || !strcmp(v, "waiting-on-poll")))
+        return rpc_error(call, RPC_INVALID_ARGUMENT,
+                         "%s must be a UUID: \"%s\" is the blocked_by token of a wait step, "
+                         "which has no gate to answer",
+                         field, v);
+    return wfr_need_id(call, field, v);
+}
+
 size_t wfr_utf8_chars(const char *s) {
     size_t n = 0;
     for (; s && *s; s++)

@@ -42,6 +42,9 @@ Upsquad__Workflow__V1__WorkflowAction *wfr_action_msg(rpc_call *call, const PGre
 int wfr_db_fail(rpc_call *call, int rc, const char *err);
 /* INVALID_ARGUMENT naming field unless v is a UUID. */
 int wfr_need_id(rpc_call *call, const char *field, const char *v);
+/* The same for the id of a gate (prompt_id, approval_id), which is the node's approval_id for
+ * every kind; a blocked_by sub-kind token given instead is told where the id is. */
+int wfr_need_gate_id(rpc_call *call, const char *field, const char *v);
 /* Characters (code points) of valid UTF-8 text. */
 size_t wfr_utf8_chars(const char *s);
 

@@ -111,7 +111,7 @@ class AgentSteps(unittest.TestCase):
         cls.procs.extend(cls.orchs)
         cls.engine = drain(T.Server("workflow-engine", env=T.engine_env(
             WF_DSN, NATS, SECRET, UPSQUAD_WF_LEASE="2s", UPSQUAD_WF_AGENT_RETRIES="2",
-            UPSQUAD_WF_AGENT_RETRY_BACKOFF="200ms", UPSQUAD_LOG_LEVEL="warn")))
+            UPSQUAD_WF_AGENT_RETRY_BACKOFF="200ms", UPSQUAD_LOG_LEVEL="info")))
         cls.procs.append(cls.engine)
         cls.org = str(uuid.uuid4())
         cls.user = str(uuid.uuid4())
@@ -191,6 +191,43 @@ class AgentSteps(unittest.TestCase):
                 return True
             time.sleep(0.05)
         return False
+
+    # ---- 0. one trace id from the call that triggers the run to the worker's step ----
+    def test_0_the_trigger_trace_reaches_the_worker(self):
+        trace = secrets.token_hex(16)
+        marker = uuid.uuid4().hex
+        w = self.A("CreateWorkflow", W.CreateWorkflowRequest(name="traced", definition=st(
+            {"version": 1, "start": "a", "steps": {"a": agent(script({"complete": marker}))}}))).workflow
+        trigger = self.A.ch.unary_unary("/upsquad.workflow.v1.WorkflowService/TriggerWorkflow",
+                                        request_serializer=W.TriggerWorkflowRequest.SerializeToString,
+                                        response_deserializer=W.TriggerWorkflowResponse.FromString)
+        run = trigger(W.TriggerWorkflowRequest(workflow_id=w.id), timeout=10, metadata=self.A.md + [
+            ("traceparent", "00-%s-00f067aa0ba902b7-01" % trace)]).run.id
+        self.assertEqual(self.done(run).run.status, "completed")
+
+        def traced(proc):
+            lines = []
+            for line in list(proc.log):
+                try:
+                    j = json.loads(line)
+                except ValueError:
+                    continue
+                if j.get("trace_id") == trace:
+                    lines.append(j)
+            return lines
+        end = time.time() + 5
+        while time.time() < end and not (traced(self.engine) and traced(self.worker) and
+                                         any(traced(o) for o in self.orchs)):
+            time.sleep(0.05)
+        self.assertTrue(traced(self.engine), "the engine logged nothing under the trace")
+        fields = [j for j in traced(self.engine) if j.get("event") == "run.triggered"]
+        self.assertEqual([(j.get("org_id"), j.get("run_id")) for j in fields], [(self.org, run)])
+        self.assertTrue(any(traced(o) for o in self.orchs), "no orchestrator logged the step under it")
+        self.assertTrue(traced(self.worker), "the devworker logged nothing under the trace")
+        started = [j for j in traced(self.worker) if j.get("event") == "step.started"]
+        self.assertEqual(len(started), 1)
+        self.assertEqual(started[0].get("org_id"), self.org)
+        self.assertTrue(started[0].get("session_id"))
 
     # ---- 1. CancelRun stops a dispatched agent turn ----
     def test_1_cancel_reaches_the_worker(self):

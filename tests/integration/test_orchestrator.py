@@ -788,6 +788,29 @@ class Orch(unittest.TestCase):
         finally:
             subprocess.run(["rm", "-rf", d])
 
+    def test_upsquad_agents_as_a_user_runs_it(self):
+        """The README's way: the run's env file sourced (UPSQUAD_PG_DSN unset, the orchestrator's
+        DSN under its own name), stdout a pipe. It used to free the getenv() fallback (abort, and
+        the buffered output lost with it)."""
+        org = str(uuid.uuid4())
+        ids = [apply_agent(org, dict(AGENT, role=r)) for r in ("writer", "planner")]
+        envfile = "/tmp/agents-env-%s" % uuid.uuid4().hex
+        with open(envfile, "w") as f:
+            f.write("export UPSQUAD_PG_DSN_ORCHESTRATOR='%s'\nexport UPSQUAD_DEV_ORG_ID=%s\n"
+                    "export UPSQUAD_KEK=%s\nexport UPSQUAD_LOG_LEVEL=warn\n" % (DSN, org, KEK))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("UPSQUAD_")}
+        tool = os.path.join(T.BUILD, "bin", "upsquad-agents")
+        try:
+            out = subprocess.run(["bash", "-c", 'set -o pipefail; source "$1" && "$2" --org "$UPSQUAD_DEV_ORG_ID" list | cat',
+                                  "sh", envfile, tool], env=env, capture_output=True, text=True, timeout=30)
+        finally:
+            os.unlink(envfile)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertNotIn("invalid pointer", out.stderr)
+        rows = [l.split() for l in out.stdout.splitlines()]
+        self.assertEqual(sorted(r[0] for r in rows), sorted(ids))
+        self.assertEqual(sorted(r[1] for r in rows), ["planner", "writer"])
+
     def test_status_filters_and_worker_side_methods(self):
         self.send("filter me " + uuid.uuid4().hex)
         r = self.unary("ListSessions", L.ListSessionsRequest(status_filter="AGENT_STATUS_COMPLETE", page_size=100),

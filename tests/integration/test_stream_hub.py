@@ -779,7 +779,11 @@ class StreamHub(unittest.TestCase):
         rpc = small.unary_stream(SVC + "StreamNodeIO",
                                   request_serializer=W.StreamNodeIORequest.SerializeToString,
                                   response_deserializer=W.StreamNodeIOResponse.FromString)
-        slow = Reader(rpc, req, self.md(org), pause_after_first=1.0)
+        # (at 200 frames/s the slow one's 1.2 s pause brings ~240 frames, well past its 64 KiB
+        # window and 64-frame queue, while the fast one may lag ~120 frames, 0.6 s, before it
+        # would lose one: at 500/s a loaded 2-core machine could starve this process's reader
+        # thread for the 0.25 s that took, and the hub rightly gave the "fast" one a gap)
+        slow = Reader(rpc, req, self.md(org), pause_after_first=1.2)
         dead = rpc(req, metadata=self.md(org), timeout=60)
         wait_until(lambda: any(m.snapshot_done for m in fast.msgs) and slow.msgs, 10,
                    "snapshot_done")
@@ -787,7 +791,7 @@ class StreamHub(unittest.TestCase):
         drops0 = self.a.metric("stream_hub_dropped_frames_total")
         stalled0 = self.a.metric("stream_hub_stalled_total")
         self.pub("tokens", org=org, run=run, node="coder", session="s1", count=n, size=1024,
-                 rate=500)
+                 rate=200)
         try:
             wait_until(lambda: sum(1 for m in fast.msgs if m.HasField("live")) >= n, 30,
                        "the fast subscriber's frames")

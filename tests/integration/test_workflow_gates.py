@@ -343,6 +343,17 @@ class GatesTest(unittest.TestCase):
         a = self.parked(run, "q")
         self.assertEqual(a.blocked_by, "awaiting-question")
         qid = a.approval_id
+        # spec: blocked_by is the sub-kind token; the gate's id is approval_id, for a question as
+        # for every gate, and every door takes it. The token given instead is told where it is.
+        self.assertEqual(str(uuid.UUID(qid)), qid)
+        for method, msg in (("GetRunPrompt", W.GetRunPromptRequest(prompt_id=a.blocked_by)),
+                            ("AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=a.blocked_by, choice="low")),
+                            ("GetApproval", AP.GetApprovalRequest(approval_id=a.blocked_by)),
+                            ("RecordDecision", AP.RecordDecisionRequest(approval_id=a.blocked_by,
+                                                                        decision=AP.DECISION_APPROVED))):
+            e = self.err(C.INVALID_ARGUMENT, self.A, method, msg, contains="approval_id")
+            self.assertIn("awaiting-question", e.details())
+        self.assertEqual(self.A("GetApproval", AP.GetApprovalRequest(approval_id=qid)).approval.id, qid)
         p = self.A("GetRunPrompt", W.GetRunPromptRequest(prompt_id=qid))
         self.assertEqual((p.kind, p.question, p.allow_text, p.required_clearance), ("question_gate", "risk?", False, 3))
         self.assertEqual([o.value for o in p.options], ["low", "high"])

@@ -50,6 +50,7 @@ typedef struct collector {
     int n;
     int seen[MAXN]; /* times index i arrived */
     char last[64];
+    char last_trace[72]; /* the callback thread's log trace for the last message ("" none) */
     int block_first_ms; /* the first callback sleeps this long (slow consumer) */
 } collector;
 
@@ -75,6 +76,7 @@ static void collect_cb(bus *b, natsMsg *m, void *ud) {
     int i = atoi(buf);
     if (i >= 0 && i < MAXN) c->seen[i]++;
     snprintf(c->last, sizeof c->last, "%s", buf);
+    snprintf(c->last_trace, sizeof c->last_trace, "%s", log_get_trace() ? log_get_trace() : "");
     c->n++;
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
@@ -166,6 +168,47 @@ static void test_pubsub_roundtrip(void **state) {
     bus_get_stats(b, &st);
     assert_true(st.out_msgs >= 4);
     assert_true(st.in_msgs >= 3);
+    bus_close(b);
+    collector_destroy(&c);
+}
+
+/* The publisher's trace rides in a traceparent header and is the callback's log trace; no
+ * trace, or a malformed header, and the callback has none. */
+static void test_trace_travels(void **state) {
+    (void)state;
+    static const char *trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    bus *b = must_connect(g_url, NULL);
+    char s[96], err[256];
+    subj(s, sizeof s, "tr");
+    collector c;
+    collector_init(&c);
+    bus_sub *sub = NULL;
+    assert_int_equal(bus_subscribe(b, s, NULL, collect_cb, &c, &sub, err, sizeof err), BUS_OK);
+    assert_int_equal(bus_flush(b, 2000), BUS_OK);
+    log_set_trace(trace);
+    publish_index(b, s, 1);
+    assert_int_equal(wait_count(&c, 1, 3000), 1);
+    assert_string_equal(c.last_trace, trace);
+    log_set_trace("not-a-w3c-trace"); /* an x-request-id of the caller's: not sent on */
+    publish_index(b, s, 2);
+    assert_int_equal(wait_count(&c, 2, 3000), 2);
+    assert_string_equal(c.last_trace, "");
+    log_set_trace(NULL);
+    natsConnection *raw = NULL; /* a publisher that is not ours sends a forged header */
+    natsMsg *m = NULL;
+    assert_int_equal(natsConnection_ConnectTo(&raw, g_url), NATS_OK);
+    assert_int_equal(natsMsg_Create(&m, s, NULL, "3", 1), NATS_OK);
+    assert_int_equal(natsMsgHeader_Set(m, "traceparent", "00-zz\"}{-x-01"), NATS_OK);
+    assert_int_equal(natsConnection_PublishMsg(raw, m), NATS_OK);
+    assert_int_equal(natsConnection_FlushTimeout(raw, 2000), NATS_OK);
+    natsMsg_Destroy(m);
+    natsConnection_Destroy(raw);
+    assert_int_equal(wait_count(&c, 3, 3000), 3);
+    assert_string_equal(c.last_trace, "");
+    publish_index(b, s, 4); /* the callback thread kept nothing from the first message */
+    assert_int_equal(wait_count(&c, 4, 3000), 4);
+    assert_string_equal(c.last_trace, "");
+    bus_unsubscribe(sub);
     bus_close(b);
     collector_destroy(&c);
 }
@@ -702,6 +745,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_subject_builder),
         cmocka_unit_test(test_pubsub_roundtrip),
+        cmocka_unit_test(test_trace_travels),
         cmocka_unit_test(test_queue_group_split),
         cmocka_unit_test(test_request_reply),
         cmocka_unit_test(test_slow_consumer_bounded),

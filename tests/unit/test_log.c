@@ -261,6 +261,35 @@ static void test_trace(void **state) {
     free(out);
 }
 
+/* Ids are fields of their own, per thread, escaped, and cleared. */
+static void test_ids(void **state) {
+    (void)state;
+    log_set_trace(NULL);
+    log_set_id(LOG_ID_ORG, "org-1");
+    log_set_id(LOG_ID_RUN, "run-\"2");
+    log_set_id(LOG_ID_SESSION, NULL);
+    log_set_id(LOG_ID_N, "ignored");
+    cap_begin();
+    log_info("m", "with ids");
+    log_clear_ids();
+    log_info("m", "without");
+    char *out = cap_end();
+    assert_int_equal(count_lines(out), 2);
+    char *second = strchr(out, '\n') + 1;
+    cJSON *a = cJSON_ParseWithLength(out, (size_t)(second - out - 1));
+    cJSON *b = cJSON_ParseWithLength(second, strlen(second) - 1);
+    assert_non_null(a);
+    assert_string_equal(str(a, "org_id"), "org-1");
+    assert_string_equal(str(a, "run_id"), "run-\"2");
+    assert_null(cJSON_GetObjectItemCaseSensitive(a, "session_id"));
+    assert_string_equal(str(a, "msg"), "with ids");
+    assert_null(cJSON_GetObjectItemCaseSensitive(b, "org_id"));
+    assert_null(log_get_id(LOG_ID_RUN));
+    cJSON_Delete(a);
+    cJSON_Delete(b);
+    free(out);
+}
+
 /* Several threads write near-maximal lines into one pipe; the reader must see only whole,
  * parseable lines. */
 #define AT_THREADS 4
@@ -341,6 +370,7 @@ int main(void) {
         cmocka_unit_test_setup(test_escaping, setup),
         cmocka_unit_test_setup(test_truncation, setup),
         cmocka_unit_test_setup(test_trace, setup),
+        cmocka_unit_test_setup(test_ids, setup),
         cmocka_unit_test_setup(test_atomic_lines, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -201,7 +201,7 @@ int main(int argc, char **argv) {
     static const struct option opts[] = {
         {"org", required_argument, 0, 'o'}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     char err[1024];
-    const char *org = NULL;
+    const char *org = NULL, *dsn;
     db_pool *p = NULL;
     int opt, rc = 2;
     log_init_env("upsquad-agents");
@@ -218,7 +218,8 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (!org) org = ag_org;
-    if (!ag_dsn || !ag_dsn[0]) ag_dsn = getenv("UPSQUAD_PG_DSN_ORCHESTRATOR");
+    /* the fallback is borrowed from the environment: ag_dsn stays cfg_free's to release */
+    dsn = ag_dsn && ag_dsn[0] ? ag_dsn : getenv("UPSQUAD_PG_DSN_ORCHESTRATOR");
     if (optind >= argc) {
         usage(stderr);
         goto out;
@@ -227,11 +228,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "the org: --org or UPSQUAD_ORG_ID, a UUID\n");
         goto out;
     }
-    if (!ag_dsn || !ag_dsn[0]) {
+    if (!dsn || !dsn[0]) {
         fprintf(stderr, "UPSQUAD_PG_DSN (or UPSQUAD_PG_DSN_ORCHESTRATOR) is required\n");
         goto out;
     }
-    if (db_pool_open(ag_dsn, 1, &p, err, sizeof err)) {
+    if (db_pool_open(dsn, 1, &p, err, sizeof err)) {
         fprintf(stderr, "postgres: %s\n", err);
         goto out;
     }
@@ -273,5 +274,10 @@ int main(int argc, char **argv) {
 out:
     db_pool_close(p);
     cfg_free(ag_cfg, AG_NCFG);
+    /* stdout to a pipe is fully buffered: a write error (EPIPE, ENOSPC) shows only here */
+    if (fflush(stdout) || ferror(stdout)) {
+        fprintf(stderr, "upsquad-agents: writing the output failed\n");
+        if (!rc) rc = 1;
+    }
     return rc;
 }
