@@ -179,14 +179,14 @@ static void error_answer(ReflResp *out, Grpc__Reflection__V1__ErrorResponse *e, 
                          char *msg) {
     e->error_code = code;
     e->error_message = msg;
-    out->message_response_case = GRPC__REFLECTION__V1__SERVER_REFLECTION_RESPONSE__MESSAGE_RESPONSE_ERROR_RESPONSE;
+    out->message_response_case =
+        GRPC__REFLECTION__V1__SERVER_REFLECTION_RESPONSE__MESSAGE_RESPONSE_ERROR_RESPONSE;
     out->error_response = e;
 }
 
 /* The file and the files it imports, transitively, each once, the asked-for one first (what
  * grpcurl and the reference servers send). *out is the caller's to free. */
-static int file_closure(const rpc__reflect *r, size_t first, ProtobufCBinaryData **out,
-                        size_t *n) {
+static int file_closure(const rpc__reflect *r, size_t first, ProtobufCBinaryData **out, size_t *n) {
     size_t *order = malloc(r->n_files * sizeof *order);
     unsigned char *seen = calloc(r->n_files, 1);
     ProtobufCBinaryData *b = malloc(r->n_files * sizeof *b);
@@ -265,8 +265,9 @@ static int answer(rpc_call *call, rpc__reflect *r, ReflReq *req) {
         break;
     case GRPC__REFLECTION__V1__SERVER_REFLECTION_REQUEST__MESSAGE_REQUEST_FILE_CONTAINING_SYMBOL:
     case GRPC__REFLECTION__V1__SERVER_REFLECTION_REQUEST__MESSAGE_REQUEST_ALL_EXTENSION_NUMBERS_OF_TYPE: {
-        int ext = req->message_request_case ==
-                  GRPC__REFLECTION__V1__SERVER_REFLECTION_REQUEST__MESSAGE_REQUEST_ALL_EXTENSION_NUMBERS_OF_TYPE;
+        int ext =
+            req->message_request_case ==
+            GRPC__REFLECTION__V1__SERVER_REFLECTION_REQUEST__MESSAGE_REQUEST_ALL_EXTENSION_NUMBERS_OF_TYPE;
         const char *sym = ext ? req->all_extension_numbers_of_type : req->file_containing_symbol;
         for (size_t i = 0; file < 0 && i < r->n_files; i++)
             if (file_defines(&r->files[i], sym)) file = (long)i;
@@ -283,16 +284,15 @@ static int answer(rpc_call *call, rpc__reflect *r, ReflReq *req) {
         break;
     }
     case GRPC__REFLECTION__V1__SERVER_REFLECTION_REQUEST__MESSAGE_REQUEST_FILE_CONTAINING_EXTENSION:
-        snprintf(msg, sizeof msg, "extension not found: %.200s(%d)",
-                 req->file_containing_extension ? req->file_containing_extension->containing_type
-                                                : "",
-                 req->file_containing_extension
-                     ? req->file_containing_extension->extension_number
-                     : 0);
+        snprintf(
+            msg, sizeof msg, "extension not found: %.200s(%d)",
+            req->file_containing_extension ? req->file_containing_extension->containing_type : "",
+            req->file_containing_extension ? req->file_containing_extension->extension_number : 0);
         error_answer(&out, &err, RPC_NOT_FOUND, msg);
         break;
     default:
-        error_answer(&out, &err, RPC_INVALID_ARGUMENT, "message_request: none of its fields is set");
+        error_answer(&out, &err, RPC_INVALID_ARGUMENT,
+                     "message_request: none of its fields is set");
     }
     if (file >= 0) {
         if (file_closure(r, (size_t)file, &fdr.file_descriptor_proto,

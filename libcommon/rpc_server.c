@@ -79,7 +79,7 @@ struct rpc_server {
 
     rpc__health *health;
     rpc__reflect *reflect; /* NULL without descriptors */
-    atomic_int port; /* read by other threads (rpc_server_port) while start sets it */
+    atomic_int port;       /* read by other threads (rpc_server_port) while start sets it */
     int started;
     int core_abandoned; /* a bound server whose start failed: core objects left to exit */
     atomic_int stopping;

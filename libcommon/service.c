@@ -20,7 +20,8 @@ static struct {
     long long jwt_leeway_ms;
     /* hardening (docs/rpc.md) */
     long long max_decoded, conn_idle_ms, keepalive_ms, keepalive_timeout_ms, handshake_ms;
-    long long max_health_watches, max_reflection_streams, metrics_conns, metrics_per_ip, metrics_idle_ms;
+    long long max_health_watches, max_reflection_streams, metrics_conns, metrics_per_ip,
+        metrics_idle_ms;
     long long blocking_workers, blocking_queue, bus_delivery_threads;
 } C;
 

@@ -1821,12 +1821,11 @@ static int fire_one(wf_engine *e) {
     } else {
         ids_uuid_v7(run_id);
         if (st_firing_insert(tx, org, wf, slot, run_id, &inserted, err, sizeof err)) goto fail;
-        if (inserted &&
-            (st_run_insert(tx, run_id, org, wf, NULL, "{}", st_s(w, 0, WF_DEF), NULL, err,
-                           sizeof err) ||
-             wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err) ||
-             wf_run_transition(&run, "pending", "schedule", err, sizeof err) ||
-             wf_run_flush(&run, err, sizeof err)))
+        if (inserted && (st_run_insert(tx, run_id, org, wf, NULL, "{}", st_s(w, 0, WF_DEF), NULL,
+                                       err, sizeof err) ||
+                         wf_run_load(tx, run_id, 1, &run, &found, err, sizeof err) ||
+                         wf_run_transition(&run, "pending", "schedule", err, sizeof err) ||
+                         wf_run_flush(&run, err, sizeof err)))
             goto fail;
         int64_t now = wf_now_ms();
         if (wf_schedule_next(e->pool, st_s(r, 0, 2), now > slot ? now : slot, &next, err,

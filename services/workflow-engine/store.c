@@ -434,7 +434,7 @@ int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *e
                                               "actions a WHERE a.run_id = r.id AND a.status = "    \
                                               "'waiting'), "                                       \
                                               "       (extract(epoch from r.started_at) * "        \
-                                              "1000000)::bigint, w.data_classification "         \
+                                              "1000000)::bigint, w.data_classification "           \
                                               "FROM " S "runs r JOIN " S                           \
                                               "workflows w ON w.id = r.workflow_id "
 
@@ -519,10 +519,9 @@ int st_run_add_cost(db_tx *tx, const char *run_id, double cost, char *err, size_
                         "         coalesce(a.finished_at, clock_timestamp()) - a.started_at) * "   \
                         "1000)::bigint "                                                           \
                         "END, "                                                                    \
-                        "       a.blocked_by, a.iteration, a.step_type, "                          \
-                        "       (SELECT w.data_classification FROM " S "runs r JOIN " S      \
-                        "workflows w ON w.id = r.workflow_id WHERE r.id = a.run_id) "      \
-                        "FROM " S "actions a "
+                        "       a.blocked_by, a.iteration, a.step_type, w.data_classification "    \
+                        "FROM " S "actions a JOIN " S "runs ar ON ar.id = a.run_id JOIN " S        \
+                        "workflows w ON w.id = ar.workflow_id "
 
 int st_actions_of(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen) {
     const char *p[] = {run_id};

@@ -27,10 +27,10 @@ typedef struct wf_config {
     char *migrations_dir;
     char *schema_file;
     char *catalog_file;
-    char *page_key;     /* HMAC key of page tokens (secret) */
-    long long workers;  /* interpreter threads */
+    char *page_key;         /* HMAC key of page tokens (secret) */
+    long long workers;      /* interpreter threads */
     long long max_rendered; /* UPSQUAD_WF_MAX_RENDERED: bytes per template render */
-    long long lease_ms; /* run lease */
+    long long lease_ms;     /* run lease */
     long long idle_poll_ms;
     long long tool_timeout_ms;
     long long tool_attempts;

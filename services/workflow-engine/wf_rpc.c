@@ -70,8 +70,7 @@ Google__Protobuf__Struct *wfr_struct_redacted(rpc_call *call, const char *json,
     if (!json || !json[0]) return NULL;
     const auth_identity *id = rpc_identity(call);
     cJSON *o = cJSON_Parse(json);
-    wfr_redact(call, o, id ? id->clearance : -1, wfr_redact_floor(classification), NULL, NULL,
-               0);
+    wfr_redact(call, o, id ? id->clearance : -1, wfr_redact_floor(classification), NULL, NULL, 0);
     Google__Protobuf__Struct *s = wfr_struct_json(call, o);
     cJSON_Delete(o);
     return s;

@@ -51,7 +51,7 @@ typedef struct collector {
     int seen[MAXN]; /* times index i arrived */
     char last[64];
     char last_trace[72]; /* the callback thread's log trace for the last message ("" none) */
-    int block_first_ms; /* the first callback sleeps this long (slow consumer) */
+    int block_first_ms;  /* the first callback sleeps this long (slow consumer) */
 } collector;
 
 static void collector_init(collector *c) {
