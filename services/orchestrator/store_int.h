@@ -44,10 +44,15 @@ static inline int terminal(const char *state) {
 }
 
 /* Cross-file statements, each inside the caller's transaction (c is its connection). */
-int orch_store__audit_tx(PGconn *c, const char *sid, const char *type, const char *agent_id, const char *parent, const char *detail, char *action_id, char *err, size_t errlen);
+int orch_store__audit_tx(PGconn *c, const char *sid, const char *type, const char *agent_id,
+                         const char *parent, const char *detail, char *action_id, char *err,
+                         size_t errlen);
 char *orch_store__json_str(const char *s, size_t max);
-int orch_store__session_end_tx(PGconn *c, const char *session_id, const char *agent, const char *reason, char *err, size_t errlen);
-int orch_store__latest_checkpoint_tx(PGconn *c, const char *session_id, char key[64], int *loop, char *err, size_t errlen);
-int orch_store__pause_commit_tx(PGconn *c, const char *session_id, const char *agent, const char *parent, orch_pause *pz, char *err, size_t errlen);
+int orch_store__session_end_tx(PGconn *c, const char *session_id, const char *agent,
+                               const char *reason, char *err, size_t errlen);
+int orch_store__latest_checkpoint_tx(PGconn *c, const char *session_id, char key[64], int *loop,
+                                     char *err, size_t errlen);
+int orch_store__pause_commit_tx(PGconn *c, const char *session_id, const char *agent,
+                                const char *parent, orch_pause *pz, char *err, size_t errlen);
 
 #endif

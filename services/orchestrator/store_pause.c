@@ -6,7 +6,7 @@
 /* the newest checkpoint of a session: its key "<session_id>:<loop_iteration>" and iteration
  * ("" and 0 when it has none) */
 int orch_store__latest_checkpoint_tx(PGconn *c, const char *session_id, char key[64], int *loop,
-                                char *err, size_t errlen) {
+                                     char *err, size_t errlen) {
     PGresult *r = NULL;
     key[0] = 0;
     *loop = 0;
@@ -32,12 +32,13 @@ static const char *source_name(int source) {
 /* Commits a pause on the locked session row: suspended, AgentStatus SUSPENDED (the previous
  * status kept for the resume), the newest checkpoint's key, audit session_paused. pz: reason,
  * source and correlation id in; checkpoint key and time out. */
-int orch_store__pause_commit_tx(PGconn *c, const char *session_id, const char *agent, const char *parent,
-                           orch_pause *pz, char *err, size_t errlen) {
+int orch_store__pause_commit_tx(PGconn *c, const char *session_id, const char *agent,
+                                const char *parent, orch_pause *pz, char *err, size_t errlen) {
     PGresult *r = NULL;
     char src[16], loopbuf[16];
     int loop = 0;
-    int rc = orch_store__latest_checkpoint_tx(c, session_id, pz->checkpoint_key, &loop, err, errlen);
+    int rc =
+        orch_store__latest_checkpoint_tx(c, session_id, pz->checkpoint_key, &loop, err, errlen);
     snprintf(src, sizeof src, "%d", pz->source);
     if (rc == DB_OK) {
         const char *v[] = {session_id, pz->reason, src, pz->correlation_id, pz->checkpoint_key};
@@ -53,7 +54,8 @@ int orch_store__pause_commit_tx(PGconn *c, const char *session_id, const char *a
         PQclear(r);
     }
     if (rc != DB_OK) return rc;
-    char *reason = orch_store__json_str(pz->reason, 1024), *corr = orch_store__json_str(pz->correlation_id, 256);
+    char *reason = orch_store__json_str(pz->reason, 1024),
+         *corr = orch_store__json_str(pz->correlation_id, 256);
     char *detail = NULL;
     snprintf(loopbuf, sizeof loopbuf, "%d", loop);
     if (!reason || !corr ||
@@ -65,7 +67,8 @@ int orch_store__pause_commit_tx(PGconn *c, const char *session_id, const char *a
         rc = DB_ENOMEM;
     }
     if (rc == DB_OK)
-        rc = orch_store__audit_tx(c, session_id, "session_paused", agent, parent, detail, NULL, err, errlen);
+        rc = orch_store__audit_tx(c, session_id, "session_paused", agent, parent, detail, NULL, err,
+                                  errlen);
     free(reason);
     free(corr);
     free(detail);
@@ -190,7 +193,8 @@ int orch_store_resume(db_pool *p, const char *org, const char *session_id, const
     PQclear(r);
     r = NULL;
     if (rc == DB_OK)
-        rc = orch_store__latest_checkpoint_tx(c, session_id, key, &out->resumed_at_loop, err, errlen);
+        rc = orch_store__latest_checkpoint_tx(c, session_id, key, &out->resumed_at_loop, err,
+                                              errlen);
     if (rc == DB_OK) {
         char loop[16];
         snprintf(loop, sizeof loop, "%d", out->resumed_at_loop);
@@ -239,7 +243,8 @@ int orch_store_resume(db_pool *p, const char *org, const char *session_id, const
             rc = DB_ENOMEM;
         }
         if (rc == DB_OK)
-            rc = orch_store__audit_tx(c, session_id, "session_resumed", agent, NULL, detail, NULL, err, errlen);
+            rc = orch_store__audit_tx(c, session_id, "session_resumed", agent, NULL, detail, NULL,
+                                      err, errlen);
         free(why);
         free(detail);
     }

@@ -1,4 +1,5 @@
-/* The orchestrator's SQL: sessions, turns and the worker paths (heartbeats, checkpoints) (store.h). */
+/* The orchestrator's SQL: sessions, turns and the worker paths (heartbeats, checkpoints) (store.h).
+ */
 #include "store_int.h"
 
 /* ---- sessions ---- */
@@ -73,8 +74,8 @@ int orch_store_session_create(db_pool *p, const orch_session_new *n, char *actio
                  "{\"agent_id\":\"%s\",\"model_id\":\"%s\",\"snapshot_hash\":\"%s\","
                  "\"kind\":\"%s\"}",
                  n->agent_id, n->model_id, n->snapshot_hash, n->kind ? n->kind : "chat");
-        rc = orch_store__audit_tx(c, n->session_id, "session_started", n->agent_id, NULL, detail, action_id,
-                      err, errlen);
+        rc = orch_store__audit_tx(c, n->session_id, "session_started", n->agent_id, NULL, detail,
+                                  action_id, err, errlen);
     }
     return tx_end(tx, rc, err, errlen);
 }
@@ -170,7 +171,6 @@ int orch_store_session_list(db_pool *p, const char *org, const orch_list_query *
     return tx_end(tx, rc, err, errlen);
 }
 
-
 /* s as a JSON string literal (heap, caller frees; NULL out of memory), at most max bytes of it,
  * cut on a character boundary: audit details are jsonb, which refuses a split UTF-8 sequence. */
 char *orch_store__json_str(const char *s, size_t max) {
@@ -196,9 +196,10 @@ char *orch_store__json_str(const char *s, size_t max) {
 
 /* Ends one live session inside the caller's transaction (the row already locked): state
  * 'terminated', ended_at, a settled AgentStatus, and the session_terminated audit row with the
- * reason (orch_store__json_str, at most 1024 bytes). TerminateSession and the tree cascade share it. */
-int orch_store__session_end_tx(PGconn *c, const char *session_id, const char *agent, const char *reason,
-                          char *err, size_t errlen) {
+ * reason (orch_store__json_str, at most 1024 bytes). TerminateSession and the tree cascade share
+ * it. */
+int orch_store__session_end_tx(PGconn *c, const char *session_id, const char *agent,
+                               const char *reason, char *err, size_t errlen) {
     int rc = db_exec(c,
                      "UPDATE sessions SET state = 'terminated', ended_at = now(),"
                      " agent_status = CASE WHEN agent_status IN (0, 1, 2, 5) THEN 3"
@@ -211,7 +212,8 @@ int orch_store__session_end_tx(PGconn *c, const char *session_id, const char *ag
         rc = DB_ENOMEM;
     }
     if (rc == DB_OK)
-        rc = orch_store__audit_tx(c, session_id, "session_terminated", agent, NULL, detail, NULL, err, errlen);
+        rc = orch_store__audit_tx(c, session_id, "session_terminated", agent, NULL, detail, NULL,
+                                  err, errlen);
     free(why);
     free(detail);
     return rc;
@@ -335,8 +337,8 @@ int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, c
         char detail[64];
         snprintf(detail, sizeof detail, "{\"turn\":%d,\"bytes\":%zu}", turn_no + 1,
                  strlen(message));
-        rc = orch_store__audit_tx(c, session_id, "message_received", agent, NULL, detail, action_id, err,
-                      errlen);
+        rc = orch_store__audit_tx(c, session_id, "message_received", agent, NULL, detail, action_id,
+                                  err, errlen);
     }
     if (rc != DB_OK) {
         orch_turns_free(*turns, *n);
@@ -345,7 +347,6 @@ int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, c
     }
     return tx_end(tx, rc, err, errlen);
 }
-
 
 int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
                         const char *parent_action_id, const orch_turn_end *e, char *err,
@@ -407,7 +408,8 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
                          &session_id, NULL, err, errlen);
     }
     if (rc == DB_OK) {
-        char *code = orch_store__json_str(e->error_code, 64), *msg = orch_store__json_str(e->error_msg, 512);
+        char *code = orch_store__json_str(e->error_code, 64),
+             *msg = orch_store__json_str(e->error_msg, 512);
         char *detail = NULL;
         size_t dl = 0;
         FILE *f = open_memstream(&detail, &dl);
@@ -424,8 +426,8 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
             else
                 fprintf(f, "{\"code\":%s,\"message\":%s}", code, msg);
             fclose(f);
-            rc = orch_store__audit_tx(c, session_id, e->ok ? "completion" : "error", agent, parent_action_id,
-                          detail, NULL, err, errlen);
+            rc = orch_store__audit_tx(c, session_id, e->ok ? "completion" : "error", agent,
+                                      parent_action_id, detail, NULL, err, errlen);
         }
         free(code);
         free(msg);

@@ -279,7 +279,8 @@ int orch_store_tree_terminate(db_pool *p, const char *org, const char *session_i
         copy(e[i].worker, sizeof e[i].worker, PQgetvalue(r, i, 3));
         if (terminal(PQgetvalue(r, i, 1))) continue; /* skipped: already over */
         e[i].terminated = 1;
-        rc = orch_store__session_end_tx(c, e[i].session_id, PQgetvalue(r, i, 2), reason, err, errlen);
+        rc = orch_store__session_end_tx(c, e[i].session_id, PQgetvalue(r, i, 2), reason, err,
+                                        errlen);
         fprintf(f, "%s%s", ended++ ? "," : "", e[i].session_id);
     }
     fputc('}', f);

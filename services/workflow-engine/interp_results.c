@@ -83,7 +83,7 @@ static char *result_json(const Upsquad__Internal__V1__AgentStepResult *m) {
  * in the transaction that records the result, for the AskUserResume of the answer. It never
  * enters the result JSON, the governance row's spec or any event. */
 int interp__keep_ask(db_tx *tx, const Upsquad__Internal__V1__AgentStepResult *m, char *err,
-                    size_t errlen) {
+                     size_t errlen) {
     if (m->outcome_case != UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INPUT_REQUIRED)
         return DB_OK;
     if (m->input_required->checkpoint.len == 0) /* nothing to resume: an earlier ask is over */
@@ -108,7 +108,8 @@ static int take_result(wf_engine *e, natsMsg *msg) {
             st_queue_wake(tx, m->run_id, err, sizeof err) ||
             st_action_put_result(tx, m->action_id, m->idempotency_key, json, &applied, err,
                                  sizeof err) ||
-            (applied && interp__keep_ask(tx, m, err, sizeof err)) || db_tx_commit(tx, err, sizeof err)) {
+            (applied && interp__keep_ask(tx, m, err, sizeof err)) ||
+            db_tx_commit(tx, err, sizeof err)) {
             log_warn("agent.result", "run=%s action=%s: %s", m->run_id, m->action_id, err);
             rc = -1;
         }

@@ -393,7 +393,8 @@ static int retry_agent(tick *t, act *a, const cJSON *r) {
     a->next_poll_ms = t->now + delay; /* the walk dispatches it then (redispatch_agent) */
     a->deadline_ms = 0;
     interp__wake_at(t, a->next_poll_ms);
-    if (!interp__save(t, a)) t->rc = wf_emit_log(t->run, a->id, "WARN", line, t->err, sizeof t->err);
+    if (!interp__save(t, a))
+        t->rc = wf_emit_log(t->run, a->id, "WARN", line, t->err, sizeof t->err);
     return 1;
 }
 
