@@ -9,13 +9,17 @@
 #   - trigger-to-first-step latency p50/p99 (server clock: run created_at to its first action);
 #   - per-org fairness: another org's one-step run latency (median of 11, client clock) while
 #     one org floods the engine with FLOOD_RUNS loops of 25 laps, as a ratio to its idle
-#     latency (the engine's default admission limits lifted, so the flood is all queued).
+#     latency (the engine's default admission limits lifted, so the flood is all queued);
+#   - run length: the machine CPU (engine + Postgres backends, from /proc) per transition of one
+#     run of 256 chained steps (the longest definition) and of one run of 1,000 laps (nested
+#     loops), as a ratio to that of 10-step runs, runs one at a time, median of LEN_ROUNDS rounds
+#     (target <= 1.5: a tick's cost does not grow with the run's history).
 # The engine is tried with each interpreter thread count of WORKERS and the best is kept and
 # named. Needs the runtime's Postgres and NATS; prints SKIP without them.
 #
 #   BUILD  build folder (default build)   RUNS (default 100)   STEPS (default 10)
 #   POOL   engine connections = pgbench clients (default 8)   WORKERS (default "2 4")
-#   PGBENCH_SECONDS (default 5)   FLOOD_RUNS (default 200)
+#   PGBENCH_SECONDS (default 5)   FLOOD_RUNS (default 200)   LEN_ROUNDS (default 3)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -25,6 +29,7 @@ STEPS=${STEPS:-10}
 POOL=${POOL:-8}
 PGBENCH_SECONDS=${PGBENCH_SECONDS:-5}
 FLOOD_RUNS=${FLOOD_RUNS:-200}
+LEN_ROUNDS=${LEN_ROUNDS:-3}
 PGBIN=${PGBIN:-/usr/lib/postgresql/15/bin}
 read -r -a WORKERS <<<"${WORKERS:-2 4}"
 
@@ -102,6 +107,39 @@ fair=$("$BIN/workflow-engine-load" --target "127.0.0.1:$port" --token "$TOKEN" \
 kill "$pid"
 wait "$pid" 2>/dev/null || true
 
+# run length: CPU ticks (engine + Postgres: the postmaster's reaped children and its live
+# ones) per transition of one sequential workload
+PM=$(head -1 "$(psql -XAtq "$UPSQUAD_PG_ADMIN_DSN" -c "SHOW data_directory")/postmaster.pid")
+cpu_ticks() { # engine pid
+    local s
+    s=$(awk '{print $14 + $15}' "/proc/$1/stat")
+    s=$((s + $(awk '{print $16 + $17}' "/proc/$PM/stat")))
+    for c in $(pgrep -P "$PM"); do s=$((s + $(awk '{print $14 + $15}' "/proc/$c/stat" 2>/dev/null || echo 0))); done
+    echo "$s"
+}
+per_transition() { # runs steps laps -> CPU ms per transition
+    local a b r n
+    a=$(cpu_ticks "$pid")
+    r=$("$BIN/workflow-engine-load" --target "127.0.0.1:$port" --token "$TOKEN" --sequential \
+        --runs "$1" --steps "$2" --laps "$3")
+    b=$(cpu_ticks "$pid")
+    n=$(field "$r" transitions)
+    awk -v a="$a" -v b="$b" -v n="$n" -v hz="$(getconf CLK_TCK)" 'BEGIN{printf "%.3f", (b - a) * 1000 / hz / n}'
+}
+median() { tr ' ' '\n' | awk 'NF' | sort -g | awk '{v[NR]=$1} END{print v[int((NR + 1) / 2)]}'; }
+start_engine 2
+short="" chain="" laps=""
+for _ in $(seq 1 "$LEN_ROUNDS"); do
+    short+="$(per_transition 20 10 0) "
+    chain+="$(per_transition 1 256 0) "
+    laps+="$(per_transition 1 1 1000) "
+done
+kill "$pid"
+wait "$pid" 2>/dev/null || true
+SHORT=$(median <<<"$short") CHAIN=$(median <<<"$chain") LAPS=$(median <<<"$laps")
+CHAIN_RATIO=$(awk -v a="$CHAIN" -v b="$SHORT" 'BEGIN{printf "%.2f", a / b}')
+LAPS_RATIO=$(awk -v a="$LAPS" -v b="$SHORT" 'BEGIN{printf "%.2f", a / b}')
+
 "$PGBIN/pgbench" -i -s 1 -q "$UPSQUAD_PG_ADMIN_DSN" >"$TMP/pginit" 2>&1
 pg=$("$PGBIN/pgbench" -N -c "$POOL" -j 2 -T "$PGBENCH_SECONDS" -n "$UPSQUAD_PG_ADMIN_DSN" 2>&1)
 PG_TPS=$(grep -E '^tps' <<<"$pg" | head -1 | sed -E 's/tps = ([0-9.]+).*/\1/')
@@ -116,4 +154,5 @@ printf '  %-34s %12s\n' "engine step transitions/s" "$ENGINE_TPS"
 echo "  ratio to baseline: ${RATIO}x (target >= 1.0)"
 echo "  trigger to first step: p50 $(field "$best" first_step_p50_ms) ms, p99 $(field "$best" first_step_p99_ms) ms"
 echo "  per-org fairness: another org's one-step run $(field "$fair" victim_idle_ms) ms idle, $(field "$fair" victim_flood_ms) ms while one org floods $FLOOD_RUNS x 25 laps: $(field "$fair" ratio)x"
-echo "{\"bench\":\"workflow-engine\",\"fairness_ratio\":$(field "$fair" ratio),\"victim_idle_ms\":$(field "$fair" victim_idle_ms),\"victim_flood_ms\":$(field "$fair" victim_flood_ms),\"transitions_per_s\":$ENGINE_TPS,\"pgbench_tps\":$PG_TPS,\"ratio\":$RATIO,\"workers\":$best_w,\"pool\":$POOL,\"first_step_p50_ms\":$(field "$best" first_step_p50_ms),\"first_step_p99_ms\":$(field "$best" first_step_p99_ms)}"
+echo "  run length (CPU ms per transition, engine + Postgres, median of $LEN_ROUNDS): 10-step runs $SHORT, 256 chained steps $CHAIN (${CHAIN_RATIO}x), 1,000 laps $LAPS (${LAPS_RATIO}x) (target <= 1.5x)"
+echo "{\"bench\":\"workflow-engine\",\"run_len_short_ms\":$SHORT,\"run_len_chain_ratio\":$CHAIN_RATIO,\"run_len_laps_ratio\":$LAPS_RATIO,\"fairness_ratio\":$(field "$fair" ratio),\"victim_idle_ms\":$(field "$fair" victim_idle_ms),\"victim_flood_ms\":$(field "$fair" victim_flood_ms),\"transitions_per_s\":$ENGINE_TPS,\"pgbench_tps\":$PG_TPS,\"ratio\":$RATIO,\"workers\":$best_w,\"pool\":$POOL,\"first_step_p50_ms\":$(field "$best" first_step_p50_ms),\"first_step_p99_ms\":$(field "$best" first_step_p99_ms)}"

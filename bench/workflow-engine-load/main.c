@@ -4,6 +4,8 @@
  *
  *   workflow-engine-load --target HOST:PORT --token JWT [--runs N] [--steps N]
  *   workflow-engine-load --target HOST:PORT --token JWT --fairness VICTIM_JWT [--runs N]
+ *   workflow-engine-load --target HOST:PORT --token JWT --sequential [--runs N]
+ *                        [--steps N | --laps N]
  *
  * Creates one workflow of `steps` chained github.get_issue steps, triggers `runs` runs as fast
  * as it can, polls each until it ends, and prints one JSON line: runs, steps, seconds (first
@@ -11,7 +13,10 @@
  * transitions_per_s, first_step_p50_ms / first_step_p99_ms (30 runs one at a time on the idle
  * engine before; server clock: the run's created_at to its first action's created_at; with 30
  * samples p99 is the maximum), failed runs. With --fairness it measures per-org fairness
- * instead (fairness(): another org's one-step latency under this org's flood vs idle). */
+ * instead (fairness(): another org's one-step latency under this org's flood vs idle). With
+ * --sequential it runs `runs` runs one after another (each to its end before the next starts)
+ * of `steps` chained steps, or of one loop of `laps` laps of one tool step, and prints the
+ * wall time per transition: what one more step costs a run as the run grows (sequential()). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +38,46 @@ static double now_s(void) {
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
+}
+
+/* `laps` laps of one tool step: nested loops (a loop has at most 25 laps), the outermost
+ * taking the largest factor of what is left that is at most 25; NULL when laps has no such
+ * factorisation (a prime above 25). */
+static char *loop_definition(int laps) {
+    cJSON *d = cJSON_CreateObject(), *s = cJSON_CreateObject();
+    cJSON_AddNumberToObject(d, "version", 1);
+    cJSON_AddStringToObject(d, "start", "l0");
+    cJSON_AddItemToObject(d, "steps", s);
+    int level = 0, left = laps;
+    while (left > 1) {
+        int f = 25;
+        while (f > 1 && left % f)
+            f--;
+        if (f == 1) {
+            cJSON_Delete(d);
+            return NULL;
+        }
+        char name[16], body[16];
+        snprintf(name, sizeof name, "l%d", level);
+        snprintf(body, sizeof body, "l%d", level + 1);
+        left /= f;
+        cJSON *l = cJSON_AddObjectToObject(s, name);
+        cJSON_AddStringToObject(l, "type", "loop");
+        cJSON_AddNumberToObject(l, "max_iterations", f);
+        cJSON_AddStringToObject(l, "body", left > 1 ? body : "t");
+        level++;
+    }
+    cJSON *t = cJSON_AddObjectToObject(s, "t");
+    cJSON_AddStringToObject(t, "type", "tool_action");
+    cJSON_AddStringToObject(t, "tool", "github");
+    cJSON_AddStringToObject(t, "action", "get_issue");
+    cJSON *w = cJSON_AddObjectToObject(t, "with");
+    cJSON_AddStringToObject(w, "repo", "acme/widgets");
+    cJSON_AddNumberToObject(w, "number", 1);
+    if (level == 0) cJSON_SetValuestring(cJSON_GetObjectItem(d, "start"), "t");
+    char *out = cJSON_PrintUnformatted(d);
+    cJSON_Delete(d);
+    return out;
 }
 
 static char *definition(int steps) {
@@ -193,10 +238,67 @@ static int fairness(const char *victim_token, int runs) {
     return 0;
 }
 
+/* The run's status through ListRuns (one row, not the run's actions: polling a long run with
+ * GetWorkflowStatus would cost the engine more than the run's own steps). 1 when it ended. */
+static int ended(const char *wf, const char *run, int *failed) {
+    rpc_status st = {0};
+    Upsquad__Workflow__V1__ListRunsRequest lr = UPSQUAD__WORKFLOW__V1__LIST_RUNS_REQUEST__INIT;
+    lr.workflow_id = (char *)wf;
+    lr.page_size = 1;
+    Upsquad__Workflow__V1__ListRunsResponse *r = NULL;
+    if (rpc_unary_call(ch, SVC "ListRuns", &lr.base,
+                       &upsquad__workflow__v1__list_runs_response__descriptor, &opts,
+                       (ProtobufCMessage **)&r, &st))
+        return 0;
+    int end = 0;
+    if (r->n_runs == 1 && !strcmp(r->runs[0]->id, run)) {
+        const char *s = r->runs[0]->status;
+        end = !strcmp(s, "completed") || !strcmp(s, "failed") || !strcmp(s, "cancelled");
+        *failed = strcmp(s, "completed") != 0;
+    }
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return end;
+}
+
+/* --sequential: runs one at a time; wall ms per transition (two per tool step: in_progress,
+ * completed; the loops' own transitions are left out). */
+static int sequential(int runs, int steps, int laps) {
+    char *dj = laps ? loop_definition(laps) : definition(steps);
+    if (!dj) {
+        fprintf(stderr, "--laps %d: not a product of loops of at most 25 laps\n", laps);
+        return 2;
+    }
+    char *wf = create_as(&opts, dj);
+    free(dj);
+    long per_run = (long)(laps ? laps : steps) * 2;
+    int failed = 0, left = runs;
+    double t0 = now_s();
+    for (int i = 0; i < runs; i++) {
+        char *id = trigger(wf);
+        int f = 0;
+        double t = now_s();
+        while (!ended(wf, id, &f) && now_s() - t < 600)
+            usleep(20000);
+        if (now_s() - t < 600) left--;
+        failed += f;
+        free(id);
+    }
+    double secs = now_s() - t0;
+    long transitions = per_run * runs;
+    printf("{\"runs\":%d,\"steps\":%d,\"laps\":%d,\"seconds\":%.3f,\"transitions\":%ld,"
+           "\"ms_per_transition\":%.3f,\"failed\":%d,\"unfinished\":%d}\n",
+           runs, laps ? 0 : steps, laps, secs, transitions,
+           transitions ? secs * 1000 / (double)transitions : 0, failed, left);
+    free(wf);
+    return left || failed ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     const char *target = NULL, *token = NULL, *victim = NULL;
-    int runs = 100, steps = 10;
-    for (int i = 1; i + 1 < argc; i += 2) {
+    int runs = 100, steps = 10, laps = 0, seq = 0;
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--sequential")) seq = 1;
+    for (int i = 1; i + 1 < argc; i += 1 + (strcmp(argv[i], "--sequential") != 0)) {
         if (!strcmp(argv[i], "--target"))
             target = argv[i + 1];
         else if (!strcmp(argv[i], "--token"))
@@ -205,13 +307,15 @@ int main(int argc, char **argv) {
             runs = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--steps"))
             steps = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--laps"))
+            laps = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--fairness"))
             victim = argv[i + 1];
     }
-    if (!target || !token || runs <= 0 || steps <= 0) {
+    if (!target || !token || runs <= 0 || steps <= 0 || laps < 0) {
         fprintf(stderr,
-                "usage: %s --target HOST:PORT --token JWT [--runs N] [--steps N] "
-                "[--fairness VICTIM_JWT]\n",
+                "usage: %s --target HOST:PORT --token JWT [--runs N] [--steps N | --laps N] "
+                "[--sequential] [--fairness VICTIM_JWT]\n",
                 argv[0]);
         return 2;
     }
@@ -224,6 +328,7 @@ int main(int argc, char **argv) {
     opts.timeout_ms = 10000;
     opts.bearer = token;
     if (victim) return fairness(victim, runs);
+    if (seq) return sequential(runs, steps, laps);
     char *dj = definition(steps);
     char *wf = create_as(&opts, dj);
     free(dj);

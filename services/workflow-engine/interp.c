@@ -14,8 +14,32 @@
 
 /* ---- small helpers ---- */
 
+static size_t def_slot(const cJSON *const *idx, size_t cap, const char *name) {
+    size_t i = (size_t)util_fnv1a(UTIL_FNV1A_INIT, name, strlen(name)) & (cap - 1);
+    while (idx[i] && strcmp(idx[i]->string, name))
+        i = (i + 1) & (cap - 1);
+    return i;
+}
+
+/* A step's definition by name. cJSON objects are lists: the walk visits every step of a long
+ * chain each tick, so the tick indexes the definition's steps once (a hash table at most half
+ * full) instead of scanning the list for each lookup. */
 const cJSON *interp__step_def(tick *t, const char *name) {
-    return item(item(t->run->def, "steps"), name);
+    const cJSON *steps = item(t->run->def, "steps");
+    if (!name || !cJSON_IsObject(steps)) return NULL;
+    if (!t->def_idx) {
+        size_t cap = 16;
+        while (cap < (size_t)cJSON_GetArraySize(steps) * 2)
+            cap *= 2;
+        if (!(t->def_idx = calloc(cap, sizeof *t->def_idx))) return item(steps, name);
+        t->def_cap = cap;
+        const cJSON *c;
+        cJSON_ArrayForEach(c, steps) { /* a duplicate name: the first wins, as item() would */
+            size_t i = def_slot(t->def_idx, cap, c->string);
+            if (!t->def_idx[i]) t->def_idx[i] = c;
+        }
+    }
+    return t->def_idx[def_slot(t->def_idx, t->def_cap, name)];
 }
 
 void interp__wake_at(tick *t, int64_t ms) {
@@ -25,7 +49,7 @@ void interp__wake_at(tick *t, int64_t ms) {
 void interp__idem_key(const char *run, const char *step, const char *lap, const char *what, int n,
                       char out[65]) {
     char buf[1024];
-    /* sha256(run_id:step_name:iteration:attempt) (DESIGN.md); the lap path stands for the
+    /* sha256(run_id:step_name:iteration:attempt) (the design's key); the lap path stands for the
      * iteration so nested loops never collide */
     int len = snprintf(buf, sizeof buf, "%s:%s:%s:%s%d", run, step, lap[0] ? lap : "0", what, n);
     ids_sha256_hex(buf, (size_t)(len < (int)sizeof buf ? len : (int)sizeof buf - 1), out);
@@ -43,19 +67,47 @@ void interp__act_free(act *a) {
     free(a->resume);
 }
 
+/* The tick's index of its actions by (step, lap): open addressing, at most half full, so the
+ * walk's lookups cost the same however many actions the tick holds. */
+static size_t act_slot(act *const *idx, size_t cap, const char *step, const char *lap) {
+    uint64_t h = util_fnv1a(UTIL_FNV1A_INIT, step, strlen(step));
+    h = util_fnv1a(h, "/", 1);
+    h = util_fnv1a(h, lap, strlen(lap));
+    size_t i = (size_t)h & (cap - 1);
+    while (idx[i] && (strcmp(idx[i]->step, step) || strcmp(idx[i]->lap, lap)))
+        i = (i + 1) & (cap - 1);
+    return i;
+}
+
+/* Room for one more action in the index; -1 out of memory (nothing changed). */
+static int index_reserve(tick *t) {
+    if ((t->n + 1) * 2 <= t->idx_cap) return 0;
+    size_t cap = t->idx_cap ? t->idx_cap * 2 : 64;
+    act **idx = calloc(cap, sizeof *idx);
+    if (!idx) return -1;
+    for (size_t i = 0; i < t->n; i++) /* in creation order: a later (step, lap) wins */
+        idx[act_slot(idx, cap, t->acts[i]->step, t->acts[i]->lap)] = t->acts[i];
+    free(t->idx);
+    t->idx = idx;
+    t->idx_cap = cap;
+    return 0;
+}
+
 act *interp__find(tick *t, const char *step, const char *lap) {
-    for (size_t i = t->n; i-- > 0;)
-        if (!strcmp(t->acts[i]->step, step) && !strcmp(t->acts[i]->lap, lap)) return t->acts[i];
-    return NULL;
+    return t->idx_cap ? t->idx[act_slot(t->idx, t->idx_cap, step, lap)] : NULL;
+}
+
+static cJSON *state_of(const act *a) {
+    cJSON *s = cJSON_CreateObject();
+    cJSON_AddStringToObject(s, "status", a->status);
+    if (a->output) cJSON_AddItemToObject(s, "output", cJSON_Duplicate(a->output, 1));
+    return s;
 }
 
 /* The run state's view of one step: its latest lap. */
 void interp__state_put(tick *t, act *a) {
-    cJSON *s = cJSON_CreateObject();
-    cJSON_AddStringToObject(s, "status", a->status);
-    if (a->output) cJSON_AddItemToObject(s, "output", cJSON_Duplicate(a->output, 1));
     cJSON_DeleteItemFromObjectCaseSensitive(t->steps, a->step);
-    cJSON_AddItemToObject(t->steps, a->step, s);
+    cJSON_AddItemToObject(t->steps, a->step, state_of(a));
 }
 
 const char *interp__gov_kind(const act *a) {
@@ -160,6 +212,7 @@ int interp__save(tick *t, act *a) {
 act *interp__new_act(tick *t, const char *step, const char *type, const char *lap, int iteration,
                      const char *status) {
     /* actions are allocated one by one: callers keep pointers across walks that add more */
+    if (index_reserve(t)) return NULL;
     if (t->n == t->cap) {
         size_t cap = t->cap ? t->cap * 2 : 32;
         act **na = realloc(t->acts, cap * sizeof *na);
@@ -175,9 +228,17 @@ act *interp__new_act(tick *t, const char *step, const char *type, const char *la
     a->step = strdup(step);
     a->type = strdup(type);
     a->lap = strdup(lap);
+    if (!a->step || !a->type || !a->lap) {
+        interp__act_free(a);
+        free(a);
+        t->n--;
+        return NULL;
+    }
+    t->idx[act_slot(t->idx, t->idx_cap, a->step, a->lap)] = a;
     a->iteration = iteration;
     snprintf(a->status, sizeof a->status, "%s", status);
     a->is_new = 1;
+    t->n_new++;
     a->feedback = strdup("");
     return a;
 }
@@ -250,8 +311,10 @@ int interp__load_acts_from(tick *t, PGresult *r) {
         snprintf(a->blocked, sizeof a->blocked, "%s", st_s(r, i, IA_BLOCKED));
         a->started_ms = st_i(r, i, IA_STARTED);
         snprintf(a->approval, sizeof a->approval, "%s", st_s(r, i, IA_APPROVAL));
-        interp__state_put(t, a);
+        /* one row per step (st_actions_load): added without looking for an earlier one */
+        cJSON_AddItemToObject(t->steps, a->step, state_of(a));
     }
+    t->n_new = 0; /* loaded, not created */
     PQclear(r);
     return DB_OK;
 }
@@ -454,6 +517,8 @@ void interp__tick_free(tick *t) {
     for (size_t i = 0; i < t->n; i++)
         interp__act_free(t->acts[i]), free(t->acts[i]);
     free(t->acts);
+    free(t->idx);
+    free(t->def_idx);
     for (int i = 0; i < t->n_jobs; i++)
         free(t->jobs[i].args);
     cJSON_Delete(t->state);

@@ -61,8 +61,13 @@ typedef struct tick {
     wf_engine *e;
     wf_run *run;
     db_tx *tx;
-    act **acts;
+    act **acts; /* the run's latest lap of each step (st_actions_load), then the tick's new ones */
     size_t n, cap;
+    size_t n_new; /* actions this tick created (with run->actions: the run budget) */
+    act **idx;    /* acts by (step, lap) (interp__find); idx_cap a power of two */
+    size_t idx_cap;
+    const cJSON **def_idx; /* the definition's steps by name (interp__step_def), built lazily */
+    size_t def_cap;
     cJSON *state, *steps;
     int64_t now, wake_ms;
     job jobs[MAX_JOBS];
@@ -89,7 +94,8 @@ static inline int num(const cJSON *o, const char *k, int def) {
 /* Cross-file internals: only the interpreter's files call them. */
 const cJSON *interp__step_def(tick *t, const char *name);
 void interp__wake_at(tick *t, int64_t ms);
-void interp__idem_key(const char *run, const char *step, const char *lap, const char *what, int n, char out[65]);
+void interp__idem_key(const char *run, const char *step, const char *lap, const char *what, int n,
+                      char out[65]);
 void interp__act_free(act *a);
 act *interp__find(tick *t, const char *step, const char *lap);
 void interp__state_put(tick *t, act *a);
@@ -97,7 +103,8 @@ const char *interp__gov_kind(const act *a);
 const char *interp__asked_by_step(const act *a);
 const char *interp__last_agent_step(const tick *t);
 int interp__save(tick *t, act *a);
-act *interp__new_act(tick *t, const char *step, const char *type, const char *lap, int iteration, const char *status);
+act *interp__new_act(tick *t, const char *step, const char *type, const char *lap, int iteration,
+                     const char *status);
 void interp__set_status(act *a, const char *status);
 void interp__set_output(act *a, cJSON *out);
 void interp__fail_act(tick *t, act *a, const char *code, const char *msg);
@@ -121,6 +128,7 @@ int interp__apply_agent_result(tick *t, act *a, const cJSON *sd);
 int interp__walk_scope(tick *t, const char *entry, const char *lap, int iteration);
 void interp__tick_init(tick *t, wf_engine *e, wf_run *run);
 void interp__tick_free(tick *t);
-int interp__keep_ask(db_tx *tx, const Upsquad__Internal__V1__AgentStepResult *m, char *err, size_t errlen);
+int interp__keep_ask(db_tx *tx, const Upsquad__Internal__V1__AgentStepResult *m, char *err,
+                     size_t errlen);
 
 #endif

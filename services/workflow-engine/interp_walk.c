@@ -4,13 +4,13 @@
 
 /* ---- the walk ---- */
 
-
 /* Every step reachable from entry (inner scopes included) is marked skipped in this lap. */
 static void skip_from(tick *t, const char *entry, const char *lap, int iteration, int depth) {
     if (!entry || depth > 64 || t->rc) return;
     const cJSON *sd = interp__step_def(t, entry);
     if (!sd || interp__find(t, entry, lap)) return;
-    act *a = interp__new_act(t, entry, str(sd, "type") ? str(sd, "type") : "", lap, iteration, "skipped");
+    act *a = interp__new_act(t, entry, str(sd, "type") ? str(sd, "type") : "", lap, iteration,
+                             "skipped");
     if (!a || interp__save(t, a)) return;
     static const char *const refs[] = {"next", "on_approve", "on_reject", "body", "then", "else"};
     for (size_t i = 0; i < sizeof refs / sizeof refs[0]; i++)
@@ -104,12 +104,13 @@ static int walk_step(tick *t, const char *name, const char *lap, int iteration) 
     if (!sd || !type) return SCOPE_FAILED;
     act *a = interp__find(t, name, lap);
     if (!a) {
-        if (t->paused) return SCOPE_BUSY;                 /* pause: no new step starts */
-        if (t->n >= (size_t)t->e->cfg->run_max_actions) { /* the run budget: fails the run */
+        if (t->paused) return SCOPE_BUSY; /* pause: no new step starts */
+        long long total = (long long)t->run->actions + (long long)t->n_new;
+        if (total >= t->e->cfg->run_max_actions) { /* the run budget: fails the run */
             snprintf(t->budget, sizeof t->budget,
-                     "run budget exceeded: step %s would be action %zu of at most %lld "
+                     "run budget exceeded: step %s would be action %lld of at most %lld "
                      "(UPSQUAD_WF_RUN_MAX_ACTIONS)",
-                     name, t->n + 1, t->e->cfg->run_max_actions);
+                     name, total + 1, t->e->cfg->run_max_actions);
             return SCOPE_FAILED;
         }
         const char *init = !strcmp(type, "condition") ? "completed" : "in_progress";

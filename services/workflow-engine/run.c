@@ -50,6 +50,7 @@ int wf_run_take(db_tx *tx, PGresult *res, wf_run *r, int *found) {
     r->display_name = strdup(st_s(res, 0, RL_DISPLAY));
     r->seq = r->seq_loaded = st_i(res, 0, RL_SEQ);
     r->started_ms = st_i(res, 0, RL_STARTED_AT);
+    r->actions = st_i(res, 0, RL_ACTIONS);
     r->def = cJSON_Parse(st_s(res, 0, RL_DEF));
     r->context = cJSON_Parse(st_s(res, 0, RL_CONTEXT));
     if (!r->context) r->context = cJSON_CreateObject();

@@ -18,6 +18,7 @@ typedef struct wf_run {
     int64_t seq;    /* last event seq written */
     int64_t seq_loaded;
     int64_t started_ms;
+    int64_t actions; /* actions the run had when loaded (runs.actions_count) */
     cJSON *def, *context;
     /* events emitted in this transaction, written by wf_run_flush in one statement */
     char *ev_subjects, *ev_ids, *ev_payloads; /* Postgres array texts being built */

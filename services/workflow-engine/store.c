@@ -398,8 +398,8 @@ done:
     "SELECT r.id, r.org_id, r.workflow_id, r.triggered_by, r.status, r.context::text, "            \
     "r.definition::text, r.display_name, r.event_seq, r.cost_usd, " MS("r.started_at") ", " MS(    \
         "r.completed_at") ", w.name, w.team_id, w.visibility, w.created_by, "                      \
-                          "w.data_classification, w.deleted_at IS NOT NULL, r.trace_id FROM " S    \
-                          "runs r JOIN " S                                                         \
+                          "w.data_classification, w.deleted_at IS NOT NULL, r.trace_id, "          \
+                          "r.actions_count FROM " S "runs r JOIN " S                               \
                           "workflows w ON w.id = r.workflow_id WHERE r.id = $1::uuid"
 
 int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *err, size_t errlen) {
@@ -546,10 +546,22 @@ int st_action_get(db_tx *tx, const char *run_id, const char *action_id, PGresult
     "coalesce(result::text, ''), feedback, polls, " IA_DEADLINE_MS ", " IA_NEXT_POLL_MS            \
     ", cost_usd, blocked_by, " IA_STARTED_MS ", approval_id FROM " S "actions "
 
+/* What a tick reads of a run's actions: the latest (step, lap) of each step of the run's
+ * definition, one index probe per step (actions_latest), in creation order. The walk never
+ * looks behind a step's latest lap (a loop walks on from its current lap; an earlier lap ended
+ * settled, every action in it terminal), and the run state's view of a step is its latest lap
+ * (interp__state_put), so this is everything a tick needs, and its cost follows the
+ * definition's size, not the run's length. */
+#define IA_FRONTIER                                                                                \
+    "WITH latest AS (SELECT (SELECT x.id FROM " S "actions x WHERE x.run_id = r.id"                \
+    " AND x.step_name = s.name ORDER BY x.created_at DESC, x.id DESC LIMIT 1) AS id FROM " S       \
+    "runs r, jsonb_object_keys(r.definition->'steps') AS s(name) WHERE r.id = "                    \
+    "$1::uuid) " IA_SELECT                                                                         \
+    "WHERE run_id = $1::uuid AND id IN (SELECT id FROM latest) ORDER BY created_at, id"
+
 int st_actions_load(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen) {
     const char *p[] = {run_id};
-    return ex(tx, IA_SELECT "WHERE run_id = $1::uuid ORDER BY created_at, id", 1, p, out, err,
-              errlen);
+    return ex(tx, IA_FRONTIER, 1, p, out, err, errlen);
 }
 
 static void ms_or_null(char *buf, size_t n, int64_t ms, const char **slot) {
@@ -572,15 +584,20 @@ int st_action_insert(db_tx *tx, const st_action_w *a, char *err, size_t errlen) 
     ms_or_null(dl, sizeof dl, a->deadline_ms, &p[13]);
     ms_or_null(np, sizeof np, a->next_poll_ms, &p[14]);
     p[15] = nz(a->output);
+    /* the run's action count (the run budget) follows in the same statement: the tick holds
+     * the run row locked */
     return ex(tx,
-              "INSERT INTO " S "actions (id, org_id, run_id, step_name, step_type, lap_key, "
+              "WITH i AS (INSERT INTO " S
+              "actions (id, org_id, run_id, step_name, step_type, lap_key, "
               "iteration, status, attempt, idempotency_key, input, blocked_by, approval_id, "
               "deadline_at, next_poll_at, output, started_at, finished_at) VALUES ($1, $2, $3, "
               "$4, $5, $6, $7::int, $8, $9::int, $10, $11::jsonb, $12, $13::uuid, "
               "to_timestamp($14::bigint / 1000.0), to_timestamp($15::bigint / 1000.0), "
               "$16::jsonb, "
               "CASE WHEN $8 IN ('pending', 'skipped') THEN NULL ELSE clock_timestamp() END, "
-              "CASE WHEN $8 IN ('completed', 'skipped', 'failed') THEN clock_timestamp() END)",
+              "CASE WHEN $8 IN ('completed', 'skipped', 'failed') THEN clock_timestamp() END) "
+              "RETURNING run_id) UPDATE " S "runs SET actions_count = actions_count + 1 "
+              "WHERE id = (SELECT run_id FROM i)",
               16, p, NULL, err, errlen);
 }
 
@@ -1121,9 +1138,7 @@ int st_tick_head(db_tx *tx, const char *run, const char *owner, int64_t lease_ms
     int rc =
         db_pipe_send(c, RL_SELECT " FOR UPDATE OF r", 1, pr, NULL, NULL, 0, run_row, err, errlen);
     if (rc == DB_OK) rc = db_pipe_send(c, FENCE_SQL, 3, pf, NULL, NULL, 0, &fence, err, errlen);
-    if (rc == DB_OK)
-        rc = db_pipe_send(c, IA_SELECT "WHERE run_id = $1::uuid ORDER BY created_at, id", 1, pr,
-                          NULL, NULL, 0, acts, err, errlen);
+    if (rc == DB_OK) rc = db_pipe_send(c, IA_FRONTIER, 1, pr, NULL, NULL, 0, acts, err, errlen);
     if (rc == DB_OK) rc = db_pipe_flush(c, err, errlen);
     if (rc == DB_OK) *held = PQntuples(fence) > 0;
     PQclear(fence);

@@ -147,12 +147,14 @@ enum {
     RL_CLASSIFICATION,
     RL_WF_DELETED,
     RL_TRACE,
+    RL_ACTIONS, /* actions the run has (the run budget) */
     RL_NCOLS
 };
 int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *err, size_t errlen);
 /* A tick's three reads behind one sync when the transaction is pipelined (DB_TX_PIPELINE),
  * one by one otherwise: the run locked (st_run_load, RL_*), the lease fenced (st_queue_fence:
- * *held), the run's actions (st_actions_load, IA_*). *run_row and *acts: caller PQclears. */
+ * *held), the run's actions as a tick needs them (st_actions_load, IA_*). *run_row and *acts:
+ * caller PQclears. */
 int st_tick_head(db_tx *tx, const char *run, const char *owner, int64_t lease_ms,
                  PGresult **run_row, int *held, PGresult **acts, char *err, size_t errlen);
 /* WorkflowRun rows (RUN_* columns), node counts populated. */
@@ -246,6 +248,8 @@ enum {
     IA_APPROVAL,
     IA_NCOLS
 };
+/* A tick's view of a run's actions (IA_*): the latest lap of each step of its definition, in
+ * creation order; not every action of a long run. */
 int st_actions_load(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen);
 typedef struct st_action_w {
     const char *id, *org, *run, *step, *type, *lap;
