@@ -350,12 +350,13 @@ static int bus__is_hex(const char *s, size_t n) {
     return 1;
 }
 
-/* "00-<trace id>-<span id>-01" for this thread's trace id when it is a W3C one (32 lowercase
- * hex, what rpc_server generates or takes from a traceparent); 0 otherwise (no header). */
-static int bus__traceparent(char out[BUS_TRACEPARENT_LEN + 1]) {
+/* "00-<trace id>-<span id>-01" for trace (NULL or "": this thread's trace id) when it is a W3C
+ * one (32 lowercase hex, what rpc_server generates or takes from a traceparent); 0 otherwise
+ * (no header). */
+static int bus__traceparent_of(const char *t, char out[BUS_TRACEPARENT_LEN + 1]) {
     static _Thread_local uint64_t rng;
     static const char hex[] = "0123456789abcdef";
-    const char *t = log_get_trace();
+    if (!t || !t[0]) t = log_get_trace();
     if (!t || strlen(t) != 32 || !bus__is_hex(t, 32)) return 0;
     if (rng == 0) rng = (uint64_t)time(NULL) ^ (uint64_t)(uintptr_t)&rng ^ 0x9e3779b97f4a7c15ull;
     rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
@@ -366,6 +367,10 @@ static int bus__traceparent(char out[BUS_TRACEPARENT_LEN + 1]) {
         out[36 + i] = hex[(rng >> (4 * i)) & 15];
     memcpy(out + 52, "-01", 4);
     return 1;
+}
+
+static int bus__traceparent(char out[BUS_TRACEPARENT_LEN + 1]) {
+    return bus__traceparent_of(NULL, out);
 }
 
 int bus_msg_trace(natsMsg *m, char out[33]) {
@@ -878,10 +883,10 @@ int bus_js_publish_batch(bus *b, bus_js_msg *msgs, int n, char *err, size_t errl
     unsigned long long gen = ++b->batch_gen;
     size_t prefix = strlen(b->ack_inbox) + 1;
     char tp[BUS_TRACEPARENT_LEN + 1];
-    int traced = bus__traceparent(tp);
     for (int i = 0; i < n; i++) {
         natsMsg *m = NULL;
         if (msgs[i].rc == BUS_EINVAL) continue;
+        int traced = bus__traceparent_of(msgs[i].trace_id, tp);
         snprintf(reply, sizeof reply, "%s.%llu.%d", b->ack_inbox, gen, i);
         s = natsMsg_Create(&m, msgs[i].subject, reply, msgs[i].data, msgs[i].len);
         if (s == NATS_OK && msgs[i].msg_id) s = natsMsgHeader_Set(m, "Nats-Msg-Id", msgs[i].msg_id);

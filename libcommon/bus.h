@@ -218,14 +218,15 @@ int bus_in_progress(natsMsg *m);       /* still working: restarts the ack_wait t
 int bus_delivery_count(natsMsg *m);
 
 /* ---- pipelined JetStream publishing ----
- * One message of bus_js_publish_batch: the caller fills subject, data, len and msg_id (all
- * borrowed; msg_id NULL = none); the call sets rc (BUS_OK once the stream acked it, a
+ * One message of bus_js_publish_batch: the caller fills subject, data, len, msg_id and
+ * trace_id (all borrowed; msg_id NULL = none); the call sets rc (BUS_OK once the stream acked it, a
  * duplicate included, else the BUS_E* of that message) and duplicate. */
 typedef struct bus_js_msg {
     const char *subject;
     const void *data;
     int len;
     const char *msg_id;
+    const char *trace_id; /* the message's W3C trace id (borrowed); NULL or "": the thread's */
     int rc;
     int duplicate;
 } bus_js_msg;

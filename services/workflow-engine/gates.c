@@ -220,7 +220,8 @@ static int g_record(rpc_call *call, wf_engine *e, gate *g, const auth_identity *
         rc = DB_ENOMEM;
     } else {
         protobuf_c_message_pack(&ev.base, buf);
-        rc = st_outbox_put(g->tx, g->run.org, subject, gid, buf, len, err, sizeof err);
+        rc = st_outbox_put(g->tx, g->run.org, subject, gid, buf, len, wf_run_trace(&g->run), err,
+                           sizeof err);
     }
     free(buf);
     if (payload) pbjson_struct_free(payload);

@@ -347,7 +347,8 @@ static int outbox_msg(tick *t, const char *subject, const char *msg_id, const Pr
     uint8_t *buf = malloc(len ? len : 1);
     if (!buf) return DB_ENOMEM;
     protobuf_c_message_pack(m, buf);
-    int rc = st_outbox_put(t->tx, t->run->org, subject, msg_id, buf, len, t->err, sizeof t->err);
+    int rc = st_outbox_put(t->tx, t->run->org, subject, msg_id, buf, len, wf_run_trace(t->run),
+                           t->err, sizeof t->err);
     free(buf);
     return rc;
 }

@@ -127,7 +127,8 @@ static int publish_rows(wf_engine *e, PGresult *r, int n, char *acked) {
             batch[m++] = (bus_js_msg){.subject = PQgetvalue(r, i, 1),
                                       .data = PQgetvalue(r, i, 3),
                                       .len = PQgetlength(r, i, 3),
-                                      .msg_id = PQgetvalue(r, i, 2)};
+                                      .msg_id = PQgetvalue(r, i, 2),
+                                      .trace_id = PQgetvalue(r, i, 4)};
         }
         int rc = bus_js_publish_batch(e->bus, batch, m, err, sizeof err);
         for (int k = 0; k < m; k++)

@@ -7,6 +7,7 @@
 
 #include "bus.h"
 #include "ids.h"
+#include "log.h"
 #include "pbjson.h"
 #include "store.h"
 #include "subjects.h"
@@ -60,6 +61,11 @@ done:
     return DB_OK;
 }
 
+const char *wf_run_trace(const wf_run *r) {
+    const char *t = log_get_trace();
+    return t && t[0] ? t : r->trace;
+}
+
 void wf_run_free(wf_run *r) {
     free(r->ev_subjects);
     free(r->ev_ids);
@@ -105,7 +111,7 @@ int wf_run_flush(wf_run *r, char *err, size_t errlen) {
     }
     r->ev_subjects = arr[0], r->ev_ids = arr[1], r->ev_payloads = arr[2];
     int rc = st_events_put(r->tx, r->org, r->id, r->seq, r->ev_subjects, r->ev_ids, r->ev_payloads,
-                           err, errlen);
+                           wf_run_trace(r), err, errlen);
     if (rc == DB_OK) r->seq_loaded = r->seq;
     r->n_ev = 0;
     r->ev_len[0] = r->ev_len[1] = r->ev_len[2] = 0;

@@ -33,6 +33,9 @@ int wf_run_load(db_tx *tx, const char *run_id, int lock, wf_run *out, int *found
  * of res (cleared). Returns DB_OK. */
 int wf_run_take(db_tx *tx, PGresult *res, wf_run *r, int *found);
 void wf_run_free(wf_run *r);
+/* The trace an outbox row r writes now is published under: the calling RPC's (this thread's
+ * log trace) when a call is writing it, else the run's own (the call that created it). */
+const char *wf_run_trace(const wf_run *r);
 /* Writes the events emitted since the last flush (outbox rows) and the run's event_seq, in one
  * statement; call before committing. */
 int wf_run_flush(wf_run *r, char *err, size_t errlen);

@@ -804,27 +804,28 @@ int st_queue_release(db_tx *tx, const char *run, const char *owner, int64_t gen,
 /* ---- outbox ---- */
 
 int st_outbox_put(db_tx *tx, const char *org, const char *subject, const char *msg_id,
-                  const void *payload, size_t len, char *err, size_t errlen) {
-    const char *p[] = {org, subject, msg_id, payload};
-    int lens[] = {0, 0, 0, (int)len};
-    int fmts[] = {0, 0, 0, 1};
+                  const void *payload, size_t len, const char *trace, char *err, size_t errlen) {
+    const char *p[] = {org, subject, msg_id, payload, trace ? trace : ""};
+    int lens[] = {0, 0, 0, (int)len, 0};
+    int fmts[] = {0, 0, 0, 1, 0};
     return db_exec_bin(db_tx_conn(tx),
-                       "INSERT INTO " S "outbox (org_id, subject, msg_id, payload) "
-                       "VALUES ($1, $2, $3, $4::bytea)",
-                       4, p, lens, fmts, 0, NULL, err, errlen);
+                       "INSERT INTO " S "outbox (org_id, subject, msg_id, payload, trace_id) "
+                       "VALUES ($1, $2, $3, $4::bytea, left($5, 64))",
+                       5, p, lens, fmts, 0, NULL, err, errlen);
 }
 
 int st_events_put(db_tx *tx, const char *org, const char *run, int64_t seq, const char *subjects,
-                  const char *msg_ids, const char *payloads_hex, char *err, size_t errlen) {
+                  const char *msg_ids, const char *payloads_hex, const char *trace, char *err,
+                  size_t errlen) {
     char n[32];
     i64s(n, sizeof n, seq);
-    const char *p[] = {org, run, n, subjects, msg_ids, payloads_hex};
+    const char *p[] = {org, run, n, subjects, msg_ids, payloads_hex, trace ? trace : ""};
     return ex(tx,
               "WITH s AS (UPDATE " S "runs SET event_seq = $3::bigint WHERE id = $2::uuid) "
-              "INSERT INTO " S "outbox (org_id, subject, msg_id, payload) "
-              "SELECT $1::uuid, e.subject, e.msg_id, decode(e.hex, 'hex') "
+              "INSERT INTO " S "outbox (org_id, subject, msg_id, payload, trace_id) "
+              "SELECT $1::uuid, e.subject, e.msg_id, decode(e.hex, 'hex'), left($7, 64) "
               "FROM unnest($4::text[], $5::text[], $6::text[]) AS e(subject, msg_id, hex)",
-              6, p, NULL, err, errlen);
+              7, p, NULL, err, errlen);
 }
 
 int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err, size_t errlen) {
@@ -849,7 +850,7 @@ int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err
     /* pipelined, the fetch is sent with the lock attempt before its answer is known: it
      * takes the lock again (re-entrant for the holder; evaluated once), so a replica without
      * the lock reads no rows, not a batch of payloads it would throw away */
-    const char *fetch = "SELECT id, subject, msg_id, payload FROM " S "outbox "
+    const char *fetch = "SELECT id, subject, msg_id, payload, trace_id FROM " S "outbox "
                         "WHERE (SELECT " RELAY_LOCK ") ORDER BY id LIMIT $1::int";
 #undef RELAY_LOCK
     if (db_pipe_active(c)) { /* all behind one sync; the rows count only under the lock */

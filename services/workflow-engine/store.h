@@ -309,10 +309,12 @@ int st_queue_release(db_tx *tx, const char *run, const char *owner, int64_t gen,
 /* The run's new event_seq and its outbox rows at once; subjects, msg_ids: Postgres text[]
  * literals; payloads: text[] of hex. */
 int st_events_put(db_tx *tx, const char *org, const char *run, int64_t seq, const char *subjects,
-                  const char *msg_ids, const char *payloads_hex, char *err, size_t errlen);
+                  const char *msg_ids, const char *payloads_hex, const char *trace, char *err,
+                  size_t errlen);
+/* One outbox row; trace: the trace id it is published under ("" none). */
 int st_outbox_put(db_tx *tx, const char *org, const char *subject, const char *msg_id,
-                  const void *payload, size_t len, char *err, size_t errlen);
-/* Service: the oldest rows (id, subject, msg_id, payload as binary), under the relay's
+                  const void *payload, size_t len, const char *trace, char *err, size_t errlen);
+/* Service: the oldest rows (id, subject, msg_id, payload, trace_id; binary), under the relay's
  * advisory lock (*locked 0: another replica relays now, no rows). */
 int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err, size_t errlen);
 /* Deletes the published rows; ids as a Postgres array text "{1,2,3}". */

@@ -373,6 +373,38 @@ class EngineTest(unittest.TestCase):
         for r in runs:
             self.B("CancelRun", W.CancelRunRequest(run_id=r))
 
+    def test_01e_bus_events_carry_the_trace_of_the_call_behind_them(self):
+        # what a run's ticks publish goes out under the trace of the call that triggered it; what
+        # a later call writes (CancelRun's events) under that call's trace (traceparent header)
+        w = self.create(defn("a", {"a": tool("get_issue", "b", number=1),
+                                   "b": {"type": "wait", "mode": "signal", "event_key": "k"}}))
+        t1, t2 = secrets.token_hex(16), secrets.token_hex(16)
+        sid, q = self.nc.subscribe("wf.status.%s.>" % self.org)
+        self.nc.flush()
+        tp = lambda t: [("traceparent", "00-%s-00f067aa0ba902b7-01" % t)]  # noqa: E731
+        run = self.A("TriggerWorkflow", W.TriggerWorkflowRequest(workflow_id=w.id), metadata=tp(t1)).run.id
+        self.wait_for(run, lambda s: any(a.step_name == "b" for a in s.actions))
+        self.B("CancelRun", W.CancelRunRequest(run_id=run, reason="traced"), metadata=tp(t2))
+        by_trace, end, cancelled = {}, time.time() + 15, False
+        while time.time() < end and not cancelled:
+            try:
+                subj, reply, hdr, data = q.get(timeout=0.5)
+            except Exception:
+                continue
+            ev = E.RunEvent.FromString(data)
+            if ev.scope.run_id != run:
+                continue
+            trace = nats_mini.Nats.headers(hdr).get("traceparent", "")[3:35]
+            by_trace.setdefault(trace, []).append(ev)
+            cancelled = ev.WhichOneof("event") == "run" and ev.run.status == "cancelled"
+        self.nc.unsubscribe(sid)
+        self.assertTrue(cancelled, "no cancelled event")
+        self.assertEqual(set(by_trace), {t1, t2}, by_trace.keys())
+        # the trigger's trace: the tool step's transitions and the wait starting
+        self.assertTrue(any(e.WhichOneof("event") == "node" and e.node.step_name == "a" for e in by_trace[t1]))
+        self.assertTrue(all(not (e.WhichOneof("event") == "run" and e.run.status == "cancelled") for e in by_trace[t1]))
+        self.assertTrue(any(e.WhichOneof("event") == "run" and e.run.status == "cancelled" for e in by_trace[t2]))
+
     def test_02_catalog_and_streams(self):
         cat = self.A("GetToolCatalog", W.GetToolCatalogRequest())
         tools = {t.tool: t for t in cat.tools}

@@ -597,7 +597,10 @@ static int wait_connected(bus *b, int want, int timeout_ms) {
 
 /* Pipelined publishes: one wait for the whole batch, each message's outcome on its own (an
  * acked one, a duplicate id, a subject no stream captures, a bad message), stored in batch
- * order. */
+ * order, each with its own trace (the thread's unless the message names one). */
+#define TRACE_A "4bf92f3577b34da6a3ce929d0e0e4736"
+#define TRACE_B "0af7651916cd43dd8448eb211c80319c"
+
 static void test_js_publish_batch(void **state) {
     (void)state;
     bus *b = must_connect(g_url, NULL);
@@ -616,10 +619,12 @@ static void test_js_publish_batch(void **state) {
         {.subject = s, .data = "0", .len = 1, .msg_id = "b-0"}, /* stored before: a duplicate */
         {.subject = none, .data = "x", .len = 1, .msg_id = "b-x"},
         {.subject = s, .data = NULL, .len = 3, .msg_id = "b-bad"},
-        {.subject = s, .data = "2", .len = 1, .msg_id = "b-2"},
-        {.subject = s, .data = "3", .len = 1, .msg_id = NULL},
+        {.subject = s, .data = "2", .len = 1, .msg_id = "b-2", .trace_id = TRACE_A},
+        {.subject = s, .data = "3", .len = 1, .msg_id = NULL, .trace_id = ""},
     };
+    log_set_trace(TRACE_B);
     assert_int_equal(bus_js_publish_batch(b, m, 6, err, sizeof err), BUS_ENORESP);
+    log_set_trace(NULL);
     assert_non_null(strstr(err, "no stream"));
     assert_int_equal(m[0].rc, BUS_OK);
     assert_int_equal(m[0].duplicate, 0);
@@ -638,11 +643,15 @@ static void test_js_publish_batch(void **state) {
         bus_js_pull_subscribe(b, name, "batch", subjects, 5000, -1, &p, err, sizeof err), BUS_OK);
     natsMsgList l;
     const char *want[] = {"0", "1", "2", "3"};
+    const char *traces[] = {"", TRACE_B, TRACE_A, TRACE_B};
     int got = 0;
     for (int tries = 0; got < 4 && tries < 10; tries++) {
         assert_int_equal(bus_js_fetch(p, 4 - got, 1000, &l, err, sizeof err), BUS_OK);
         for (int i = 0; i < l.Count; i++, got++) {
+            char tr[33];
             assert_true(msg_is(l.Msgs[i], want[got]));
+            bus_msg_trace(l.Msgs[i], tr);
+            assert_string_equal(tr, traces[got]);
             bus_ack(l.Msgs[i]);
         }
         natsMsgList_Destroy(&l);
