@@ -114,7 +114,8 @@ typedef struct orch_turn {
 } orch_turn;
 
 /* Starts a turn: refuses a terminal or suspended session, and one with a pause pending
- * (ORCH_ESTATE, state in final_state: "pausing" for the latter), reads the newest prior turns
+ * (ORCH_ESTATE, state in final_state: "pausing" for the latter; "suspended" when nothing
+ * counts in flight any more: the pending pause is committed then), reads the newest prior turns
  * (at most max_turns and max_bytes of text in total, oldest first), stores the user turn,
  * counts the turn as in flight for at most timeout_ms (what a pause waits for), audits
  * message_received and gives the turn a lease held by owner (this replica) under the id of

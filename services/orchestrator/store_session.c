@@ -259,12 +259,15 @@ int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, c
     snprintf(tmo, sizeof tmo, "%lld", (long long)(timeout_ms > 0 ? timeout_ms : 1));
     TX_BEGIN(org);
     rc = db_exec(c,
-                 "SELECT state, turns, agent_id, pause_pending FROM sessions"
+                 "SELECT state, turns, agent_id, pause_pending,"
+                 "  NOT (turns_running > 0 AND turn_deadline > now()),"
+                 "  pause_reason, pause_source, pause_correlation_id FROM sessions"
                  " WHERE session_id = $1::uuid FOR UPDATE",
                  1, &session_id, &r, err, errlen);
     if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
     char agent[37] = "";
-    int turn_no = 0;
+    int turn_no = 0, overdue = 0;
+    orch_pause pz = {0};
     if (rc == DB_OK) {
         copy(final_state, 16, PQgetvalue(r, 0, 0));
         turn_no = atoi(PQgetvalue(r, 0, 1));
@@ -273,12 +276,31 @@ int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, c
         /* a pause waits for the turns in flight: no new one starts meanwhile (spec: the pause
          * commits at the next message boundary) */
         if (rc == DB_OK && PQgetvalue(r, 0, 3)[0] == 't') {
-            copy(final_state, 16, "pausing");
+            /* nothing counts in flight any more (a turn left by a replica that died with no
+             * lease to reclaim, past its bound): the boundary is now, and the pause commits
+             * here rather than hold the session back until someone asks again */
+            overdue = PQgetvalue(r, 0, 4)[0] == 't';
+            copy(final_state, 16, overdue ? "suspended" : "pausing");
+            copy(pz.reason, sizeof pz.reason, PQgetvalue(r, 0, 5));
+            pz.source = atoi(PQgetvalue(r, 0, 6));
+            copy(pz.correlation_id, sizeof pz.correlation_id, PQgetvalue(r, 0, 7));
             rc = ORCH_ESTATE;
         }
     }
     PQclear(r);
     r = NULL;
+    if (overdue) {
+        /* the turn it waited for ended without an outcome: the status kept for the resume is
+         * ERROR, never THINKING (as the reclaim of a lease records it) */
+        rc = db_exec(c,
+                     "UPDATE sessions SET agent_status = 4 WHERE session_id = $1::uuid"
+                     " AND agent_status IN (1, 2)",
+                     1, &session_id, NULL, err, errlen);
+        if (rc == DB_OK)
+            rc = orch_store__pause_commit_tx(c, session_id, agent, NULL, &pz, err, errlen);
+        rc = tx_end(tx, rc, err, errlen);
+        return rc == DB_OK ? ORCH_ESTATE : rc;
+    }
     /* prior turns: newest first from the database, kept while within the byte bound, then
      * returned oldest first (the current turn is not stored yet, so it is never included) */
     if (rc == DB_OK && max_turns > 0) {
@@ -354,7 +376,6 @@ int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, c
     }
     return tx_end(tx, rc, err, errlen);
 }
-
 
 /* The message boundary of a chat turn, inside the caller's transaction: the turn stops counting
  * in flight (released 1; 0 when its lease was reclaimed already and the reclaim counted it out),
@@ -590,7 +611,8 @@ int orch_store_turn_reclaim(db_pool *p, const orch_turn_lease *l, int64_t ttl_ms
              owner, silent);
     rc = db_exec(c,
                  "UPDATE sessions SET agent_status = CASE WHEN state = 'active'"
-                 "   AND turns_running <= 1 AND agent_status IN (1, 2) THEN 4 ELSE agent_status END,"
+                 "   AND turns_running <= 1 AND agent_status IN (1, 2) THEN 4"
+                 "   ELSE agent_status END,"
                  " last_error = left($2, 1024) WHERE session_id = $1::uuid",
                  2, (const char *[]){l->session_id, why}, NULL, err, errlen);
     if (rc == DB_OK) {

@@ -265,6 +265,33 @@ class DeadTurns(unittest.TestCase):
         self.assertEqual(self.get(s, se).status, R.AGENT_STATUS_COMPLETE)
         self.assertEqual(s.metric("orchestrator_turns_reclaimed_total"), 2)
 
+    def test_overdue_pause_commits_at_the_next_message(self):
+        """A pending pause whose turn counts in flight no longer (a turn left with no lease by a
+        replica that died, past its bound) commits when the next message comes, instead of
+        refusing it: the session never takes no message for good."""
+        s = self.replica()
+        sid = self.create(s)
+        sql(self.org, "UPDATE orchestrator.sessions SET turns_running = 1, agent_status = 1,"
+            " turn_deadline = now() - interval '1 s', pause_pending = true, pause_reason = 'asked long ago',"
+            " pause_source = 1 WHERE session_id = '%s'" % sid)
+        c, d = self.code(lambda: list(self.stream(s, "hello", sid)))
+        self.assertEqual(c, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("suspended", d)
+        self.assertEqual(self.row(sid), ["suspended", str(SUSPENDED), "0", "f"])
+        paused = [x for x in self.audit(sid) if x[1] == "session_paused"]
+        self.assertEqual([x[3]["reason"] for x in paused], ["asked long ago"])
+        r = self.unary(s, "ResumeSession", L.ResumeSessionRequest(session_id=sid), L.ResumeSessionResponse)
+        self.assertEqual(r.status, R.AGENT_STATUS_ERROR)  # the dead turn's, never THINKING
+        evs = list(self.stream(s, "hello", sid))
+        self.assertEqual(evs[-1].completion.final_response, "echo: hello")
+        # one in flight within its bound still holds the next message back ("is pausing")
+        sql(self.org, "UPDATE orchestrator.sessions SET turns_running = 1,"
+            " turn_deadline = now() + interval '1 min', pause_pending = true WHERE session_id = '%s'" % sid)
+        c, d = self.code(lambda: list(self.stream(s, "hello", sid)))
+        self.assertEqual(c, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("pausing", d)
+        self.assertEqual(self.row(sid)[0], "active")
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
