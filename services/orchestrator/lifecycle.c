@@ -10,8 +10,8 @@
 #include <time.h>
 
 #include "fields.h"
-#include "lease.h"
 #include "ids.h"
+#include "lease.h"
 #include "log.h"
 #include "pause.h"
 #include "pbjson.h"
