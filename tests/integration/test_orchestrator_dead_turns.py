@@ -20,18 +20,12 @@ import uuid
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
 sys.path.insert(0, os.path.dirname(__file__))
 import upsquad_testlib as T  # noqa: E402
-
-DSN = os.environ.get("UPSQUAD_PG_DSN_ORCHESTRATOR")
-REDIS = os.environ.get("UPSQUAD_REDIS_URL")
-NATS = os.environ.get("UPSQUAD_NATS_URL")
-if not DSN or not REDIS or not NATS:
-    print("SKIP: UPSQUAD_PG_DSN_ORCHESTRATOR, UPSQUAD_REDIS_URL and UPSQUAD_NATS_URL are required")
-    sys.exit(0)
+# (test_orchestrator skips the run, exit 0, when Postgres, Redis or NATS is not configured)
+from test_orchestrator import DSN, REDIS, SECRET, KEK, LC, MIGRATIONS, DEVWORKER, AGENT, apply_agent, drain  # noqa: E402
 
 import grpc  # noqa: E402
 from upsquad.runtime.v1 import lifecycle_pb2 as L  # noqa: E402
 from upsquad.runtime.v1 import runtime_pb2 as R  # noqa: E402
-from test_orchestrator import SECRET, KEK, LC, MIGRATIONS, DEVWORKER, AGENT, apply_agent, drain  # noqa: E402
 from test_orchestrator_pause import sql, script  # noqa: E402
 
 TTL_S = 2.0
