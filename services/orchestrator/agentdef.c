@@ -481,10 +481,11 @@ static void put_pattern(buf *b, const ContentPattern *p) {
 
 int agentdef_canonical(const SessionSnapshot *s, unsigned char **out, size_t *len) {
     buf b = {0};
-    static const char tag[] = "upsquad.snapshot.v1\n";
+    /* v2: the configuration alone. 1 session_id and 2 tenant_id are the session's identity,
+     * not its configuration: two sessions of one agent configuration hash alike (spec: "the
+     * snapshot_hash ensures config drift detection"). 3 agent_id names the configuration. */
+    static const char tag[] = "upsquad.snapshot.v2\n";
     put(&b, tag, sizeof tag - 1);
-    put_str(&b, 1, s->session_id);
-    put_str(&b, 2, s->tenant_id);
     put_str(&b, 3, s->agent_id);
     put_str(&b, 4, s->model_id);
     put_double(&b, 5, s->temperature);

@@ -8,8 +8,9 @@
  * Unknown members are refused; every error names its JSON pointer.
  *
  * snapshot_hash: SHA-256 (lowercase hex) over the canonical encoding written in
- * docs/orchestrator.md ("snapshot_hash"): every SessionSnapshot field in field-number order,
- * except snapshot_hash itself (11), org_version_seq (19) and mcp_servers (20). */
+ * docs/orchestrator.md ("The snapshot and its hash"): every SessionSnapshot field in
+ * field-number order, except the session's identity (1 session_id, 2 tenant_id), snapshot_hash
+ * itself (11), org_version_seq (19) and mcp_servers (20). */
 #ifndef UPSQUAD_ORCH_AGENTDEF_H
 #define UPSQUAD_ORCH_AGENTDEF_H
 

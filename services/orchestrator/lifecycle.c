@@ -11,6 +11,7 @@
 
 #include "fields.h"
 #include "ids.h"
+#include "lease.h"
 #include "log.h"
 #include "pause.h"
 #include "pbjson.h"
@@ -522,6 +523,7 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     SessionSnapshot *snap = NULL;
     ExecuteStepRequest *ereq = NULL;
     orch_turn_result res = {0};
+    orch_lease lease = {.held = 0};
     int rc;
     if ((rc = rpc_tenant(call, 0, &id)) ||
         (rc = orch_uuid_field(call, "session_id", rq->session_id, 0)) ||
@@ -566,7 +568,7 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     /* in flight until its end is stored, which comes after the step's timeout */
     rc = orch_store_turn_begin(o->pool, id->org_id, sid, rq->message, (int)o->cfg->prior_turns,
                                (size_t)o->cfg->prior_bytes, timeout + ORCH_TURN_END_SLACK_MS,
-                               &turns, &nturns, parent, state, err, sizeof err);
+                               o->instance, &turns, &nturns, parent, state, err, sizeof err);
     if (rc == ORCH_ESTATE) {
         rc = rpc_error(call, RPC_FAILED_PRECONDITION, "session %s is %s: it takes no messages", sid,
                        state);
@@ -580,6 +582,8 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
         rc = orch_store_failed(call, "recording the message", err);
         goto done;
     }
+    /* renewed while this relay lives; dropped once the turn's end is stored */
+    orch_lease_hold(&lease, parent);
     if (orch_request_build(o, &a, &s, rq->message, rq->execution_mode, turns, nturns, &ereq,
                            &snap)) {
         /* the turn began (it counts as in flight): it ends, failed, or a pause would wait for
@@ -590,6 +594,7 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
                            .error_msg = "the session snapshot could not be read"};
         if (orch_store_turn_end(o->pool, id->org_id, sid, parent, &e, err, sizeof err) != DB_OK)
             log_error("store.turn_end", "session %s: %s", sid, err);
+        orch_lease_drop(&lease);
         rc = rpc_error(call, RPC_INTERNAL, "the session snapshot could not be read");
         goto done;
     }
@@ -654,14 +659,17 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     if (res.outcome != TURN_COMPLETED) metric_inc(o->m_turns_failed);
     metric_add(o->m_in_tokens, (double)res.input_tokens);
     metric_add(o->m_out_tokens, (double)res.output_tokens);
+    /* an end not stored leaves the lease unrenewed from here: a replica reclaims the turn */
     if (orch_store_turn_end(o->pool, id->org_id, sid, parent, &e, err, sizeof err) != DB_OK)
         log_error("store.turn_end", "session %s: %s", sid, err);
+    orch_lease_drop(&lease);
     /* a pause asked for during the turn committed at its end: the stream says so, then waits
      * for the resume (the caller then continues with a new SendMessage) */
     if (paused.committed && res.outcome != TURN_CANCELLED &&
         orch_pause_send_event(call, &paused) == RPC_OK)
         park_stream(o, call, id->org_id, sid);
 done:
+    orch_lease_drop(&lease);
     orch_turn_result_clear(&res);
     if (snap) protobuf_c_message_free_unpacked(&snap->base, NULL);
     orch_arena_free(&a);

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "ids.h"
+#include "lease.h"
 #include "log.h"
 #include "turn.h"
 #include "util.h"
@@ -83,6 +84,12 @@ static const cfg_var vars[] = {
      "terminated (each holds a stream worker); beyond, the stream ends after its "
      "SessionPausedEvent",
      &C.paused_streams, 0, 1024},
+    {"UPSQUAD_TURN_LEASE_TTL", CFG_MS, "15s",
+     "a chat turn in flight is leased to the replica relaying it, which renews the lease every "
+     "third of this; a lease not renewed for this long is reclaimed by any replica (the turn "
+     "ends: no longer in flight, status ERROR, a pending pause commits), so a replica killed "
+     "mid-turn leaves nothing running longer than this plus a third",
+     &C.turn_lease_ttl_ms, 1000, 600000},
 };
 
 const cfg_var *orch_config_vars(size_t *n) {
@@ -256,6 +263,10 @@ int orch_start(orch *o, const orch_config *cfg, char *err, size_t errlen) {
         snprintf(e, sizeof e, "cannot start the cancellation watcher");
         goto fail_e;
     }
+    if (orch_lease_start(o)) {
+        snprintf(e, sizeof e, "cannot start the turn lease keeper");
+        goto fail_e;
+    }
     if (set(cfg->nats_url) && orch_steps_start(o, e, sizeof e)) goto fail_e;
     return 0;
 fail_e:
@@ -266,6 +277,7 @@ fail_e:
 
 void orch_stop(orch *o) {
     orch_steps_stop(o);
+    orch_lease_stop();
     orch_turn_watcher_stop();
     orch_workers_stop(o->workers);
     o->workers = NULL;

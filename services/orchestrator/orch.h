@@ -51,6 +51,7 @@ typedef struct orch_config {
     long long step_default_timeout_ms;
     long long no_worker_deliveries; /* a dispatch without a live worker: deliveries, then failed */
     long long paused_streams;       /* SendMessage streams held open on a paused session */
+    long long turn_lease_ttl_ms;    /* a chat turn's lease not renewed this long is reclaimed */
     char *client_ca, *client_cert, *client_key; /* TLS/mTLS towards workers and model-registry */
 } orch_config;
 

@@ -114,14 +114,17 @@ typedef struct orch_turn {
 } orch_turn;
 
 /* Starts a turn: refuses a terminal or suspended session, and one with a pause pending
- * (ORCH_ESTATE, state in final_state: "pausing" for the latter), reads the newest prior turns
+ * (ORCH_ESTATE, state in final_state: "pausing" for the latter; "suspended" when nothing
+ * counts in flight any more: the pending pause is committed then), reads the newest prior turns
  * (at most max_turns and max_bytes of text in total, oldest first), stores the user turn,
- * counts the turn as in flight for at most timeout_ms (what a pause waits for) and audits
- * message_received. *turns heap: orch_turns_free. action_id out: the message_received row (the
- * parent of what the turn does). */
+ * counts the turn as in flight for at most timeout_ms (what a pause waits for), audits
+ * message_received and gives the turn a lease held by owner (this replica) under the id of
+ * that row. *turns heap: orch_turns_free. action_id out: the message_received row (the parent
+ * of what the turn does, and its lease). */
 int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, const char *message,
-                          int max_turns, size_t max_bytes, int64_t timeout_ms, orch_turn **turns,
-                          size_t *n, char *action_id, char *final_state, char *err, size_t errlen);
+                          int max_turns, size_t max_bytes, int64_t timeout_ms, const char *owner,
+                          orch_turn **turns, size_t *n, char *action_id, char *final_state,
+                          char *err, size_t errlen);
 void orch_turns_free(orch_turn *t, size_t n);
 
 /* A committed pause (PauseSession, or a pending pause committed by a turn's end). */
@@ -160,6 +163,30 @@ typedef struct orch_turn_end {
 int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
                         const char *parent_action_id, const orch_turn_end *e, char *err,
                         size_t errlen);
+
+/* ---- turn leases (docs/orchestrator.md, "Dead turns"): a chat turn in flight is leased to
+ * the replica relaying it, which renews it; a lease not renewed for ttl_ms is reclaimed by any
+ * replica ---- */
+typedef struct orch_turn_lease {
+    char action_id[37]; /* the turn's message_received row */
+    char session_id[37];
+    char org_id[37];
+} orch_turn_lease;
+
+/* renewed_at = now for these leases (the ones this replica holds; an ended one is gone). */
+int orch_store_turn_leases_renew(db_pool *p, const char (*action_ids)[37], size_t n, char *err,
+                                 size_t errlen);
+/* At most max leases not renewed for ttl_ms, the stalest first, of every org. */
+int orch_store_turn_leases_stale(db_pool *p, int64_t ttl_ms, size_t max, orch_turn_lease *out,
+                                 size_t *n, char *err, size_t errlen);
+/* Ends the turn of a lease still stale (in one transaction of its org, the session row locked):
+ * the lease goes, the turn stops counting in flight, the status leaves THINKING/ACTING for
+ * ERROR when no other turn runs, last_error says why, the turn_reclaimed audit row (child of
+ * the turn's message_received), and a pending pause commits when no turn is left in flight.
+ * by: this replica. *reclaimed 0: the lease was renewed, ended or reclaimed meanwhile (nothing
+ * changes). paused (NULL: not wanted): the committed pause. */
+int orch_store_turn_reclaim(db_pool *p, const orch_turn_lease *l, int64_t ttl_ms, const char *by,
+                            int *reclaimed, orch_pause *paused, char *err, size_t errlen);
 
 /* Appends an audit row. detail_json: a JSON object text (never secrets). action_id out. */
 int orch_store_audit(db_pool *p, const char *org, const char *session_id, const char *type,

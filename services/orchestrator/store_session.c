@@ -250,8 +250,9 @@ void orch_turns_free(orch_turn *t, size_t n) {
 }
 
 int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, const char *message,
-                          int max_turns, size_t max_bytes, int64_t timeout_ms, orch_turn **turns,
-                          size_t *n, char *action_id, char *final_state, char *err, size_t errlen) {
+                          int max_turns, size_t max_bytes, int64_t timeout_ms, const char *owner,
+                          orch_turn **turns, size_t *n, char *action_id, char *final_state,
+                          char *err, size_t errlen) {
     PGresult *r = NULL;
     char lim[16], tmo[32];
     *turns = NULL;
@@ -260,12 +261,15 @@ int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, c
     snprintf(tmo, sizeof tmo, "%lld", (long long)(timeout_ms > 0 ? timeout_ms : 1));
     TX_BEGIN(org);
     rc = db_exec(c,
-                 "SELECT state, turns, agent_id, pause_pending FROM sessions"
+                 "SELECT state, turns, agent_id, pause_pending,"
+                 "  NOT (turns_running > 0 AND turn_deadline > now()),"
+                 "  pause_reason, pause_source, pause_correlation_id FROM sessions"
                  " WHERE session_id = $1::uuid FOR UPDATE",
                  1, &session_id, &r, err, errlen);
     if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
     char agent[37] = "";
-    int turn_no = 0;
+    int turn_no = 0, overdue = 0;
+    orch_pause pz = {0};
     if (rc == DB_OK) {
         copy(final_state, 16, PQgetvalue(r, 0, 0));
         turn_no = atoi(PQgetvalue(r, 0, 1));
@@ -274,12 +278,31 @@ int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, c
         /* a pause waits for the turns in flight: no new one starts meanwhile (spec: the pause
          * commits at the next message boundary) */
         if (rc == DB_OK && PQgetvalue(r, 0, 3)[0] == 't') {
-            copy(final_state, 16, "pausing");
+            /* nothing counts in flight any more (a turn left by a replica that died with no
+             * lease to reclaim, past its bound): the boundary is now, and the pause commits
+             * here rather than hold the session back until someone asks again */
+            overdue = PQgetvalue(r, 0, 4)[0] == 't';
+            copy(final_state, 16, overdue ? "suspended" : "pausing");
+            copy(pz.reason, sizeof pz.reason, PQgetvalue(r, 0, 5));
+            pz.source = atoi(PQgetvalue(r, 0, 6));
+            copy(pz.correlation_id, sizeof pz.correlation_id, PQgetvalue(r, 0, 7));
             rc = ORCH_ESTATE;
         }
     }
     PQclear(r);
     r = NULL;
+    if (overdue) {
+        /* the turn it waited for ended without an outcome: the status kept for the resume is
+         * ERROR, never THINKING (as the reclaim of a lease records it) */
+        rc = db_exec(c,
+                     "UPDATE sessions SET agent_status = 4 WHERE session_id = $1::uuid"
+                     " AND agent_status IN (1, 2)",
+                     1, &session_id, NULL, err, errlen);
+        if (rc == DB_OK)
+            rc = orch_store__pause_commit_tx(c, session_id, agent, NULL, &pz, err, errlen);
+        rc = tx_end(tx, rc, err, errlen);
+        return rc == DB_OK ? ORCH_ESTATE : rc;
+    }
     /* prior turns: newest first from the database, kept while within the byte bound, then
      * returned oldest first (the current turn is not stored yet, so it is never included) */
     if (rc == DB_OK && max_turns > 0) {
@@ -340,12 +363,54 @@ int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, c
         rc = orch_store__audit_tx(c, session_id, "message_received", agent, NULL, detail, action_id,
                                   err, errlen);
     }
+    /* the turn's lease, named by its message_received row (what its end is handed): renewed
+     * by this replica while the relay lives, reclaimed by any replica once it is not */
+    if (rc == DB_OK)
+        rc = db_exec(c,
+                     "INSERT INTO turn_leases (action_id, session_id, org_id, owner)"
+                     " VALUES ($1, $2, current_org(), left($3, 160))",
+                     3, (const char *[]){action_id, session_id, owner ? owner : ""}, NULL, err,
+                     errlen);
     if (rc != DB_OK) {
         orch_turns_free(*turns, *n);
         *turns = NULL;
         *n = 0;
     }
     return tx_end(tx, rc, err, errlen);
+}
+
+/* The message boundary of a chat turn, inside the caller's transaction: the turn stops counting
+ * in flight (released 1; 0 when its lease was reclaimed already and the reclaim counted it out),
+ * and when no turn is left in flight a pending pause commits (a session terminated meanwhile
+ * drops it). paused (NULL: not wanted): the committed pause, committed = 1. Shared by a turn's
+ * end and the reclaim of a dead one, so a pending pause commits whichever ends the turn. */
+static int turn_boundary_tx(PGconn *c, const char *session_id, const char *agent, int released,
+                            orch_pause *paused, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    const char *v[] = {session_id, released ? "1" : "0"};
+    int rc = db_exec(c,
+                     "UPDATE sessions SET turns_running = greatest(turns_running - $2::int, 0),"
+                     " turn_deadline = CASE WHEN turns_running <= $2::int THEN NULL"
+                     "                      ELSE turn_deadline END,"
+                     " pause_pending = pause_pending AND state = 'active'"
+                     " WHERE session_id = $1::uuid"
+                     " RETURNING pause_pending AND turns_running = 0, pause_reason, pause_source,"
+                     "           pause_correlation_id",
+                     2, v, &r, err, errlen);
+    orch_pause pz = {0};
+    int commit = rc == DB_OK && PQntuples(r) == 1 && PQgetvalue(r, 0, 0)[0] == 't';
+    if (commit) {
+        copy(pz.reason, sizeof pz.reason, PQgetvalue(r, 0, 1));
+        pz.source = atoi(PQgetvalue(r, 0, 2));
+        copy(pz.correlation_id, sizeof pz.correlation_id, PQgetvalue(r, 0, 3));
+    }
+    PQclear(r);
+    if (commit) rc = orch_store__pause_commit_tx(c, session_id, agent, NULL, &pz, err, errlen);
+    if (rc == DB_OK && commit && paused) {
+        *paused = pz;
+        paused->committed = 1;
+    }
+    return rc;
 }
 
 int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
@@ -433,8 +498,8 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
         free(msg);
         free(detail);
     }
-    /* the message boundary: the last turn in flight ending commits a pending pause (a session
-     * terminated meanwhile drops it) */
+    /* a turn parking the session (an approval) leaves a pause pending, which its own boundary
+     * below commits when it is the last turn in flight */
     if (rc == DB_OK && parent_action_id && e->park_source > 0) {
         char src[16];
         snprintf(src, sizeof src, "%d", e->park_source);
@@ -447,30 +512,130 @@ int orch_store_turn_end(db_pool *p, const char *org, const char *session_id,
                      4, v, NULL, err, errlen);
     }
     if (rc == DB_OK && parent_action_id) {
-        rc = db_exec(c,
-                     "UPDATE sessions SET turns_running = greatest(turns_running - 1, 0),"
-                     " turn_deadline = CASE WHEN turns_running <= 1 THEN NULL"
-                     "                      ELSE turn_deadline END,"
-                     " pause_pending = pause_pending AND state = 'active'"
-                     " WHERE session_id = $1::uuid"
-                     " RETURNING pause_pending AND turns_running = 0, pause_reason, pause_source,"
-                     "           pause_correlation_id",
-                     1, &session_id, &r, err, errlen);
-        orch_pause pz = {0};
-        int commit = rc == DB_OK && PQntuples(r) == 1 && PQgetvalue(r, 0, 0)[0] == 't';
-        if (commit) {
-            copy(pz.reason, sizeof pz.reason, PQgetvalue(r, 0, 1));
-            pz.source = atoi(PQgetvalue(r, 0, 2));
-            copy(pz.correlation_id, sizeof pz.correlation_id, PQgetvalue(r, 0, 3));
-        }
+        /* a lease already reclaimed (this replica was silent past the bound) was counted out
+         * by the reclaim: the turn's result is stored all the same, its count is not dropped
+         * twice */
+        rc = db_exec(c, "DELETE FROM turn_leases WHERE action_id = $1::uuid RETURNING 1", 1,
+                     &parent_action_id, &r, err, errlen);
+        int held = rc == DB_OK && PQntuples(r) == 1;
         PQclear(r);
         r = NULL;
-        if (commit) rc = orch_store__pause_commit_tx(c, session_id, agent, NULL, &pz, err, errlen);
-        if (rc == DB_OK && commit && e->paused) {
-            *e->paused = pz;
-            e->paused->committed = 1;
-        }
+        if (rc == DB_OK) rc = turn_boundary_tx(c, session_id, agent, held, e->paused, err, errlen);
     }
+    return tx_end(tx, rc, err, errlen);
+}
+
+/* ---- turn leases (docs/orchestrator.md, "Dead turns") ---- */
+
+#define LEASE_STALE "renewed_at < now() - $2::bigint * interval '1 millisecond'"
+
+int orch_store_turn_leases_renew(db_pool *p, const char (*action_ids)[37], size_t n, char *err,
+                                 size_t errlen) {
+    if (n == 0) return DB_OK;
+    /* one statement for every lease this replica holds: an array literal of UUIDs */
+    char *ids = malloc(n * 37 + 3);
+    if (!ids) return DB_ENOMEM;
+    size_t at = 0;
+    ids[at++] = '{';
+    for (size_t i = 0; i < n; i++) {
+        if (i) ids[at++] = ',';
+        size_t l = strnlen(action_ids[i], 36);
+        memcpy(ids + at, action_ids[i], l);
+        at += l;
+    }
+    ids[at++] = '}';
+    ids[at] = 0;
+    TX_BEGIN(NULL);
+    rc = db_exec(c, "UPDATE turn_leases SET renewed_at = now() WHERE action_id = ANY($1::uuid[])",
+                 1, (const char *[]){ids}, NULL, err, errlen);
+    free(ids);
+    return tx_end(tx, rc, err, errlen);
+}
+
+int orch_store_turn_leases_stale(db_pool *p, int64_t ttl_ms, size_t max, orch_turn_lease *out,
+                                 size_t *n, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    char ttl[32], lim[16];
+    *n = 0;
+    snprintf(ttl, sizeof ttl, "%lld", (long long)ttl_ms);
+    snprintf(lim, sizeof lim, "%zu", max);
+    TX_BEGIN(NULL);
+    rc = db_exec(c,
+                 "SELECT action_id, session_id, org_id FROM turn_leases WHERE " LEASE_STALE
+                 " ORDER BY renewed_at LIMIT $1::int",
+                 2, (const char *[]){lim, ttl}, &r, err, errlen);
+    for (int i = 0; rc == DB_OK && i < PQntuples(r) && (size_t)i < max; i++) {
+        copy(out[i].action_id, sizeof out[i].action_id, PQgetvalue(r, i, 0));
+        copy(out[i].session_id, sizeof out[i].session_id, PQgetvalue(r, i, 1));
+        copy(out[i].org_id, sizeof out[i].org_id, PQgetvalue(r, i, 2));
+        (*n)++;
+    }
+    PQclear(r);
+    return tx_end(tx, rc, err, errlen);
+}
+
+int orch_store_turn_reclaim(db_pool *p, const orch_turn_lease *l, int64_t ttl_ms, const char *by,
+                            int *reclaimed, orch_pause *paused, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    char ttl[32], agent[37] = "", owner[161] = "", why[512];
+    long long silent = 0;
+    *reclaimed = 0;
+    snprintf(ttl, sizeof ttl, "%lld", (long long)ttl_ms);
+    TX_BEGIN(l->org_id);
+    /* the session row first, as a turn's end locks it: a reclaim and the end of the same turn
+     * (its replica alive after all) serialise on it, and the lease goes to exactly one */
+    rc = db_exec(c, "SELECT agent_id FROM sessions WHERE session_id = $1::uuid FOR UPDATE", 1,
+                 (const char *[]){l->session_id}, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 1) copy(agent, sizeof agent, PQgetvalue(r, 0, 0));
+    PQclear(r);
+    r = NULL;
+    /* still stale now that the row is ours: renewed meanwhile, or ended, or reclaimed by
+     * another replica, it is left alone */
+    if (rc == DB_OK)
+        rc = db_exec(c,
+                     "DELETE FROM turn_leases WHERE action_id = $1::uuid AND " LEASE_STALE
+                     " RETURNING owner,"
+                     "  floor(extract(epoch FROM now() - renewed_at) * 1000)::bigint",
+                     2, (const char *[]){l->action_id, ttl}, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 1) {
+        *reclaimed = 1;
+        copy(owner, sizeof owner, PQgetvalue(r, 0, 0));
+        silent = atoll(PQgetvalue(r, 0, 1));
+    }
+    PQclear(r);
+    r = NULL;
+    if (rc != DB_OK || !*reclaimed || !agent[0]) return tx_end(tx, rc, err, errlen);
+    /* the turn ended without an outcome: ERROR ("the step ended with an error"), as a failed
+     * turn's end sets it, unless another turn still runs or the session left 'active' (a
+     * terminated one keeps its final status, a suspended one SUSPENDED) */
+    snprintf(why, sizeof why,
+             "the turn was reclaimed: replica %s relaying it stopped renewing its lease "
+             "(silent %lld ms)",
+             owner, silent);
+    rc = db_exec(c,
+                 "UPDATE sessions SET agent_status = CASE WHEN state = 'active'"
+                 "   AND turns_running <= 1 AND agent_status IN (1, 2) THEN 4"
+                 "   ELSE agent_status END,"
+                 " last_error = left($2, 1024) WHERE session_id = $1::uuid",
+                 2, (const char *[]){l->session_id, why}, NULL, err, errlen);
+    if (rc == DB_OK) {
+        char *o = orch_store__json_str(owner, 160), *b = orch_store__json_str(by, 160);
+        char *detail = NULL;
+        if (!o || !b ||
+            asprintf(&detail, "{\"owner\":%s,\"silent_ms\":%lld,\"reclaimed_by\":%s}", o, silent,
+                     b) < 0) {
+            detail = NULL;
+            rc = DB_ENOMEM;
+        }
+        /* a child of the turn's message_received, as the turn's own completion would be */
+        if (rc == DB_OK)
+            rc = orch_store__audit_tx(c, l->session_id, "turn_reclaimed", agent, l->action_id,
+                                      detail, NULL, err, errlen);
+        free(o);
+        free(b);
+        free(detail);
+    }
+    if (rc == DB_OK) rc = turn_boundary_tx(c, l->session_id, agent, 1, paused, err, errlen);
     return tx_end(tx, rc, err, errlen);
 }
 

@@ -77,9 +77,9 @@ def apply_agent(org, doc, tmpdir="/tmp"):
 
 def canonical(s):
     """The documented canonical encoding of a SessionSnapshot (docs/orchestrator.md), written
-    independently of the C code: field number, then big-endian lengths/values, fields 11, 19 and
-    20 left out."""
-    out = [b"upsquad.snapshot.v1\n"]
+    independently of the C code: field number, then big-endian lengths/values, fields 1, 2 (the
+    session's identity), 11, 19 and 20 left out."""
+    out = [b"upsquad.snapshot.v2\n"]
 
     def st(n, v):
         b = v.encode()
@@ -91,7 +91,7 @@ def canonical(s):
     def strs(n, vs):
         out.append(struct.pack(">BI", n, len(vs)) + b"".join(struct.pack(">I", len(x.encode())) + x.encode() for x in vs))
 
-    st(1, s.session_id); st(2, s.tenant_id); st(3, s.agent_id); st(4, s.model_id)
+    st(3, s.agent_id); st(4, s.model_id)
     out.append(struct.pack(">Bd", 5, s.temperature + 0.0))
     i64(6, s.max_tokens); strs(7, list(s.tools)); strs(8, list(s.guardrail_hashes))
     g = sorted(s.rbac_grants.items(), key=lambda kv: kv[0].encode())
@@ -220,6 +220,62 @@ class Orch(unittest.TestCase):
         snap.org_version_seq = 99
         snap.mcp_servers["x"].prefix = "y"
         self.assertEqual(canonical(snap), r.snapshot_hash)
+
+    def test_snapshot_hash_detects_drift(self):
+        """Equal configurations hash alike whatever the session, the tenant or the time; every
+        configuration field, and each override, changes the hash."""
+        org = str(uuid.uuid4())
+        tok = self.tok(org)
+        base = {"role": "drift", "display_name": "Drift", "model": "claude-sonnet-4-6",
+                "persona": "be brief", "tools": ["web_search", "mcp:gh"], "max_loops": 7,
+                "mcp_servers": {"gh": {"prefix": "github", "unit_id": "u1"}}}
+        agent = apply_agent(org, base)
+
+        def hash_of(token=tok, **kw):
+            r = self.create(agent_id=agent, token=token, **kw)
+            self.assertEqual(self.get(r.session_id, token=token).snapshot_hash, r.snapshot_hash)
+            init = [i for i in self.fake.inits + self.fake2.inits if i.snapshot.session_id == r.session_id]
+            self.assertEqual(len(init), 1)
+            self.assertEqual(canonical(init[0].snapshot), r.snapshot_hash)
+            return r.snapshot_hash
+
+        h0 = hash_of()
+        time.sleep(0.01)
+        self.assertEqual(hash_of(), h0)  # another session, later, by another user
+        self.assertEqual(hash_of(token=self.tok(org, sub=str(uuid.uuid4()))), h0)
+        # mcp_servers is left out (spec): re-pointing a server leaves the configuration's hash
+        apply_agent(org, dict(base, mcp_servers={"gh": {"prefix": "gh2", "unit_id": "u9"}}))
+        self.assertEqual(hash_of(), h0)
+        variants = {
+            "model": "claude-haiku-4-5-20251001", "temperature": 0.7, "max_tokens": 99,
+            "tools": ["web_search"], "guardrail_hashes": ["g" * 64], "rbac_grants": {"repo:*": "read"},
+            "persona": "be long", "max_loops": 8, "execution_mode": "autonomous",
+            "fallback_chain": ["gpt-5.5"], "context_engine_address": "ce:1", "runtime": "claude_sdk",
+            "llm_base_url": "https://llm.example",
+            "security_config": {"input_filter_mode": "strict"},
+            "security_config.redact_pii": {"redact_pii": True},
+            "security_config.tool_result_max_bytes": {"tool_result_max_bytes": 1024},
+            "security_config.custom_block_patterns": {"custom_block_patterns": [{"id": "p", "regex": "x+"}]},
+        }
+        seen = {h0: "base"}
+        for field, value in variants.items():
+            key = field.split(".")[0]
+            apply_agent(org, dict(base, **{key: value}))
+            h = hash_of()
+            self.assertNotIn(h, seen, "%s: hashes like %s" % (field, seen.get(h)))
+            seen[h] = field
+        # the same configuration again: the same hash (drift is visible, and reversible)
+        apply_agent(org, base)
+        self.assertEqual(hash_of(), h0)
+        # the overrides frozen at creation are configuration too
+        h = hash_of(execution_mode=R.EXECUTION_MODE_MULTI_TURN)
+        self.assertNotIn(h, seen)
+        seen[h] = "execution_mode override"
+        self.assertEqual(hash_of(execution_mode=R.EXECUTION_MODE_MULTI_TURN), h)
+        if MR_DSN:
+            h = hash_of(model_override="gpt-6.1-terra")
+            self.assertNotIn(h, seen)
+            self.assertEqual(hash_of(model_override="GPT-6.1-Terra"), h)  # the catalogue's spelling
 
     def test_create_bad_input(self):
         c, d = self.code(lambda: self.create(agent_id="not-a-uuid"))

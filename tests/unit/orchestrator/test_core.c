@@ -24,7 +24,7 @@ static const char *VECTOR_DOC =
 #define VECTOR_SESSION "00000000-0000-4000-8000-000000000001"
 #define VECTOR_ORG "00000000-0000-4000-8000-0000000000aa"
 #define VECTOR_AGENT "00000000-0000-4000-8000-0000000000bb"
-#define VECTOR_HASH "c47722723f6b97b1dd25a8bb72e079e83743946dfc7f69054c959c23a06c4c52"
+#define VECTOR_HASH "3ab0f6019cb0db4eb313006e057fee4d5f496133882870364c09fcbc6a66d593"
 
 static SessionSnapshot *freeze(orch_arena *a, const char *json) {
     cJSON *doc = cJSON_Parse(json);
@@ -73,6 +73,12 @@ static void test_excluded_fields(void **state) {
     s->snapshot_hash = (char *)"anything";
     hash_of(s, h);
     assert_string_equal(h, h0);
+    /* the session's identity is not configuration: another session of another org freezing
+     * the same configuration hashes alike */
+    s->session_id = (char *)"00000000-0000-4000-8000-000000000002";
+    s->tenant_id = (char *)"00000000-0000-4000-8000-0000000000cc";
+    hash_of(s, h);
+    assert_string_equal(h, h0);
     orch_arena_free(&a);
 }
 
@@ -83,15 +89,9 @@ static void test_every_other_field(void **state) {
     char h0[65], h[65];
     SessionSnapshot *base = freeze(&a, VECTOR_DOC);
     hash_of(base, h0);
-    for (int f = 0; f < 27; f++) {
+    for (int f = 2; f < 27; f++) {
         SessionSnapshot *s = freeze(&a, VECTOR_DOC);
         switch (f) {
-        case 0:
-            s->session_id = (char *)"x";
-            break;
-        case 1:
-            s->tenant_id = (char *)"x";
-            break;
         case 2:
             s->agent_id = (char *)"x";
             break;
