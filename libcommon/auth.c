@@ -320,10 +320,14 @@ static int auth__has_duplicates(const cJSON *obj) {
 }
 
 /* A JOSE segment's JSON, strictly: the JSON text must end where the segment ends (nothing
- * smuggled after it), and no string may hold a NUL (raw, or escaped as \u0000): claims are
- * compared as C strings, so "HS256\u0000x" would read as "HS256". NULL when refused. */
+ * smuggled after it), no string may hold a NUL (raw, or escaped as \u0000): claims are
+ * compared as C strings, so "HS256\u0000x" would read as "HS256"; and every byte is UTF-8
+ * (RFC 7519 7.2, RFC 8259 8.1), in any claim, known or not, and any member name: a token
+ * other parsers would read differently, or log as mojibake, is malformed. An escaped lone
+ * surrogate (\ud800) is refused by the JSON parser. NULL when refused. */
 static cJSON *auth__parse_segment(const unsigned char *json, size_t n) {
     const char *end = NULL;
+    if (util_utf8_check(json, n) != n) return NULL;
     for (size_t i = 0; i < n; i++) {
         if (json[i] == 0) return NULL;
         if (json[i] != '\\') continue;

@@ -265,13 +265,25 @@ class Tokens(Base):
             "clearance 9": tok(self.claims(clearance=9)),
             "duplicate member": sign(s, hs, b'{"sub":"m","sub":"n","org_id":"o","clearance":1,'
                                      b'"aud":"upsquad","exp":%d}' % (self.NOW + 600)),
+            # not UTF-8 in a claim nobody reads, in a nested one, in a member name, the header
+            "unknown claim not UTF-8": sign(
+                s, hs, json.dumps(self.claims()).encode()[:-1] + b',"note":"\xff"}'),
+            "nested claim not UTF-8": sign(
+                s, hs, json.dumps(self.claims()).encode()[:-1] + b',"x":{"y":["\xc3"]}}'),
+            "member name not UTF-8": sign(
+                s, hs, json.dumps(self.claims()).encode()[:-1] + b',"k\xfe":1}'),
+            "header not UTF-8": sign(s, b'{"alg":"HS256","typ":"JWT","kid":"\x80"}',
+                                     json.dumps(self.claims()).encode()),
         }
         for name, t in bad.items():
             code, details = self.call(t)
             self.assertEqual(code, grpc.StatusCode.UNAUTHENTICATED, "%s: %s" % (name, details))
             self.assertNotIn(t[:20], details)  # the token is never echoed
-        # iat within the leeway (clock skew) is fine
+        # iat within the leeway (clock skew) is fine; so is well-formed UTF-8 anywhere
         self.assertEqual(self.call(tok(self.claims(iat=self.NOW + 10)))[0], grpc.StatusCode.OK)
+        self.assertEqual(self.call(sign(s, hs, json.dumps(self.claims(note="Zo\u00eb \u65e5"),
+                                                          ensure_ascii=False).encode()))[0],
+                         grpc.StatusCode.OK)
 
     def test_two_authorization_headers_are_refused(self):
         good = self.srv.token()

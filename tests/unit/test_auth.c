@@ -1005,6 +1005,34 @@ static void test_strict_segments(void **state) {
         free(t);
         free(p);
     }
+    /* bytes that are not UTF-8 anywhere in a segment (RFC 7519 7.2: the JOSE header and the
+     * claims set are UTF-8): unknown and nested claims, member names, the header; overlongs
+     * and surrogates too. Well-formed multi-byte text is accepted. */
+    static const char *const claims = "{\"sub\":\"m\",\"org_id\":\"o\",\"clearance\":1,"
+                                      "\"aud\":\"upsquad\",\"iss\":\"gw\",\"iat\":%lld,"
+                                      "\"exp\":%lld,";
+    struct {
+        const char *header, *extra;
+        int want;
+    } utf8[] = {
+        {HDR_HS, "\"name\":\"Zo\xc3\xab \xe6\x97\xa5\xf0\x9f\x98\x80\"}", AUTH_OK},
+        {HDR_HS, "\"name\":\"\xff\"}", AUTH_EMALFORMED},
+        {HDR_HS, "\"x\":{\"y\":[\"ok\",\"\xc3\"]}}", AUTH_EMALFORMED},
+        {HDR_HS, "\"k\xfe\":1}", AUTH_EMALFORMED},
+        {HDR_HS, "\"name\":\"\xc0\xaf\"}", AUTH_EMALFORMED},     /* overlong "/" */
+        {HDR_HS, "\"name\":\"\xed\xa0\x80\"}", AUTH_EMALFORMED}, /* a surrogate */
+        {HDR_HS, "\"name\":\"\\ud800\"}", AUTH_EMALFORMED},      /* a lone escaped one */
+        {"{\"alg\":\"HS256\",\"typ\":\"JWT\",\"kid\":\"\x80\"}", "\"n\":1}", AUTH_EMALFORMED},
+    };
+    for (size_t i = 0; i < sizeof utf8 / sizeof utf8[0]; i++) {
+        char *f = fmt("%s%s", claims, utf8[i].extra);
+        char *p = fmt(f, n, n + 600);
+        char *t = make_token(SIGN_HS, SECRET, utf8[i].header, p);
+        expect_verify(v, t, utf8[i].want);
+        free(t);
+        free(p);
+        free(f);
+    }
     /* iat: within the leeway accepted, beyond it refused; absent is fine */
     struct {
         long long iat_off;
