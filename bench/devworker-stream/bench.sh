@@ -41,7 +41,7 @@ trap cleanup EXIT
 
 env -u UPSQUAD_ORCHESTRATOR_ADDR -u UPSQUAD_METRICS_ADDR UPSQUAD_LOG_LEVEL=warn \
     UPSQUAD_GRPC_ADDR=127.0.0.1:0 UPSQUAD_JWT_SECRET=$SECRET UPSQUAD_JWT_AUDIENCE=upsquad \
-    "$BIN/devworker" >"$TMP/step.out" 2>"$TMP/step.err" &
+    UPSQUAD_DEVWORKER_REQUIRE_SCOPE=any "$BIN/devworker" >"$TMP/step.out" 2>"$TMP/step.err" &
 PID[step]=$!
 "$BIN/rpc-bare-echo" 127.0.0.1:0 1 >"$TMP/bare1.out" 2>"$TMP/bare1.err" &
 PID[bare1]=$!

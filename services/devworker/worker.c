@@ -25,9 +25,9 @@ static const cfg_var vars[] = {
      "x-upsquad-worker-addr); empty: the listen address with its bound port (0.0.0.0 becomes "
      "the host name)",
      &C.advertise_addr},
-    {"UPSQUAD_DEVWORKER_REQUIRE_SCOPE", CFG_STR, "",
-     "when set (e.g. runtime.orchestrator), callers' tokens must carry this `scope`; empty: any "
-     "token the platform's key verifies",
+    {"UPSQUAD_DEVWORKER_REQUIRE_SCOPE", CFG_STR, "runtime.orchestrator",
+     "callers' tokens must carry this `scope` (the orchestrator's calls do); `any`: any token "
+     "the platform's key verifies (a developer calling the worker with upsquad-token)",
      &C.require_scope},
     {"UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL", CFG_MS, "5s", "time between heartbeats",
      &C.heartbeat_ms, 50, 3600000},

@@ -28,7 +28,7 @@ typedef struct dw_config {
     char *worker_id;            /* UPSQUAD_DEVWORKER_ID; empty: the advertised address */
     char *advertise_addr;       /* UPSQUAD_DEVWORKER_ADVERTISE_ADDR; empty: from the listen addr */
     char *grpc_addr;            /* UPSQUAD_GRPC_ADDR (read again for the advertised address) */
-    char *require_scope;        /* UPSQUAD_DEVWORKER_REQUIRE_SCOPE; empty: any valid token */
+    char *require_scope;        /* UPSQUAD_DEVWORKER_REQUIRE_SCOPE; "any": any valid token */
     long long heartbeat_ms;     /* UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL */
     long long backoff_max_ms;   /* UPSQUAD_DEVWORKER_HEARTBEAT_BACKOFF_MAX */
     long long rpc_timeout_ms;   /* UPSQUAD_DEVWORKER_ORCHESTRATOR_TIMEOUT */

@@ -129,8 +129,9 @@ def start_worker(orch_addr="", env=None):
 class Client:
     def __init__(self, addr, token=None):
         self.ch = grpc.insecure_channel(addr)
-        self.token = token if token is not None else T.mint(SECRET, sub="orchestrator",
-                                                            org="platform")
+        # the orchestrator's calls carry its scope, which the worker requires by default
+        self.token = token if token is not None else T.mint(
+            SECRET, sub="orchestrator", org="platform", extra={"scope": "runtime.orchestrator"})
         self.step = self.ch.unary_stream(
             SVC + "ExecuteStep", request_serializer=R.ExecuteStepRequest.SerializeToString,
             response_deserializer=R.ExecuteStepEvent.FromString)
@@ -556,17 +557,23 @@ class DevworkerTest(unittest.TestCase):
         self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
 
     def test_required_scope(self):
-        w = start_worker(env={"UPSQUAD_DEVWORKER_REQUIRE_SCOPE": "runtime.orchestrator"})
+        # by default (self.w has no UPSQUAD_DEVWORKER_REQUIRE_SCOPE): a member's token, of any
+        # tenant, or a worker's own, cannot drive the worker; only the orchestrator's scope can
+        for extra in (None, {"scope": "runtime.worker"}, {"scope": "runtime.orchestratorx"}):
+            for org in ("org-1", "org-2"):
+                with self.assertRaises(grpc.RpcError) as cm:
+                    self.c.run("hi", token=T.mint(SECRET, org=org, clearance=5, extra=extra))
+                self.assertEqual(cm.exception.code(), grpc.StatusCode.PERMISSION_DENIED)
+                self.assertIn("runtime.orchestrator", cm.exception.details())
+        for scope in ("runtime.orchestrator", "a runtime.orchestrator", ["runtime.orchestrator"]):
+            ev = self.c.run("hi", token=T.mint(SECRET, extra={"scope": scope}))
+            self.assertEqual(ev[-1].completion.final_response, "echo: hi")
+        # `any` opts out (a developer's upsquad-token)
+        w = start_worker(env={"UPSQUAD_DEVWORKER_REQUIRE_SCOPE": "any"})
         c = Client(w.addr)
         try:
-            for extra in (None, {"scope": "runtime.worker"}, {"scope": "runtime.orchestratorx"}):
-                with self.assertRaises(grpc.RpcError) as cm:
-                    c.run("hi", token=T.mint(SECRET, extra=extra))
-                self.assertEqual(cm.exception.code(), grpc.StatusCode.PERMISSION_DENIED)
-            for scope in ("runtime.orchestrator", "a runtime.orchestrator",
-                          ["runtime.orchestrator"]):
-                ev = c.run("hi", token=T.mint(SECRET, extra={"scope": scope}))
-                self.assertEqual(ev[-1].completion.final_response, "echo: hi")
+            ev = c.run("hi", token=T.mint(SECRET))
+            self.assertEqual(ev[-1].completion.final_response, "echo: hi")
         finally:
             c.close()
             w.stop()
