@@ -114,7 +114,8 @@ cpu_ticks() { # engine pid
     local s
     s=$(awk '{print $14 + $15}' "/proc/$1/stat")
     s=$((s + $(awk '{print $16 + $17}' "/proc/$PM/stat")))
-    for c in $(pgrep -P "$PM"); do s=$((s + $(awk '{print $14 + $15}' "/proc/$c/stat" 2>/dev/null || echo 0))); done
+    # the live backends: children of the postmaster (field 4 of /proc/<pid>/stat)
+    s=$((s + $(cat /proc/[0-9]*/stat 2>/dev/null | awk -v pm="$PM" '$4 == pm {t += $14 + $15} END {print t + 0}')))
     echo "$s"
 }
 per_transition() { # runs steps laps -> CPU ms per transition
