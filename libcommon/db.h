@@ -168,6 +168,13 @@ int db_conninfo_as(const char *base, const char *user, const char *password, cha
 int db_migrate(db_pool *p, const char *schema, const char *dir, int *applied, char *err,
                size_t errlen);
 
+/* db_migrate as the schema's owner: over one connection of owner_dsn when it is set (the
+ * service itself logs in as a role that owns nothing and cannot create, alter or drop, so it
+ * cannot switch row-level security off), else over p (a role that owns the schema: tests,
+ * single-role setups). p may be NULL when owner_dsn is set. */
+int db_migrate_as(db_pool *p, const char *owner_dsn, const char *schema, const char *dir,
+                  int *applied, char *err, size_t errlen);
+
 /* Pipelining
  *   A transaction begun with DB_TX_PIPELINE puts its connection in libpq's pipeline mode:
  *   BEGIN, the tenant scope and every later statement run with out_res NULL (a write whose

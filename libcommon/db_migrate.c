@@ -324,3 +324,23 @@ int db_migrate(db_pool *p, const char *schema, const char *dir, int *applied, ch
     free(r.applied);
     return rc;
 }
+
+int db_migrate_as(db_pool *p, const char *owner_dsn, const char *schema, const char *dir,
+                  int *applied, char *err, size_t errlen) {
+    if (!owner_dsn || !owner_dsn[0]) {
+        if (!p) {
+            if (err && errlen) snprintf(err, errlen, "db_migrate_as: no pool and no owner DSN");
+            return DB_EINVAL;
+        }
+        return db_migrate(p, schema, dir, applied, err, errlen);
+    }
+    db_pool *owner = NULL;
+    db_pool_opts o;
+    db_pool_opts_default(&o);
+    o.size = 1;
+    o.application_name = "upsquad-migrate";
+    int rc = db_pool_open_ex(owner_dsn, &o, &owner, err, errlen);
+    if (rc == DB_OK) rc = db_migrate(owner, schema, dir, applied, err, errlen);
+    db_pool_close(owner);
+    return rc;
+}

@@ -26,6 +26,12 @@
 #   - Redis and NATS run without authentication: loopback-only development servers.
 # Tenancy convention: RLS policies key on current_setting('app.org_id', true), which
 # libcommon's db_tx_begin() sets per transaction (SET LOCAL semantics).
+# Two roles per service schema (docs/security.md): <schema> owns it and applies the migrations
+# (UPSQUAD_PG_MIGRATE_DSN); the service logs in as <schema>_app, which owns nothing and has only
+# USAGE on the schema and DML on its tables (default privileges cover later migrations), so it
+# cannot alter a table, disable or un-force row-level security, drop a policy or take the
+# owner's role. .run/env exports both: UPSQUAD_PG_DSN_<SCHEMA> (the owner: migrations, tests,
+# operator tools) and UPSQUAD_PG_APP_DSN_<SCHEMA> (the login the services run as).
 #
 # Files under $RUN_DIR: env (0600), ports, pids/<name>.pid, logs/<name>.log, secrets/,
 # redis/, nats/ (JetStream store), pg -> the Postgres folder (data/, sock/, postgres.log).
@@ -312,6 +318,7 @@ pg_write_pgpass() {
         echo "127.0.0.1:*:*:postgres:$(secret pg_postgres 24)"
         for role in $(pg_roles); do
             echo "127.0.0.1:*:*:$role:$(secret "pg_$role" 24)"
+            echo "127.0.0.1:*:*:${role}_app:$(secret "pg_${role}_app" 24)"
         done
     } | (umask 077 && cat >"$f.tmp" && mv "$f.tmp" "$f")
 }
@@ -325,7 +332,9 @@ pg_roles() {
 
 pg_dsn() { echo "postgresql://$1@127.0.0.1:$PG_PORT/$2?sslmode=disable&connect_timeout=10"; }
 
-# Database, and per service: a login role owning its schema, with that schema as search_path.
+# Database, and per service schema: the owner role (migrations) and the service's login role
+# <schema>_app (DML only), both with that schema as search_path. Re-running converges an older
+# runtime's database (one role per schema) to the split: the owner keeps what it owns.
 pg_bootstrap() {
     local psql=("$PGBIN/psql" -X -q -A -t -v ON_ERROR_STOP=1)
     export PGPASSFILE="$RUN_DIR/secrets/pgpass"
@@ -335,13 +344,25 @@ pg_bootstrap() {
     fi
     local sql="SET client_min_messages = warning;" role vars=()
     for role in $(pg_roles); do
-        vars+=(-v "pw_$role=$(secret "pg_$role" 24)")
+        vars+=(-v "pw_$role=$(secret "pg_$role" 24)" -v "pw_${role}_app=$(secret "pg_${role}_app" 24)")
         sql+="
-SELECT format('CREATE ROLE %I LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS', '$role')
- WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '$role') \\gexec
-ALTER ROLE $role PASSWORD :'pw_$role';
+SELECT format('CREATE ROLE %I LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS', r)
+  FROM unnest(ARRAY['$role', '${role}_app']) AS r
+ WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) \\gexec
+ALTER ROLE $role NOSUPERUSER NOBYPASSRLS PASSWORD :'pw_$role';
+ALTER ROLE ${role}_app NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS NOINHERIT
+    PASSWORD :'pw_${role}_app';
 CREATE SCHEMA IF NOT EXISTS $role AUTHORIZATION $role;
 ALTER ROLE $role IN DATABASE $PG_DATABASE SET search_path = $role;
+ALTER ROLE ${role}_app IN DATABASE $PG_DATABASE SET search_path = $role;
+REVOKE CREATE ON SCHEMA $role FROM PUBLIC;
+GRANT USAGE ON SCHEMA $role TO ${role}_app;
+GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA $role TO ${role}_app;
+GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA $role TO ${role}_app;
+ALTER DEFAULT PRIVILEGES FOR ROLE $role IN SCHEMA $role
+    GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO ${role}_app;
+ALTER DEFAULT PRIVILEGES FOR ROLE $role IN SCHEMA $role
+    GRANT USAGE, SELECT ON SEQUENCES TO ${role}_app;
 "
     done
     "${psql[@]}" "${vars[@]}" "$(pg_dsn postgres "$PG_DATABASE")" >/dev/null <<<"$sql" ||
@@ -417,6 +438,7 @@ write_env() {
             [[ -z "$name" ]] && continue
             if [[ "$role" != - ]]; then
                 echo "export UPSQUAD_PG_DSN_$(env_name "$role")='$(pg_dsn "$role" "$PG_DATABASE")'"
+                echo "export UPSQUAD_PG_APP_DSN_$(env_name "$role")='$(pg_dsn "${role}_app" "$PG_DATABASE")'"
             fi
         done <<<"$SERVICES_TABLE"
         echo "export UPSQUAD_NATS_URL=nats://127.0.0.1:$NATS_PORT"
@@ -456,9 +478,10 @@ service_up() {
     (
         # shellcheck disable=SC1091
         source "$RUN_DIR/env"
-        if [[ "$role" != - ]]; then
-            export UPSQUAD_PG_DSN
-            UPSQUAD_PG_DSN=$(pg_dsn "$role" "$PG_DATABASE")
+        if [[ "$role" != - ]]; then # logs in as <schema>_app; migrates as the owner
+            export UPSQUAD_PG_DSN UPSQUAD_PG_MIGRATE_DSN
+            UPSQUAD_PG_DSN=$(pg_dsn "${role}_app" "$PG_DATABASE")
+            UPSQUAD_PG_MIGRATE_DSN=$(pg_dsn "$role" "$PG_DATABASE")
         fi
         export UPSQUAD_GRPC_ADDR=127.0.0.1:$port
         export UPSQUAD_METRICS_ADDR=127.0.0.1:$((PORT_BASE + METRICS_OFFSET + idx))

@@ -23,6 +23,12 @@ static const cfg_var vars[] = {
     {"UPSQUAD_PG_DSN", CFG_STR, NULL,
      "Postgres connection string of the model_registry login role (libpq keywords or URI)",
      &C.pg_dsn, 0, 0, CFG_REQUIRED | CFG_SECRET},
+    {"UPSQUAD_PG_MIGRATE_DSN", CFG_STR, NULL,
+     "Postgres connection string of the model_registry schema's owner role, used only to apply the "
+     "migrations (at start or with --migrate); unset: they run as UPSQUAD_PG_DSN, which must "
+     "then own the schema (make run and Kubernetes set both: the service logs in as a role that "
+     "owns nothing)",
+     &C.pg_migrate_dsn, 0, 0, CFG_SECRET},
     {"UPSQUAD_PG_POOL_SIZE", CFG_INT, "2",
      "Postgres connections at most (only catalogue loads and reloads use them; calls never do)",
      &C.pg_pool_size, 1, 64},
@@ -276,7 +282,8 @@ int mr_registry_migrate(const mr_config *cfg, char *err, size_t errlen) {
     int applied = 0;
     if (!set(cfg->migrations_dir)) return fail(err, errlen, "UPSQUAD_MIGRATIONS_DIR is none");
     if (db_pool_open(cfg->pg_dsn, 1, &pool, err, errlen) != DB_OK) return -1;
-    int rc = db_migrate(pool, MR_SCHEMA, cfg->migrations_dir, &applied, err, errlen);
+    int rc = db_migrate_as(pool, cfg->pg_migrate_dsn, MR_SCHEMA, cfg->migrations_dir, &applied, err,
+                           errlen);
     db_pool_close(pool);
     if (rc != DB_OK) return -1;
     log_info("catalog.migrated", "%d migration(s) applied from %s", applied, cfg->migrations_dir);
@@ -315,7 +322,8 @@ int mr_registry_start(mr_registry *r, const mr_config *cfg, char *err, size_t er
         goto fail;
     if (set(cfg->migrations_dir)) {
         int applied = 0;
-        if (db_migrate(r->pool, MR_SCHEMA, cfg->migrations_dir, &applied, err, errlen) != DB_OK)
+        if (db_migrate_as(r->pool, cfg->pg_migrate_dsn, MR_SCHEMA, cfg->migrations_dir, &applied,
+                          err, errlen) != DB_OK)
             goto fail;
         if (applied) log_info("catalog.migrated", "%d migration(s) applied", applied);
     }

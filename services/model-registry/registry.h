@@ -36,6 +36,7 @@ typedef struct mr_config {
     long long pg_pool_size;
     char *nats_url;       /* NULL/"" = no bus: replicas converge by polling only */
     char *migrations_dir; /* "none" = do not migrate at start (a --migrate Job does) */
+    char *pg_migrate_dsn; /* UPSQUAD_PG_MIGRATE_DSN: the schema owner (migrations only) */
     char *catalog_file;   /* "none" = serve what the database holds; never load a file */
     long long poll_ms;
     long long alternatives;

@@ -21,6 +21,12 @@ static const cfg_var vars[] = {
     {"UPSQUAD_PG_DSN", CFG_STR, NULL,
      "Postgres connection string of the orchestrator login role (libpq keywords or URI)", &C.pg_dsn,
      0, 0, CFG_REQUIRED | CFG_SECRET},
+    {"UPSQUAD_PG_MIGRATE_DSN", CFG_STR, NULL,
+     "Postgres connection string of the orchestrator schema's owner role, used only to apply the "
+     "migrations (at start or with --migrate); unset: they run as UPSQUAD_PG_DSN, which must "
+     "then own the schema (make run and Kubernetes set both: the service logs in as a role that "
+     "owns nothing)",
+     &C.pg_migrate_dsn, 0, 0, CFG_SECRET},
     {"UPSQUAD_PG_POOL_SIZE", CFG_INT, "8", "Postgres connections at most", &C.pg_pool_size, 1, 256},
     {"UPSQUAD_MIGRATIONS_DIR", CFG_STR, "services/orchestrator/migrations",
      "folder of the schema migrations applied at start; `none`: do not migrate at start (run "
@@ -216,7 +222,8 @@ int orch_migrate(const orch_config *cfg, char *err, size_t errlen) {
     db_pool *p = NULL;
     int applied = 0;
     if (open_pool(cfg, &p, err, errlen)) return -1;
-    int rc = db_migrate(p, ORCH_SCHEMA, cfg->migrations_dir, &applied, err, errlen);
+    int rc = db_migrate_as(p, cfg->pg_migrate_dsn, ORCH_SCHEMA, cfg->migrations_dir, &applied, err,
+                           errlen);
     if (rc == DB_OK) log_info("db.migrated", "%d migrations applied", applied);
     db_pool_close(p);
     return rc == DB_OK ? 0 : -1;
@@ -233,7 +240,8 @@ int orch_start(orch *o, const orch_config *cfg, char *err, size_t errlen) {
     if (open_pool(cfg, &o->pool, e, sizeof e)) goto fail_e;
     if (set(cfg->migrations_dir)) {
         int applied = 0;
-        if (db_migrate(o->pool, ORCH_SCHEMA, cfg->migrations_dir, &applied, e, sizeof e))
+        if (db_migrate_as(o->pool, cfg->pg_migrate_dsn, ORCH_SCHEMA, cfg->migrations_dir, &applied,
+                          e, sizeof e))
             goto fail_e;
         if (applied) log_info("db.migrated", "%d migrations applied", applied);
     }

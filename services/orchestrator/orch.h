@@ -30,6 +30,7 @@ typedef struct orch_config {
     char *pg_dsn;
     long long pg_pool_size;
     char *migrations_dir;
+    char *pg_migrate_dsn; /* UPSQUAD_PG_MIGRATE_DSN: the schema owner (migrations only) */
     char *redis_url;
     char *nats_url;
     char *worker_targets;

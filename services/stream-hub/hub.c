@@ -16,6 +16,12 @@ static const cfg_var vars[] = {
     {"UPSQUAD_PG_DSN", CFG_STR, NULL,
      "Postgres connection string of the stream_hub login role (libpq keywords or URI)", &C.pg_dsn,
      0, 0, CFG_REQUIRED | CFG_SECRET},
+    {"UPSQUAD_PG_MIGRATE_DSN", CFG_STR, NULL,
+     "Postgres connection string of the stream_hub schema's owner role, used only to apply the "
+     "migrations (at start or with --migrate); unset: they run as UPSQUAD_PG_DSN, which must "
+     "then own the schema (make run and Kubernetes set both: the service logs in as a role that "
+     "owns nothing)",
+     &C.pg_migrate_dsn, 0, 0, CFG_SECRET},
     {"UPSQUAD_PG_POOL_SIZE", CFG_INT, "8",
      "Postgres connections at most (projection writers, snapshots, repairs, transcripts)",
      &C.pg_pool_size, 2, 200},
@@ -87,7 +93,8 @@ int hub_migrate(const hub_config *cfg, char *err, size_t errlen) {
     int applied = 0;
     if (!set(cfg->migrations_dir)) return fail(err, errlen, "UPSQUAD_MIGRATIONS_DIR is none");
     if (db_pool_open(cfg->pg_dsn, 1, &pool, err, errlen) != DB_OK) return -1;
-    int rc = db_migrate(pool, HUB_SCHEMA, cfg->migrations_dir, &applied, err, errlen);
+    int rc = db_migrate_as(pool, cfg->pg_migrate_dsn, HUB_SCHEMA, cfg->migrations_dir, &applied,
+                           err, errlen);
     db_pool_close(pool);
     if (rc == DB_OK) log_info("hub.migrate", "%d migration(s) applied", applied);
     return rc == DB_OK ? 0 : -1;
@@ -128,7 +135,8 @@ int hub_start(hub *h, const hub_config *cfg, char *err, size_t errlen) {
         goto fail;
     if (set(cfg->migrations_dir)) {
         int applied = 0;
-        if (db_migrate(h->pool, HUB_SCHEMA, cfg->migrations_dir, &applied, err, errlen) != DB_OK)
+        if (db_migrate_as(h->pool, cfg->pg_migrate_dsn, HUB_SCHEMA, cfg->migrations_dir, &applied,
+                          err, errlen) != DB_OK)
             goto fail;
         if (applied) log_info("hub.migrate", "%d migration(s) applied", applied);
     }

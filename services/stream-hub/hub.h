@@ -36,6 +36,7 @@ typedef struct hub_config {
     long long pg_pool_size;
     char *nats_url;
     char *migrations_dir;
+    char *pg_migrate_dsn; /* UPSQUAD_PG_MIGRATE_DSN: the schema owner (migrations only) */
     char *projection_durable;
     char *transcript_durable;
     char *projection_from;

@@ -21,6 +21,13 @@ static const cfg_var vars[] = {
      "Postgres connection string of the workflow_engine login role (not a superuser, not "
      "BYPASSRLS)",
      &C.pg_dsn, 0, 0, CFG_REQUIRED | CFG_SECRET},
+    {"UPSQUAD_PG_MIGRATE_DSN", CFG_STR, NULL,
+     "Postgres connection string of the workflow_engine schema's owner role, used only to apply "
+     "the "
+     "migrations (at start or with --migrate); unset: they run as UPSQUAD_PG_DSN, which must "
+     "then own the schema (make run and Kubernetes set both: the service logs in as a role that "
+     "owns nothing)",
+     &C.pg_migrate_dsn, 0, 0, CFG_SECRET},
     {"UPSQUAD_PG_POOL_SIZE", CFG_INT, "8",
      "Postgres connections at most (RPC threads, interpreter threads, relay, scheduler share "
      "them)",
@@ -148,7 +155,8 @@ int wf_engine_migrate(const wf_config *cfg, char *err, size_t errlen) {
     if (!set(cfg->migrations_dir))
         return util_errf(err, errlen, -1, "UPSQUAD_MIGRATIONS_DIR is none");
     if (db_pool_open(cfg->pg_dsn, 1, &pool, err, errlen) != DB_OK) return -1;
-    int rc = db_migrate(pool, WF_SCHEMA, cfg->migrations_dir, &applied, err, errlen);
+    int rc = db_migrate_as(pool, cfg->pg_migrate_dsn, WF_SCHEMA, cfg->migrations_dir, &applied, err,
+                           errlen);
     db_pool_close(pool);
     if (rc != DB_OK) return -1;
     log_info("engine.migrated", "%d migration(s) applied", applied);
@@ -285,7 +293,8 @@ int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen
     if (db_pool_open_ex(cfg->pg_dsn, &po, &e->pool, err, errlen) != DB_OK) goto fail;
     if (set(cfg->migrations_dir)) {
         int applied = 0;
-        if (db_migrate(e->pool, WF_SCHEMA, cfg->migrations_dir, &applied, err, errlen) != DB_OK)
+        if (db_migrate_as(e->pool, cfg->pg_migrate_dsn, WF_SCHEMA, cfg->migrations_dir, &applied,
+                          err, errlen) != DB_OK)
             goto fail;
         if (applied) log_info("engine.migrated", "%d migration(s) applied", applied);
     }

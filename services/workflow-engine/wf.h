@@ -25,6 +25,7 @@ typedef struct wf_config {
     long long pg_pool_size;
     char *nats_url;
     char *migrations_dir;
+    char *pg_migrate_dsn; /* UPSQUAD_PG_MIGRATE_DSN: the schema owner (migrations only) */
     char *schema_file;
     char *catalog_file;
     char *page_key;         /* HMAC key of page tokens (secret) */
