@@ -500,6 +500,14 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
         p->agent_name = rpc_strdup(call, "");
         out->approvals[out->n_approvals++] = p;
     }
+    Google__Protobuf__Struct ***slots = rpc_alloc(call, (size_t)(n ? n : 1) * 2 * sizeof *slots);
+    size_t ns = 0;
+    for (size_t i = 0; i < out->n_approvals; i++)
+        if (out->approvals[i]->action) {
+            slots[ns++] = &out->approvals[i]->action->input;
+            slots[ns++] = &out->approvals[i]->action->output;
+        }
+    wfr_fit(call, &out->base, slots, ns, "GetNodeIO");
     if (n > 0) {
         out->total_count = (int32_t)st_i(page, 0, 2);
     } else if (rq->offset > 0) { /* past the end: count without a page */

@@ -718,6 +718,15 @@ static int get_status(rpc_call *call, const ProtobufCMessage *req, ProtobufCMess
     for (int i = 0; i < n; i++)
         out->actions[i] = wfr_action_msg(call, a, i);
     out->n_actions = (size_t)n;
+    /* a long run of large steps: the page still arrives, its largest payloads marked */
+    Google__Protobuf__Struct ***slots = rpc_alloc(call, ((size_t)n * 2 + 1) * sizeof *slots);
+    size_t ns = 0;
+    for (int i = 0; i < n; i++) {
+        slots[ns++] = &out->actions[i]->input;
+        slots[ns++] = &out->actions[i]->output;
+    }
+    slots[ns++] = &out->run->context;
+    wfr_fit(call, &out->base, slots, ns, "GetNodeIO");
 done:
     db_tx_rollback(tx);
     wf_run_free(&run);
@@ -828,6 +837,10 @@ static int list_runs(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessa
     for (int i = 0; i < n; i++)
         out->runs[i] = run_msg(call, r, i, 1);
     out->n_runs = (size_t)n;
+    Google__Protobuf__Struct ***slots = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *slots);
+    for (int i = 0; i < n; i++)
+        slots[i] = &out->runs[i]->context;
+    wfr_fit(call, &out->base, slots, (size_t)n, "GetWorkflowStatus");
 done:
     db_tx_rollback(tx);
     PQclear(w);
@@ -878,6 +891,10 @@ static int list_visible_runs(rpc_call *call, const ProtobufCMessage *req, Protob
         out->runs[i] = v;
     }
     out->n_runs = (size_t)n;
+    Google__Protobuf__Struct ***slots = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *slots);
+    for (int i = 0; i < n; i++)
+        slots[i] = &out->runs[i]->run->context;
+    wfr_fit(call, &out->base, slots, (size_t)n, "GetWorkflowStatus");
 done:
     db_tx_rollback(tx);
     PQclear(r);

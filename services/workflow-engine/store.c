@@ -540,24 +540,30 @@ int st_action_get(db_tx *tx, const char *run_id, const char *action_id, PGresult
 #define IA_DEADLINE_MS MS("deadline_at")
 #define IA_NEXT_POLL_MS MS("next_poll_at")
 #define IA_STARTED_MS MS("started_at")
-#define IA_SELECT                                                                                  \
+#define IA_SELECT_INPUT(input)                                                                     \
     "SELECT id, step_name, step_type, lap_key, iteration, status, attempt, "                       \
-    "coalesce(idempotency_key, ''), coalesce(input::text, ''), coalesce(output::text, ''), "       \
+    "coalesce(idempotency_key, ''), " input ", coalesce(output::text, ''), "                       \
     "coalesce(result::text, ''), feedback, polls, " IA_DEADLINE_MS ", " IA_NEXT_POLL_MS            \
     ", cost_usd, blocked_by, " IA_STARTED_MS ", approval_id FROM " S "actions "
+#define IA_SELECT IA_SELECT_INPUT("coalesce(input::text, '')")
 
 /* What a tick reads of a run's actions: the latest (step, lap) of each step of the run's
  * definition, one index probe per step (actions_latest), in creation order. The walk never
  * looks behind a step's latest lap (a loop walks on from its current lap; an earlier lap ended
  * settled, every action in it terminal), and the run state's view of a step is its latest lap
  * (interp__state_put), so this is everything a tick needs, and its cost follows the
- * definition's size, not the run's length. */
+ * definition's size, not the run's length. A settled action's input is not read: nothing
+ * walks it again (a save leaves a NULL input as stored), and a long run of large steps would
+ * otherwise parse every one of them at every tick. */
 #define IA_FRONTIER                                                                                \
     "WITH latest AS (SELECT (SELECT x.id FROM " S "actions x WHERE x.run_id = r.id"                \
     " AND x.step_name = s.name ORDER BY x.created_at DESC, x.id DESC LIMIT 1) AS id FROM " S       \
     "runs r, jsonb_object_keys(r.definition->'steps') AS s(name) WHERE r.id = "                    \
-    "$1::uuid) " IA_SELECT                                                                         \
-    "WHERE run_id = $1::uuid AND id IN (SELECT id FROM latest) ORDER BY created_at, id"
+    "$1::uuid) " IA_SELECT_INPUT(                                                                  \
+        "CASE WHEN status IN ('approved', 'completed', 'skipped', 'rejected', "                    \
+        "'failed') THEN '' ELSE coalesce(input::text, '') END") "WHERE run_id = $1::uuid AND id "  \
+                                                                "IN (SELECT id FROM latest) "      \
+                                                                "ORDER BY created_at, id"
 
 int st_actions_load(db_tx *tx, const char *run_id, PGresult **out, char *err, size_t errlen) {
     const char *p[] = {run_id};

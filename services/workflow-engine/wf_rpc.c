@@ -1,6 +1,8 @@
 #include "wf_rpc.h"
 
 #include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "db.h"
@@ -74,6 +76,42 @@ Google__Protobuf__Struct *wfr_struct_redacted(rpc_call *call, const char *json,
     Google__Protobuf__Struct *s = wfr_struct_json(call, o);
     cJSON_Delete(o);
     return s;
+}
+
+typedef struct fit_slot {
+    Google__Protobuf__Struct **slot;
+    size_t bytes;
+} fit_slot;
+
+static int fit_cmp(const void *a, const void *b) {
+    size_t x = ((const fit_slot *)a)->bytes, y = ((const fit_slot *)b)->bytes;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+size_t wfr_fit(rpc_call *call, const ProtobufCMessage *resp, Google__Protobuf__Struct **slots[],
+               size_t n, const char *read_with) {
+    size_t total = protobuf_c_message_get_packed_size(resp), done = 0;
+    if (total <= WFR_RESPONSE_BUDGET || n == 0) return 0;
+    fit_slot *v = rpc_alloc(call, n * sizeof *v);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (slots[i] && *slots[i])
+            v[m++] = (fit_slot){slots[i], protobuf_c_message_get_packed_size(&(*slots[i])->base)};
+    qsort(v, m, sizeof *v, fit_cmp);
+    for (size_t i = 0; i < m && total > WFR_RESPONSE_BUDGET; i++) {
+        char json[256];
+        snprintf(json, sizeof json, "{\"truncated\":true,\"bytes\":%zu,\"read_with\":\"%s\"}",
+                 v[i].bytes, read_with);
+        Google__Protobuf__Struct *marker = wfr_struct(call, json);
+        size_t small = marker ? protobuf_c_message_get_packed_size(&marker->base) : 0;
+        *v[i].slot = marker; /* the original stays in the call's arena, freed with it */
+        total -= v[i].bytes - (small < v[i].bytes ? small : v[i].bytes);
+        done++;
+    }
+    if (done)
+        log_info("rpc.response_fit", "%zu payload(s) replaced by a truncation marker (%s)", done,
+                 read_with);
+    return done;
 }
 
 Google__Protobuf__Timestamp *wfr_ts(rpc_call *call, const PGresult *r, int row, int col) {

@@ -38,6 +38,17 @@ char *wfr_s(rpc_call *call, const PGresult *r, int row, int col);
 /* One workflow_actions row (st_* AC_* columns) as a WorkflowAction in the call's arena. */
 Upsquad__Workflow__V1__WorkflowAction *wfr_action_msg(rpc_call *call, const PGresult *r, int row);
 
+/* Responses that aggregate payloads (GetWorkflowStatus, ListPendingApprovals, ListRuns,
+ * ListVisibleRuns) stay within WFR_RESPONSE_BUDGET, under the 4 MiB that gRPC clients accept
+ * by default (and so under our 16 MiB send limit): when
+ * the whole response would be larger, the largest payloads among slots[0..n) (action
+ * input/output, run context; NULL slots skipped) are replaced, largest first, by a marker
+ * {"truncated": true, "bytes": <encoded size>, "read_with": read_with} until it fits, so the
+ * page always arrives and says what it left out. Returns how many were replaced. */
+#define WFR_RESPONSE_BUDGET ((size_t)7 << 19) /* 3.5 MiB */
+size_t wfr_fit(rpc_call *call, const ProtobufCMessage *resp, Google__Protobuf__Struct **slots[],
+               size_t n, const char *read_with);
+
 /* A store failure as the call's status (logged with the SQLSTATE; no detail to the client). */
 int wfr_db_fail(rpc_call *call, int rc, const char *err);
 /* INVALID_ARGUMENT naming field unless v is a UUID. */

@@ -766,6 +766,31 @@ class EngineTest(unittest.TestCase):
         self.A("ListPendingApprovals", W.ListPendingApprovalsRequest(limit=100))
         self.A("CancelRun", W.CancelRunRequest(run_id=okrun.id))
 
+    def test_04f_a_page_of_large_steps_still_arrives(self):
+        # 25 steps each storing a 700 KiB rendered input (under UPSQUAD_WF_MAX_RENDERED), ~17.5
+        # MiB in all: GetWorkflowStatus would pass the 16 MiB send limit, and a client's default
+        # 4 MiB receive limit long before (RESOURCE_EXHAUSTED); its largest payloads come back as
+        # truncation markers instead, each readable whole with GetNodeIO
+        x = "B" * (700 * 1024)
+        steps = {"s%d" % i: tool("create_comment", "s%d" % (i + 1) if i < 24 else None, number=1,
+                                 body="${/trigger/x}") for i in range(25)}
+        w = self.create(defn("s0", steps), name="large-page")
+        run = self.trigger(w.id, {"x": x})
+        s = self.done(run.id, timeout=60)
+        self.assertEqual(s.run.status, "completed")
+        self.assertEqual(len(s.actions), 25)
+        self.assertLess(s.ByteSize(), 4 * 1024 * 1024)
+        marked = [a for a in s.actions if js(a.input).get("truncated") is True]
+        self.assertTrue(marked, "no payload was marked")
+        self.assertTrue(all(js(a.input)["read_with"] == "GetNodeIO" and js(a.input)["bytes"] > 700 * 1024
+                            for a in marked))
+        whole = [a for a in s.actions if js(a.input).get("body") == x]
+        self.assertEqual(len(marked) + len(whole), 25)  # the rest arrive whole
+        io = self.A("GetNodeIO", W.GetNodeIORequest(run_id=run.id, node_id=marked[0].id))
+        self.assertEqual(js(io.input)["body"], x)
+        # the runs page carrying the 700 KiB context arrives too
+        self.assertEqual(self.A("ListRuns", W.ListRunsRequest(workflow_id=w.id)).runs[0].id, run.id)
+
     def test_04b_gate_timeouts(self):
         parked = lambda s: s.actions and s.actions[0].status == "awaiting_approval"
         rej = self.create(defn("g", {"g": {"type": "approval_gate", "required_clearance": 1, "summary": "ok?",
