@@ -9,14 +9,22 @@
  * ids, is_error and duration_ms are structural and stay. */
 static const char *const TEXT_FIELDS[] = {"text", "arguments", "result"};
 
+/* Live frames and transcripts carry no classification floor of their own here: the floor a
+ * workflow can set is at most REDACT_FREE_TEXT_CLEARANCE, where free text starts anyway. */
 int redact_full(int clearance) {
-    return clearance >= HUB_FREE_TEXT_CLEARANCE;
+    return redact_visible(clearance, 0, REDACT_FREE_TEXT, NULL);
 }
 
 static int is_text_field(const char *k) {
     for (size_t i = 0; i < sizeof TEXT_FIELDS / sizeof TEXT_FIELDS[0]; i++)
         if (strcmp(k, TEXT_FIELDS[i]) == 0) return 1;
     return 0;
+}
+
+/* A transcript content key under the one rule: the free-text fields as free text, any other
+ * key as node data (names and ids pass; a key naming a secret waits for clearance 4). */
+static int key_visible(const char *k, int clearance) {
+    return redact_visible(clearance, 0, is_text_field(k) ? REDACT_FREE_TEXT : REDACT_PAYLOAD, k);
 }
 
 void redact_transcript(Upsquad__Workflow__V1__TranscriptEvent *ev, int clearance,
@@ -27,7 +35,7 @@ void redact_transcript(Upsquad__Workflow__V1__TranscriptEvent *ev, int clearance
     size_t w = 0;
     for (size_t i = 0; i < c->n_fields; i++) {
         Google__Protobuf__Struct__FieldsEntry *e = c->fields[i];
-        if (e && e->key && is_text_field(e->key)) {
+        if (e && e->key && !key_visible(e->key, clearance)) {
             if (on_removed) on_removed(e->key, ud);
             protobuf_c_message_free_unpacked(&e->base, alloc);
             continue;

@@ -1,15 +1,14 @@
-/* The clearance floor, in one place (spec: StreamNodeIO "Live redaction floor",
- * GetNodeTranscript "clearance-redacted on READ"): a caller below HUB_FREE_TEXT_CLEARANCE gets
- * structural content only. Live frames lose token_text (such a frame, left without an arm, is
- * not sent below the floor) and tool_result.summary; transcript events lose their free-text
- * content fields (TEXT_FIELDS below), which are named in redacted_fields. Raw at rest, redacted
- * at the boundary. */
+/* The hub's side of the one redaction rule (libcommon redaction.h; spec: StreamNodeIO "Live
+ * redaction floor", GetNodeTranscript "clearance-redacted on READ"): a caller below
+ * REDACT_FREE_TEXT_CLEARANCE gets structural content only. Live frames lose token_text (such a
+ * frame, left without an arm, is not sent below the floor) and tool_result.summary; transcript
+ * events lose their free-text content fields (TEXT_FIELDS) and any key naming a secret, which
+ * are named in redacted_fields. Raw at rest, redacted at the boundary. */
 #ifndef UPSQUAD_HUB_REDACT_H
 #define UPSQUAD_HUB_REDACT_H
 
+#include "redaction.h"
 #include "upsquad/workflow/v1/workflow.pb-c.h"
-
-#define HUB_FREE_TEXT_CLEARANCE 4
 
 /* 1 when a caller of this clearance receives free text. */
 int redact_full(int clearance);

@@ -20,6 +20,7 @@
 #include "log.h"
 #include "pagetok.h"
 #include "pbjson.h"
+#include "redaction.h"
 #include "run.h"
 #include "store.h"
 #include "wf_rpc.h"
@@ -1129,7 +1130,7 @@ static int get_node_io(rpc_call *call, const ProtobufCMessage *req, ProtobufCMes
     o = wf_raw_terminal(st_s(a, 0, AC_STATUS)) ? cJSON_Parse(st_s(a, 0, AC_OUTPUT)) : NULL;
     size_t cap = (size_t)cJSON_GetArraySize(in) + (size_t)cJSON_GetArraySize(o) + 1, nred = 0;
     const char **red = rpc_alloc(call, cap * sizeof *red);
-    int floor = wfr_redact_floor(run.classification);
+    int floor = redact_floor(run.classification);
     wfr_redact(call, in, id->clearance, floor, red, &nred, cap);
     wfr_redact(call, o, id->clearance, floor, red, &nred, cap);
     out->input = cJSON_IsObject(in) ? wfr_struct_json(call, in) : NULL;

@@ -10,6 +10,7 @@
 #include "ids.h"
 #include "log.h"
 #include "pbjson.h"
+#include "redaction.h"
 #include "wf.h"
 #include "store.h"
 
@@ -30,33 +31,12 @@ Google__Protobuf__Struct *wfr_struct(rpc_call *call, const char *json) {
     return s;
 }
 
-int wfr_redact_floor(const char *c) {
-    if (!c || !c[0]) return 2; /* unknown: internal */
-    if (!strcmp(c, "public")) return 0;
-    if (!strcmp(c, "confidential")) return 3;
-    if (!strcmp(c, "restricted")) return 4;
-    return 2; /* internal */
-}
-
-static int sensitive_key(const char *k) {
-    static const char *const words[] = {"password", "secret",        "token",      "api_key",
-                                        "apikey",   "authorization", "credential", "private_key"};
-    char low[128];
-    size_t i = 0;
-    for (; k[i] && i < sizeof low - 1; i++)
-        low[i] = (char)tolower((unsigned char)k[i]);
-    low[i] = 0;
-    for (size_t w = 0; w < sizeof words / sizeof words[0]; w++)
-        if (strstr(low, words[w])) return 1;
-    return 0;
-}
-
 void wfr_redact(rpc_call *call, cJSON *obj, int clearance, int floor, const char **red,
                 size_t *nred, size_t cap) {
     cJSON *c = cJSON_IsObject(obj) ? obj->child : NULL;
     while (c) {
         cJSON *next = c->next;
-        if (clearance < floor || (sensitive_key(c->string) && clearance < 4)) {
+        if (!redact_visible(clearance, floor, REDACT_PAYLOAD, c->string)) {
             int seen = 0;
             for (size_t i = 0; red && i < *nred; i++)
                 seen |= !strcmp(red[i], c->string);
@@ -72,7 +52,7 @@ Google__Protobuf__Struct *wfr_struct_redacted(rpc_call *call, const char *json,
     if (!json || !json[0]) return NULL;
     const auth_identity *id = rpc_identity(call);
     cJSON *o = cJSON_Parse(json);
-    wfr_redact(call, o, id ? id->clearance : -1, wfr_redact_floor(classification), NULL, NULL, 0);
+    wfr_redact(call, o, id ? id->clearance : -1, redact_floor(classification), NULL, NULL, 0);
     Google__Protobuf__Struct *s = wfr_struct_json(call, o);
     cJSON_Delete(o);
     return s;

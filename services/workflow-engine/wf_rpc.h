@@ -18,14 +18,12 @@
 Google__Protobuf__Struct *wfr_struct_json(rpc_call *call, const cJSON *obj);
 /* The same from JSON text; NULL for "" or text that is not an object. */
 Google__Protobuf__Struct *wfr_struct(rpc_call *call, const char *json);
-/* The one redaction rule of node data (docs/workflow-engine.md, "Redaction"): every read
- * that returns step input/output or a run context (GetNodeIO, GetWorkflowStatus, ListRuns,
- * ListVisibleRuns, ListPendingApprovals, the ApprovalService) strips the top-level keys a
- * caller of `clearance` may not see -- every key below the run's classification floor, and a
- * sensitive key (password, secret, token, api_key, ...) below clearance 4. Each removed key
- * is added to red[0..*nred) (deduplicated, at most cap, strings in the call's arena; red may
- * be NULL). */
-int wfr_redact_floor(const char *classification);
+/* The one redaction rule of node data (libcommon redaction.h, REDACT_PAYLOAD) applied to a JSON
+ * object: every read that returns step input/output or a run context (GetNodeIO,
+ * GetWorkflowStatus, ListRuns, ListVisibleRuns, ListPendingApprovals, the ApprovalService)
+ * strips the top-level keys a caller of `clearance` may not see at floor (redact_floor of the
+ * workflow's classification). Each removed key is added to red[0..*nred) (deduplicated, at
+ * most cap, strings in the call's arena; red may be NULL). */
 void wfr_redact(rpc_call *call, cJSON *obj, int clearance, int floor, const char **red,
                 size_t *nred, size_t cap);
 /* wfr_struct of json redacted for the calling identity (no identity: everything stripped). */

@@ -31,6 +31,7 @@ if not DSN or not NATS or not ADMIN_DSN:
     sys.exit(0)
 
 import grpc  # noqa: E402
+from google.protobuf import json_format  # noqa: E402
 from upsquad.workflow.v1 import workflow_pb2 as W  # noqa: E402
 
 SVC = "/upsquad.workflow.v1.WorkflowService/"
@@ -610,6 +611,40 @@ class StreamHub(unittest.TestCase):
         self.assertTrue(all(e.session_id == "s1" for e in t_hi.events))
         self.assertFalse(t_hi.session_missing)
         self.assertTrue(self.transcript(self.a, org, run, "nobody").session_missing)
+
+    def test_transcripts_follow_the_one_redaction_rule_at_every_clearance(self):
+        # GetNodeTranscript and StreamNodeIO's snapshot at clearances 1..5 against the rule the
+        # workflow-engine's reads follow (tests/lib: T.redact_visible): the free-text fields
+        # from clearance 4, a key naming a secret from 4 too, names and ids at every clearance
+        org = uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        io = dict(org=org, run=run, node="coder", session="s1")
+        content = {"tool_name": "gh", "tool_call_id": "c1", "arguments": "secret args",
+                   "api_key": "secret key", "note": "plain"}
+        self.pub("io", seq=1, tool_call={"name": "gh", "id": "c1", "args": "x"},
+                 transcript={"event_type": "tool_call", "content": content}, **io)
+        self.pub("io", seq=2, no_frame=True, transcript={
+            "event_type": "assistant_message", "content": {"text": "secret answer"}}, **io)
+        wait_until(lambda: len(self.transcript(self.a, org, run, "coder").events) == 2, 10,
+                   "the transcript")
+        free = ("text", "arguments", "result")
+        kind = lambda k: "free_text" if k in free else "payload"  # noqa: E731
+        for c in range(1, 6):
+            want = [T.redacted(content, c, 0, kind), T.redacted({"text": "secret answer"}, c, 0, kind)]
+            t = self.transcript(self.b, org, run, "coder", clearance=c)
+            got = [json_format.MessageToDict(e.content) for e in t.events]
+            self.assertEqual(got, want, "GetNodeTranscript at clearance %d" % c)
+            removed = sorted({k for o in (content, {"text": ""}) for k in o
+                              if not T.redact_visible(c, 0, kind(k), k)})
+            self.assertEqual(sorted(t.redacted_fields), removed, c)
+            r = self.read(self.a, "StreamNodeIO", W.StreamNodeIORequest(run_id=run), org,
+                          clearance=c)
+            wait_until(lambda: any(m.snapshot_done for m in r.msgs), 10, "snapshot_done")
+            r.cancel()
+            snap = [json_format.MessageToDict(m.snapshot_event.content) for m in r.msgs
+                    if m.HasField("snapshot_event")]
+            self.assertEqual(snap, want, "StreamNodeIO's snapshot at clearance %d" % c)
 
     def test_node_io_below_clearance_4_sends_no_armless_frame_and_no_gap_for_it(self):
         # spec NodeIOFrame: "Exactly one event arm is set"; StreamNodeIO below clearance 4

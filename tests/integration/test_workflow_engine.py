@@ -643,7 +643,9 @@ class EngineTest(unittest.TestCase):
     # ---- the one redaction rule (docs/workflow-engine.md, "Redaction") ----
     # Every unary read returning node data: step input/output (WorkflowAction), run context
     # (WorkflowRun), gate specs (Approval). Streams of node data (StreamNodeIO,
-    # GetNodeTranscript) are the stream-hub's: "served elsewhere" here, covered in its tests.
+    # GetNodeTranscript) are the stream-hub's: checked at clearances 1-5 against the same rule
+    # (T.redact_visible) by test_stream_hub.py's
+    # test_transcripts_follow_the_one_redaction_rule_at_every_clearance.
     REDACTED_READS = {
         "GetWorkflowStatus", "ListRuns", "ListVisibleRuns", "ListPendingApprovals", "GetNodeIO",
         "GetApproval",
@@ -698,12 +700,9 @@ class EngineTest(unittest.TestCase):
         full_ctx = js(s.run.context)
         full_in = js(s.actions[0].input)
         self.assertIn("api_key", full_ctx)
-        sensitive = ("password", "secret", "token", "api_key", "apikey", "authorization",
-                     "credential", "private_key")
 
-        def rule(obj, c):  # the documented rule: below the floor nothing, sensitive below 4
-            return {k: v for k, v in obj.items()
-                    if c >= 2 and (c >= 4 or not any(x in k.lower() for x in sensitive))}
+        def rule(obj, c):  # the one rule (internal: floor 2): below it nothing, secrets below 4
+            return T.redacted(obj, c, 2)
 
         for c in range(1, 6):  # a token's clearance is 1..5 (0 is rejected as malformed)
             cl = Client(self.b.addr, T.mint(SECRET, sub=self.user, org=self.org, clearance=c,

@@ -117,6 +117,31 @@ class Server:
                 f.close()
 
 
+# The one redaction rule of node data (libcommon redaction.h), as the tests check it on every
+# read: the workflow-engine's (payload keys against the classification floor) and the
+# stream-hub's (free text from clearance 4).
+SENSITIVE_WORDS = ("password", "secret", "token", "api_key", "apikey", "authorization",
+                   "credential", "private_key")
+FREE_TEXT_CLEARANCE = 4
+
+
+def redact_visible(clearance, floor, kind, key=None):
+    """kind: "structural", "payload" or "free_text"."""
+    if kind == "structural":
+        return True
+    if kind == "free_text":
+        return clearance >= floor and clearance >= FREE_TEXT_CLEARANCE
+    if clearance < floor:
+        return False
+    return clearance >= FREE_TEXT_CLEARANCE or not any(w in (key or "").lower()
+                                                        for w in SENSITIVE_WORDS)
+
+
+def redacted(obj, clearance, floor, kind_of=lambda k: "payload"):
+    """obj's top-level keys a caller of clearance sees under the rule."""
+    return {k: v for k, v in obj.items() if redact_visible(clearance, floor, kind_of(k), k)}
+
+
 def psql(dsn, sql):
     """Runs one statement with psql; its unaligned output. Raises on failure."""
     out = subprocess.run(["psql", dsn, "-X", "-Atq", "-v", "ON_ERROR_STOP=1", "-c", sql],
