@@ -1,4 +1,5 @@
 /* Schedules (interp.h): cron and interval triggers, their next firing, the firing thread. */
+#include "gates.h"
 #include "interp_int.h"
 
 /* ---- schedules ---- */
@@ -195,6 +196,7 @@ void *wf_scheduler_thread(void *arg) {
     wf_engine *e = arg;
     while (!e->stop) {
         if (!fire_one(e)) {
+            wf_session_gates_sweep(e); /* due approval timers fire on the same beat */
             struct timespec ts;
             util_deadline(&ts, e->cfg->schedule_poll_ms);
             pthread_mutex_lock(&e->mu); /* only stop or the interval end this */

@@ -160,9 +160,9 @@ def struct(d):
 
 
 class WorkflowClient:
-    """Unary calls of WorkflowService (and ApprovalService's RecordDecision / GetApproval) as a
-    bearer of `token`: client("GetWorkflowStatus", request) -> response."""
-    APPROVAL = ("RecordDecision", "GetApproval")
+    """Unary calls of WorkflowService (and ApprovalService: RecordDecision, GetApproval,
+    OpenApproval) as a bearer of `token`: client("GetWorkflowStatus", request) -> response."""
+    APPROVAL = ("RecordDecision", "GetApproval", "OpenApproval")
 
     def __init__(self, addr, token, timeout=15):
         import grpc
