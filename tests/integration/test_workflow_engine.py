@@ -620,7 +620,7 @@ class EngineTest(unittest.TestCase):
     # caller's own write), through the same message builders, hence the same rule
     SAME_BUILDER = {
         "TriggerWorkflow", "CancelRun", "PauseRun", "ResumeRun", "ApproveAction", "RejectAction",
-        "EscalateAction", "RecordDecision", "RetryRun", "RerunFromNode", "GetRunPrompt",
+        "EscalateAction", "RecordDecision", "OpenApproval", "RetryRun", "RerunFromNode", "GetRunPrompt",
         "SubmitRunPrompt", "DeliverWorkflowEvent", "StreamNodeIO", "GetNodeTranscript", "StreamWorkflowEvents",
     }
     NODE_TYPES = {"upsquad.workflow.v1.WorkflowAction", "upsquad.workflow.v1.WorkflowRun",
