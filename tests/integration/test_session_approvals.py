@@ -7,9 +7,7 @@ expiry, tenancy, and ApprovalDecided on approval.decided.<org> carrying the sess
 the pending tool intent. Fresh org UUIDs per run, so it shares the runtime's database safely."""
 import os
 import secrets
-import subprocess
 import sys
-import threading
 import time
 import unittest
 import uuid
@@ -76,12 +74,7 @@ class SessionApprovalsTest(unittest.TestCase):
 
     # ---- helpers ----
     def err(self, code, fn, *args, contains=None):
-        with self.assertRaises(grpc.RpcError) as ctx:
-            fn(*args)
-        self.assertEqual(ctx.exception.code(), code, ctx.exception.details())
-        if contains:
-            self.assertIn(contains, ctx.exception.details())
-        return ctx.exception
+        return T.rpc_error(self, code, fn, *args, contains=contains)
 
     def req(self, **kw):
         d = dict(org_id=self.org, session_id=str(uuid.uuid4()), agent_id=self.agent,
@@ -104,14 +97,10 @@ class SessionApprovalsTest(unittest.TestCase):
         return (client or self.svc)("OpenApproval", req or self.req())
 
     def rows(self, session):
-        sql = ("BEGIN; SELECT set_config('app.org_id', '%s', true) \\g /dev/null\n"
-               "SELECT count(*) FROM workflow_engine.governance WHERE session_id = '%s'; COMMIT;"
-               % (self.org, session))
-        psql = [os.path.join(os.environ.get("PGBIN", "/usr/lib/postgresql/15/bin"), "psql"),
-                "-X", "-q", "-At", "-v", "ON_ERROR_STOP=1", DSN]
-        out = subprocess.run(psql, input=sql, check=True, capture_output=True, text=True,
-                             timeout=20).stdout
-        return int(out.strip().splitlines()[-1])
+        """The session's governance rows, counted in the org (RLS)."""
+        out = T.psql(DSN, "SELECT set_config('app.org_id', '%s', true); SELECT count(*) FROM "
+                     "workflow_engine.governance WHERE session_id = '%s'" % (self.org, session))
+        return int(out.splitlines()[-1])
 
     def events(self, approval_id, wait=1.5, first=10):
         """Every ApprovalDecided of approval_id that arrives within wait seconds of the first
@@ -210,11 +199,8 @@ class SessionApprovalsTest(unittest.TestCase):
             session_id=r.session_id, correlation_key=r.correlation_key, tool="rm"), contains="correlation_key")
         # concurrent opens of one key: one row, one creator
         r2 = self.req()
-        out = []
-        ths = [threading.Thread(target=lambda i=i: out.append(self.open(r2, (self.svc, self.svc_b)[i % 2])))
-               for i in range(10)]
-        [t.start() for t in ths]
-        [t.join() for t in ths]
+        out, errs = T.concurrently(10, lambda i: self.open(r2, (self.svc, self.svc_b)[i % 2]))
+        self.assertEqual(errs, [])
         self.assertEqual(len(out), 10)
         self.assertEqual(len({o.approval.id for o in out}), 1)
         self.assertEqual(sum(o.created for o in out), 1)
@@ -239,18 +225,9 @@ class SessionApprovalsTest(unittest.TestCase):
                      AP.RecordDecisionRequest(approval_id=ap.id, decision=AP.DECISION_APPROVED),
                      contains="clearance 3")
         self.assertEqual(self.user_c("GetApproval", AP.GetApprovalRequest(approval_id=ap.id)).approval.status, "pending", e)
-        out, errs = [], []
-
-        def decide(i):
-            c = (self.high, self.high_a, self.user_c)[i % 3]
-            try:
-                out.append(c("RecordDecision", AP.RecordDecisionRequest(
-                    approval_id=ap.id, decision=AP.DECISION_APPROVED, comment="go %d" % i)))
-            except grpc.RpcError as x:
-                errs.append(x)
-        ths = [threading.Thread(target=decide, args=(i,)) for i in range(20)]
-        [t.start() for t in ths]
-        [t.join() for t in ths]
+        out, errs = T.concurrently(20, lambda i: (self.high, self.high_a, self.user_c)[i % 3](
+            "RecordDecision", AP.RecordDecisionRequest(approval_id=ap.id, decision=AP.DECISION_APPROVED,
+                                                       comment="go %d" % i)))
         self.assertEqual(errs, [])
         self.assertEqual(sum(o.recorded for o in out), 1)
         self.assertEqual(sum(o.already_decided for o in out), 19)
@@ -361,17 +338,8 @@ class SessionApprovalsTest(unittest.TestCase):
         self.err(C.INVALID_ARGUMENT, self.user_c, "AnswerRunPrompt", W.AnswerRunPromptRequest(prompt_id=ap.id, choice="mars"), contains="choice")
         self.assertIn(ap.id, self.pending_ids(self.user_c))
         self.assertNotIn(ap.id, self.pending_ids(self.high))
-        out, errs = [], []
-
-        def answer(i):
-            try:
-                out.append(self.user_c("AnswerRunPrompt", W.AnswerRunPromptRequest(
-                    prompt_id=ap.id, choice=("eu", "us")[i % 2], text="answer %d" % i)))
-            except grpc.RpcError as x:
-                errs.append(x)
-        ths = [threading.Thread(target=answer, args=(i,)) for i in range(50)]
-        [t.start() for t in ths]
-        [t.join() for t in ths]
+        out, errs = T.concurrently(50, lambda i: self.user_c("AnswerRunPrompt", W.AnswerRunPromptRequest(
+            prompt_id=ap.id, choice=("eu", "us")[i % 2], text="answer %d" % i)))
         self.assertEqual(errs, [])
         self.assertEqual(sum(o.recorded for o in out), 1)
         self.assertEqual(sum(o.already_answered for o in out), 49)

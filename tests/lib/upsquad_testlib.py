@@ -13,6 +13,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -149,6 +150,37 @@ def engine_env(dsn, nats, secret, **overrides):
     }
     env.update(overrides)
     return env
+
+
+def rpc_error(test, code, fn, *args, contains=None):
+    """Asserts fn(*args) fails with gRPC status `code` (and `contains` in its message); the
+    error."""
+    import grpc
+    with test.assertRaises(grpc.RpcError) as ctx:
+        fn(*args)
+    test.assertEqual(ctx.exception.code(), code, ctx.exception.details())
+    if contains:
+        test.assertIn(contains, ctx.exception.details())
+    return ctx.exception
+
+
+def concurrently(n, fn):
+    """Runs fn(i) for i in 0..n-1 on n threads at once; (results, grpc errors)."""
+    import grpc
+    out, errs, lock = [], [], threading.Lock()
+
+    def one(i):
+        try:
+            r = fn(i)
+            with lock:
+                out.append(r)
+        except grpc.RpcError as x:
+            with lock:
+                errs.append(x)
+    ths = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    [t.start() for t in ths]
+    [t.join() for t in ths]
+    return out, errs
 
 
 def struct(d):
