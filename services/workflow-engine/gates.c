@@ -208,8 +208,8 @@ static int g_record(rpc_call *call, wf_engine *e, gate *g, const auth_identity *
     if (g->session) { /* nothing of a run to move: the session hears it on the bus */
         if ((rc = st_approval_timer_delete(g->tx, gid, err, sizeof err))) goto done;
     } else {
-        if ((rc = wf_interp_decide(e, &g->run, aid, act_status, answer, new_ids, err,
-                                   sizeof err)) ||
+        if ((rc =
+                 wf_interp_decide(e, &g->run, aid, act_status, answer, new_ids, err, sizeof err)) ||
             (rc = st_action_decided(g->tx, aid, id->sub, err, sizeof err)) ||
             (rc = st_queue_wake(g->tx, g->run.id, err, sizeof err)))
             goto done;
@@ -221,8 +221,7 @@ static int g_record(rpc_call *call, wf_engine *e, gate *g, const auth_identity *
     snprintf(what, sizeof what, "gate.%s", gov_status);
     /* approval.decided.<org>, relayed from the outbox after the commit (message id: the row) */
     if ((rc = st_audit(g->tx, id->org_id, id->sub, gid, what, comment, err, sizeof err)) ||
-        (rc = sgate__announce(g->tx, g->r, gov_status, id->sub, output, comment, err,
-                              sizeof err)))
+        (rc = sgate__announce(g->tx, g->r, gov_status, id->sub, output, comment, err, sizeof err)))
         goto done;
     if (!g->session) rc = wf_run_flush(&g->run, err, sizeof err);
 done:
@@ -375,7 +374,7 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
     if (!g_pending(&g)) {
         rc = rpc_error(call, RPC_FAILED_PRECONDITION,
                        "action %s is %s, not awaiting approval; nothing to %s", action_id,
-                       st_s(g.r, 0, GT_ACT_STATUS), verbs[op]);
+                       st_s(g.r, 0, g.session ? GT_STATUS : GT_ACT_STATUS), verbs[op]);
         goto done;
     }
     if (!g_allowed(&g, id)) {
@@ -398,11 +397,10 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
         snprintf(gid, sizeof gid, "%s", st_s(g.r, 0, GT_ID));
         /* a session's row has no action or run: its floor is all that moves */
         if ((rc = st_gate_escalate(g.tx, gid, to, comment, err, sizeof err)) ||
-            (!g.session &&
-             ((rc = wf_interp_decide(e, &g.run, st_s(g.r, 0, GT_ACTION), "escalated", NULL, &ids,
-                                     err, sizeof err)) ||
-              (rc = wf_emit_log(&g.run, st_s(g.r, 0, GT_ACTION), "WARN", line, err,
-                                sizeof err)))) ||
+            (!g.session && ((rc = wf_interp_decide(e, &g.run, st_s(g.r, 0, GT_ACTION), "escalated",
+                                                   NULL, &ids, err, sizeof err)) ||
+                            (rc = wf_emit_log(&g.run, st_s(g.r, 0, GT_ACTION), "WARN", line, err,
+                                              sizeof err)))) ||
             (rc = st_audit(g.tx, id->org_id, id->sub, gid, "gate.escalate", line, err,
                            sizeof err)) ||
             (!g.session && (rc = wf_run_flush(&g.run, err, sizeof err)))) {

@@ -194,9 +194,15 @@ done:
 
 void *wf_scheduler_thread(void *arg) {
     wf_engine *e = arg;
+    int64_t swept = 0;
     while (!e->stop) {
+        /* due approval timers fire on the same beat, at least once a period however many
+         * schedules are due */
+        if (wf_now_ms() - swept >= e->cfg->schedule_poll_ms) {
+            wf_session_gates_sweep(e);
+            swept = wf_now_ms();
+        }
         if (!fire_one(e)) {
-            wf_session_gates_sweep(e); /* due approval timers fire on the same beat */
             struct timespec ts;
             util_deadline(&ts, e->cfg->schedule_poll_ms);
             pthread_mutex_lock(&e->mu); /* only stop or the interval end this */

@@ -29,14 +29,14 @@
 #define A(x) Upsquad__Approval__V1__##x
 #define P(x) Upsquad__Workflow__V1__##x
 
-#define ID_TEXT_MAX 200     /* tool, tool_call_id, correlation_key, option value / label */
-#define PROSE_MAX 2000      /* summary, question */
-#define DESC_MAX 1000       /* option description */
-#define INTENT_MAX 65536    /* pending_tool_intent bytes */
-#define OPTIONS_MAX 20      /* a prompt's choices */
-#define TIMEOUT_MAX 604800  /* seconds: a week */
+#define ID_TEXT_MAX 200    /* tool, tool_call_id, correlation_key, option value / label */
+#define PROSE_MAX 2000     /* summary, question */
+#define DESC_MAX 1000      /* option description */
+#define INTENT_MAX 65536   /* pending_tool_intent bytes */
+#define OPTIONS_MAX 20     /* a prompt's choices */
+#define TIMEOUT_MAX 604800 /* seconds: a week */
 #define TIMEOUT_DEFAULT 86400
-#define SWEEP_BATCH 100     /* timers fired per scheduler round */
+#define SWEEP_BATCH 100 /* timers fired per scheduler round */
 
 /* ---- the decision event ---- */
 
@@ -105,8 +105,7 @@ int sgate__lapse(db_tx *tx, const PGresult *r, int *lapsed, char *err, size_t er
     char *answer = cJSON_PrintUnformatted(o);
     int rc = answer ? st_gate_decide(tx, gid, "expired", "timeout", answer, "", lapsed, err, errlen)
                     : DB_ENOMEM;
-    if (rc == DB_OK && *lapsed &&
-        !(rc = st_approval_timer_delete(tx, gid, err, errlen)) &&
+    if (rc == DB_OK && *lapsed && !(rc = st_approval_timer_delete(tx, gid, err, errlen)) &&
         !(rc = st_audit(tx, st_s(r, 0, GT_ORG), NULL, gid, "gate.expired", "timed out", err,
                         errlen)))
         rc = sgate__announce(tx, r, "expired", "timeout", o, "", err, errlen);
@@ -169,7 +168,7 @@ static const char *action_status(const PGresult *r, int row) {
     const char *st = st_s(r, row, GT_STATUS);
     int prompt = !strcmp(st_s(r, row, GT_KIND), "user_prompt");
     if (!strcmp(st, "pending"))
-        return st_b(r, row, GT_LAPSED)      ? (prompt ? "failed" : "rejected")
+        return st_b(r, row, GT_LAPSED)        ? (prompt ? "failed" : "rejected")
                : st_i(r, row, GT_ESCALATIONS) ? "escalated"
                                               : "awaiting_approval";
     if (!strcmp(st, "approved")) return "approved";
@@ -261,7 +260,9 @@ static int check_open(rpc_call *call, const A(OpenApprovalRequest) * rq, const a
     if (!*prompt && (rq->n_options || rq->allow_text || rq->question[0]))
         return rpc_error(call, RPC_INVALID_ARGUMENT,
                          "%s is for a user_prompt; an approval_gate is approved or rejected",
-                         rq->n_options ? "options" : rq->allow_text ? "allow_text" : "question");
+                         rq->n_options    ? "options"
+                         : rq->allow_text ? "allow_text"
+                                          : "question");
     if (rq->n_options > OPTIONS_MAX)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "options must be at most %d", OPTIONS_MAX);
     if (*prompt && !rq->n_options && !rq->allow_text)
@@ -362,8 +363,8 @@ int sgate__open(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *r
     }
     if ((rc = st_begin(e->pool, rq->org_id, NULL, &g.tx, err, sizeof err)) ||
         (rc = st_session_gate_open(g.tx, &sg, &created, row_id, err, sizeof err)) ||
-        (created && (rc = st_audit(g.tx, rq->org_id, rq->requested_by, row_id, "gate.open",
-                                   tool, err, sizeof err))) ||
+        (created && (rc = st_audit(g.tx, rq->org_id, rq->requested_by, row_id, "gate.open", tool,
+                                   err, sizeof err))) ||
         (rc = st_gate_get(g.tx, row_id, 0, 0, &g.r, err, sizeof err))) {
         rc = wfr_db_fail(call, rc, err);
         goto done;
@@ -373,9 +374,9 @@ int sgate__open(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *r
         goto done;
     }
     /* the same key names the same ask: a different one under it is the caller's bug */
-    if (!created && (strcmp(st_s(g.r, 0, GT_KIND), rq->kind) ||
-                     strcmp(st_s(g.r, 0, GT_TOOL), tool) ||
-                     strcmp(st_s(g.r, 0, GT_AGENT), rq->agent_id))) {
+    if (!created &&
+        (strcmp(st_s(g.r, 0, GT_KIND), rq->kind) || strcmp(st_s(g.r, 0, GT_TOOL), tool) ||
+         strcmp(st_s(g.r, 0, GT_AGENT), rq->agent_id))) {
         rc = rpc_error(call, RPC_ALREADY_EXISTS,
                        "correlation_key already opened approval %s on this session for another "
                        "kind, tool or agent",

@@ -418,8 +418,8 @@ typedef struct st_session_gate {
 /* Opens the row and its expiry timer unless (org, session, key) has one: *created 0 and
  * id_out (37 bytes) the existing row's id. A concurrent open of the same key waits for the
  * first transaction (unique index) and then finds its row. */
-int st_session_gate_open(db_tx *tx, const st_session_gate *g, int *created, char *id_out,
-                         char *err, size_t errlen);
+int st_session_gate_open(db_tx *tx, const st_session_gate *g, int *created, char *id_out, char *err,
+                         size_t errlen);
 /* The row's pending_tool_intent (*out malloc'd, caller frees; NULL and 0 when none). */
 int st_session_gate_intent(db_tx *tx, const char *id, uint8_t **out, size_t *len, char *err,
                            size_t errlen);

@@ -9,15 +9,24 @@
 
 #define S "workflow_engine."
 
-int st_session_gate_open(db_tx *tx, const st_session_gate *g, int *created, char *id_out,
-                         char *err, size_t errlen) {
+int st_session_gate_open(db_tx *tx, const st_session_gate *g, int *created, char *id_out, char *err,
+                         size_t errlen) {
     char c[16], t[32];
     snprintf(c, sizeof c, "%d", g->clearance);
     snprintf(t, sizeof t, "%" PRId64, g->timeout_s);
-    const char *p[] = {g->id,           g->org,          g->session,      g->agent,
-                       g->kind,         g->tool,         g->tool_call_id, g->requested_by,
-                       g->key,          (const char *)g->intent,          c,
-                       g->spec_json,    t};
+    const char *p[] = {g->id,
+                       g->org,
+                       g->session,
+                       g->agent,
+                       g->kind,
+                       g->tool,
+                       g->tool_call_id,
+                       g->requested_by,
+                       g->key,
+                       (const char *)g->intent,
+                       c,
+                       g->spec_json,
+                       t};
     int lens[13] = {0}, fmts[13] = {0};
     lens[9] = (int)g->intent_len;
     fmts[9] = 1;
@@ -25,15 +34,16 @@ int st_session_gate_open(db_tx *tx, const st_session_gate *g, int *created, char
     PGresult *r = NULL;
     *created = 0;
     /* ON CONFLICT names the partial unique index by its columns and predicate */
-    int rc = db_exec_bin(db_tx_conn(tx),
-                         "INSERT INTO " S "governance (id, org_id, session_id, agent_id, kind, tool, "
-                         "tool_call_id, requested_by, correlation_key, pending_tool_intent, "
-                         "required_clearance, spec, expires_at) VALUES ($1::uuid, $2::uuid, "
-                         "$3::uuid, $4::uuid, $5, $6, $7, $8::uuid, $9, $10::bytea, $11::int, "
-                         "$12::jsonb, now() + $13::bigint * interval '1 second') "
-                         "ON CONFLICT (org_id, session_id, correlation_key) "
-                         "WHERE session_id IS NOT NULL DO NOTHING RETURNING id",
-                         13, p, lens, fmts, 0, &r, err, errlen);
+    int rc =
+        db_exec_bin(db_tx_conn(tx),
+                    "INSERT INTO " S "governance (id, org_id, session_id, agent_id, kind, tool, "
+                    "tool_call_id, requested_by, correlation_key, pending_tool_intent, "
+                    "required_clearance, spec, expires_at) VALUES ($1::uuid, $2::uuid, "
+                    "$3::uuid, $4::uuid, $5, $6, $7, $8::uuid, $9, $10::bytea, $11::int, "
+                    "$12::jsonb, now() + $13::bigint * interval '1 second') "
+                    "ON CONFLICT (org_id, session_id, correlation_key) "
+                    "WHERE session_id IS NOT NULL DO NOTHING RETURNING id",
+                    13, p, lens, fmts, 0, &r, err, errlen);
     if (rc != DB_OK) goto done;
     if (PQntuples(r) == 1) {
         *created = 1;
