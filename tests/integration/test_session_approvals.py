@@ -304,6 +304,17 @@ class SessionApprovalsTest(unittest.TestCase):
         late = self.high("RecordDecision", AP.RecordDecisionRequest(approval_id=ap.id, decision=AP.DECISION_APPROVED))
         self.assertEqual((late.recorded, late.already_decided, late.approval.status), (False, True, "expired"))
         self.assertNotIn(ap.id, self.pending_ids(self.high))
+        # a decision that comes after the expiry, before any sweeper fired it, loses to it
+        r2 = self.req(timeout_seconds=1)
+        ap2 = self.open(r2).approval
+        T.psql(DSN, "SELECT set_config('app.org_id', '%s', true); UPDATE workflow_engine.approval_timers "
+               "SET due_at = now() + interval '1 hour' WHERE approval_id = '%s'" % (self.org, ap2.id))
+        time.sleep(1.3)
+        self.assertNotIn(ap2.id, self.pending_ids(self.high))
+        late = self.high("RecordDecision", AP.RecordDecisionRequest(approval_id=ap2.id, decision=AP.DECISION_APPROVED))
+        self.assertEqual((late.recorded, late.already_decided, late.approval.status, late.approval.decided_by),
+                         (False, True, "expired", "timeout"))
+        self.assertEqual([(e.status, e.decided_by) for e in self.events(ap2.id)], [("expired", "timeout")])
 
     def test_07_cross_tenant(self):
         ap = self.open(self.prompt_req()).approval
