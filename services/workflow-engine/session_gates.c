@@ -1,4 +1,4 @@
-/* Agent sessions' approvals and prompts (docs/workflow-engine.md "Governance: agent sessions").
+/* Agent sessions' approvals and prompts (docs/workflow-engine.md "Agent sessions: OpenApproval").
  *
  * The orchestrator opens one with ApprovalService.OpenApproval when a worker's turn trips a
  * gated tool call (InterruptRequired: kind "approval_gate") or asks the user (InputRequired:

@@ -1,4 +1,4 @@
--- Agent sessions' approvals and prompts (docs/workflow-engine.md "Governance: agent sessions"):
+-- Agent sessions' approvals and prompts (docs/workflow-engine.md "Agent sessions: OpenApproval"):
 -- the orchestrator opens them with ApprovalService.OpenApproval when a worker's turn trips a
 -- gated tool call (InterruptRequired) or asks the user (InputRequired). They are governance rows
 -- like a run's gates, read, listed and decided through the same doors, but they belong to a
