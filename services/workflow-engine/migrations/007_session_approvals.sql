@@ -25,6 +25,10 @@ ALTER TABLE governance
 CREATE UNIQUE INDEX governance_session_key ON governance (org_id, session_id, correlation_key)
     WHERE session_id IS NOT NULL;
 
+-- ApproveAction / RejectAction / EscalateAction find a gate by its action id, or a session's row
+-- by its own id (the id ListPendingApprovals lists it under): both arms by index.
+CREATE INDEX governance_by_action ON governance (action_id) WHERE action_id IS NOT NULL;
+
 -- A session row's expiry, fired by any replica (a service scan across orgs, like run_queue:
 -- ids and a timer, no tenant content). Deleted when the row is decided or expires.
 CREATE TABLE approval_timers (
