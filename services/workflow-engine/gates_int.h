@@ -14,9 +14,6 @@
 #include "upsquad/workflow/v1/workflow.pb-c.h"
 #include "wf.h"
 
-/* The scope a bearer's `scope` claim must hold to call ApprovalService.OpenApproval. */
-#define WF_APPROVALS_OPEN_SCOPE "approvals.open"
-
 /* One gate, loaded for a call: a run's (have_run) or a session's (session). */
 typedef struct gate {
     db_tx *tx;

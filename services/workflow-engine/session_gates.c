@@ -332,10 +332,10 @@ int sgate__open(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *r
     char *spec_json = NULL, err[512], gid[37], row_id[37];
     int prompt = 0, created = 0;
     /* a service identity only: a member's token, whatever its clearance, opens nothing */
-    if (!auth_bearer_has_scope(rpc_metadata(call, "authorization"), WF_APPROVALS_OPEN_SCOPE))
+    if (!auth_bearer_has_scope(rpc_metadata(call, "authorization"), AUTH_SCOPE_APPROVALS_OPEN))
         return rpc_error(call, RPC_PERMISSION_DENIED,
                          "OpenApproval needs a service token whose scope holds \"%s\"",
-                         WF_APPROVALS_OPEN_SCOPE);
+                         AUTH_SCOPE_APPROVALS_OPEN);
     int rc = rpc_tenant(call, 0, &id);
     if (rc || (rc = check_open(call, rq, id, &prompt))) return rc;
     const char *tool = rq->tool[0] ? rq->tool : "ask_user";
