@@ -13,6 +13,11 @@
  * is not three dot-separated parts with a base64url JSON object in the middle. */
 cJSON *auth_claims_decode(const char *tok);
 
+/* Scopes one service grants another, named once for the minting and the checking side. */
+/* ApprovalService.OpenApproval (workflow-engine): the orchestrator opens its sessions' approvals
+ * and ask_user prompts (docs/workflow-engine.md "Agent sessions: OpenApproval"). */
+#define AUTH_SCOPE_APPROVALS_OPEN "approvals.open"
+
 /* 1 when the bearer in an `authorization` value ("Bearer <jws>", scheme case-insensitive)
  * carries scope in its `scope` claim, else 0. */
 int auth_bearer_has_scope(const char *authorization, const char *scope);

@@ -74,7 +74,8 @@ static const cfg_var vars[] = {
      "least time between the starts of two relay rounds: under load the events of several "
      "ticks share one round (an idle relay still publishes a commit's events at once)",
      &C.relay_linger_ms, 0, 1000},
-    {"UPSQUAD_WF_SCHEDULE_POLL", CFG_MS, "1s", "how often a replica looks for due schedules",
+    {"UPSQUAD_WF_SCHEDULE_POLL", CFG_MS, "1s",
+     "how often a replica looks for due schedules and expired session approvals",
      &C.schedule_poll_ms, 50, 60000},
     {"UPSQUAD_WF_AGENT_RETRIES", CFG_INT, "3",
      "retries of an agent step whose attempt failed retryably (ErrorEvent.retryable, worker "

@@ -18,6 +18,7 @@
  *   - Escalation raises the floor by one clearance level, up to 5 (the highest clearance);
  *     the action becomes 'escalated' (folds to blocked); audited as gate.escalate. */
 #include "gates.h"
+#include "gates_int.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,14 +53,6 @@ static const char *jstr(const cJSON *o, const char *k) {
 
 /* ---- one gate, loaded for a call ---- */
 
-typedef struct gate {
-    db_tx *tx;
-    wf_run run;
-    int have_run;
-    PGresult *r; /* GT_* row */
-    cJSON *spec;
-} gate;
-
 static void gate_free(gate *g) {
     db_tx_rollback(g->tx);
     if (g->have_run) wf_run_free(&g->run);
@@ -93,6 +86,27 @@ static int no_gate(rpc_call *call, gate *g, const auth_identity *id, const char 
     return rc;
 }
 
+/* A session's row re-read under its own row lock (what serializes its deciders); one whose
+ * expiry passed is expired first, as the sweeper would have (the expiry is exact). */
+static int session_lock(rpc_call *call, gate *g, const char *gid, int by_action,
+                        const char *field) {
+    char err[512];
+    int lapsed = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        PQclear(g->r);
+        g->r = NULL;
+        int rc = st_gate_get(g->tx, gid, by_action, 1, &g->r, err, sizeof err);
+        if (rc) return wfr_db_fail(call, rc, err);
+        if (PQntuples(g->r) == 0)
+            return rpc_error(call, RPC_NOT_FOUND, "%s %s not found", by_action ? "action" : field,
+                             gid);
+        if (pass || (rc = sgate__lapse(g->tx, g->r, &lapsed, err, sizeof err)))
+            return rc ? wfr_db_fail(call, rc, err) : RPC_OK;
+        if (!lapsed) return RPC_OK;
+    }
+    return RPC_OK;
+}
+
 /* Loads the gate named by id (by_action: an action id) in a transaction of the caller's org;
  * lock: the run row FOR UPDATE, then the row re-read under it (what a decision needs). */
 static int gate_open(rpc_call *call, wf_engine *e, const auth_identity *id, const char *field,
@@ -106,21 +120,27 @@ static int gate_open(rpc_call *call, wf_engine *e, const auth_identity *id, cons
     if (PQntuples(g->r) == 0 && by_action) return no_gate(call, g, id, gid);
     if (PQntuples(g->r) == 0)
         return rpc_error(call, RPC_NOT_FOUND, "%s %s not found", by_action ? "action" : field, gid);
-    char run_id[37];
-    snprintf(run_id, sizeof run_id, "%s", st_s(g->r, 0, GT_RUN));
-    if ((rc = wf_run_load(g->tx, run_id, lock, &g->run, &found, err, sizeof err)))
-        return wfr_db_fail(call, rc, err);
-    g->have_run = found;
-    if (!found || (!strcmp(g->run.visibility, "private") && strcmp(g->run.owner, id->sub)))
-        return rpc_error(call, RPC_NOT_FOUND, "%s %s not found", by_action ? "action" : field, gid);
-    if (lock) { /* serialized behind the run lock: read what the last writer left */
-        PQclear(g->r);
-        g->r = NULL;
-        if ((rc = st_gate_get(g->tx, gid, by_action, 1, &g->r, err, sizeof err)))
+    g->session = st_s(g->r, 0, GT_SESSION)[0] != 0;
+    if (g->session) { /* an agent session's row: the org (RLS) is its scope, no run to lock */
+        if (lock && (rc = session_lock(call, g, gid, by_action, field))) return rc;
+    } else {
+        char run_id[37];
+        snprintf(run_id, sizeof run_id, "%s", st_s(g->r, 0, GT_RUN));
+        if ((rc = wf_run_load(g->tx, run_id, lock, &g->run, &found, err, sizeof err)))
             return wfr_db_fail(call, rc, err);
-        if (PQntuples(g->r) == 0)
+        g->have_run = found;
+        if (!found || (!strcmp(g->run.visibility, "private") && strcmp(g->run.owner, id->sub)))
             return rpc_error(call, RPC_NOT_FOUND, "%s %s not found", by_action ? "action" : field,
                              gid);
+        if (lock) { /* serialized behind the run lock: read what the last writer left */
+            PQclear(g->r);
+            g->r = NULL;
+            if ((rc = st_gate_get(g->tx, gid, by_action, 1, &g->r, err, sizeof err)))
+                return wfr_db_fail(call, rc, err);
+            if (PQntuples(g->r) == 0)
+                return rpc_error(call, RPC_NOT_FOUND, "%s %s not found",
+                                 by_action ? "action" : field, gid);
+        }
     }
     g->spec = cJSON_Parse(st_s(g->r, 0, GT_SPEC));
     if (!g->spec) g->spec = cJSON_CreateObject();
@@ -135,6 +155,8 @@ static int g_floor(const gate *g) {
 }
 static int g_pending(const gate *g) {
     const char *as = st_s(g->r, 0, GT_ACT_STATUS);
+    if (g->session) /* no action: the row's status, until its expiry */
+        return !strcmp(st_s(g->r, 0, GT_STATUS), "pending") && !st_b(g->r, 0, GT_LAPSED);
     return !strcmp(st_s(g->r, 0, GT_STATUS), "pending") &&
            (!strcmp(as, "awaiting_approval") || !strcmp(as, "escalated"));
 }
@@ -183,49 +205,26 @@ static int g_record(rpc_call *call, wf_engine *e, gate *g, const auth_identity *
     char *answer = cJSON_PrintUnformatted(output);
     int rc = st_gate_decide(g->tx, gid, gov_status, id->sub, answer, comment, won, err, sizeof err);
     if (rc || !*won) goto done;
-    if ((rc = wf_interp_decide(e, &g->run, aid, act_status, answer, new_ids, err, sizeof err)) ||
-        (rc = st_action_decided(g->tx, aid, id->sub, err, sizeof err)) ||
-        (rc = st_queue_wake(g->tx, g->run.id, err, sizeof err)))
-        goto done;
-    char line[300];
-    snprintf(line, sizeof line, "%s %s: %s by %s", g_kind(g), gid, gov_status, id->sub);
+    if (g->session) { /* nothing of a run to move: the session hears it on the bus */
+        if ((rc = st_approval_timer_delete(g->tx, gid, err, sizeof err))) goto done;
+    } else {
+        if ((rc =
+                 wf_interp_decide(e, &g->run, aid, act_status, answer, new_ids, err, sizeof err)) ||
+            (rc = st_action_decided(g->tx, aid, id->sub, err, sizeof err)) ||
+            (rc = st_queue_wake(g->tx, g->run.id, err, sizeof err)))
+            goto done;
+        char line[300];
+        snprintf(line, sizeof line, "%s %s: %s by %s", g_kind(g), gid, gov_status, id->sub);
+        if ((rc = wf_emit_log(&g->run, aid, "INFO", line, err, sizeof err))) goto done;
+    }
     char what[32];
     snprintf(what, sizeof what, "gate.%s", gov_status);
-    if ((rc = wf_emit_log(&g->run, aid, "INFO", line, err, sizeof err)) ||
-        (rc = st_audit(g->tx, id->org_id, id->sub, gid, what, comment, err, sizeof err)))
-        goto done;
     /* approval.decided.<org>, relayed from the outbox after the commit (message id: the row) */
-    A(ApprovalDecided) ev;
-    upsquad__approval__v1__approval_decided__init(&ev);
-    Google__Protobuf__Timestamp now;
-    pbjson_ts_now(&now);
-    Google__Protobuf__Struct *payload = NULL;
-    char perr[128];
-    pbjson_struct_from_json(output, &payload, perr, sizeof perr);
-    ev.approval_id = (char *)gid;
-    ev.org_id = g->run.org;
-    ev.run_id = g->run.id;
-    ev.action_id = (char *)aid;
-    ev.kind = (char *)g_kind(g);
-    ev.status = (char *)gov_status;
-    ev.decided_by = (char *)id->sub;
-    ev.decided_at = &now;
-    ev.comment = (char *)comment;
-    ev.response_payload = payload;
-    size_t len = protobuf_c_message_get_packed_size(&ev.base);
-    uint8_t *buf = malloc(len ? len : 1);
-    char subject[160];
-    snprintf(subject, sizeof subject, "%s.%s", SUBJ_APPROVAL_DECIDED, g->run.org);
-    if (!buf) {
-        rc = DB_ENOMEM;
-    } else {
-        protobuf_c_message_pack(&ev.base, buf);
-        rc = st_outbox_put(g->tx, g->run.org, subject, gid, buf, len, wf_run_trace(&g->run), err,
-                           sizeof err);
-    }
-    free(buf);
-    if (payload) pbjson_struct_free(payload);
-    if (!rc) rc = wf_run_flush(&g->run, err, sizeof err);
+    if ((rc = st_audit(g->tx, id->org_id, id->sub, gid, what, comment, err, sizeof err)) ||
+        (rc = sgate__announce(g->tx, g->r, gov_status, id->sub, output, comment,
+                              wf_run_trace(&g->run), err, sizeof err)))
+        goto done;
+    if (!g->session) rc = wf_run_flush(&g->run, err, sizeof err);
 done:
     free(answer);
     return rc ? wfr_db_fail(call, rc, err) : RPC_OK;
@@ -247,6 +246,16 @@ static int g_actions(rpc_call *call, gate *g, const char *ids, P(WorkflowAction)
                      P(WorkflowAction) * **next, size_t *n_next) {
     char err[512], one[48];
     PGresult *r = NULL;
+    if (g->session) { /* the row itself, re-read after the decision */
+        snprintf(one, sizeof one, "{%s}", st_s(g->r, 0, GT_ID));
+        int rc = st_gate_get_many(g->tx, one, &r, err, sizeof err);
+        if (rc) return wfr_db_fail(call, rc, err);
+        const auth_identity *id = rpc_identity(call);
+        if (PQntuples(r) > 0) *action = sgate__action_msg(call, r, 0, id ? id->clearance : 0);
+        PQclear(r);
+        if (next) *n_next = 0;
+        return RPC_OK;
+    }
     snprintf(one, sizeof one, "{%s}", st_s(g->r, 0, GT_ACTION));
     int rc = st_actions_by_ids(g->tx, one, &r, err, sizeof err);
     if (rc) return wfr_db_fail(call, rc, err);
@@ -366,7 +375,7 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
     if (!g_pending(&g)) {
         rc = rpc_error(call, RPC_FAILED_PRECONDITION,
                        "action %s is %s, not awaiting approval; nothing to %s", action_id,
-                       st_s(g.r, 0, GT_ACT_STATUS), verbs[op]);
+                       st_s(g.r, 0, g.session ? GT_STATUS : GT_ACT_STATUS), verbs[op]);
         goto done;
     }
     if (!g_allowed(&g, id)) {
@@ -387,13 +396,15 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
                  comment[0] ? ": " : "", comment);
         char gid[37];
         snprintf(gid, sizeof gid, "%s", st_s(g.r, 0, GT_ID));
+        /* a session's row has no action or run: its floor is all that moves */
         if ((rc = st_gate_escalate(g.tx, gid, to, comment, err, sizeof err)) ||
-            (rc = wf_interp_decide(e, &g.run, st_s(g.r, 0, GT_ACTION), "escalated", NULL, &ids, err,
-                                   sizeof err)) ||
-            (rc = wf_emit_log(&g.run, st_s(g.r, 0, GT_ACTION), "WARN", line, err, sizeof err)) ||
+            (!g.session && ((rc = wf_interp_decide(e, &g.run, st_s(g.r, 0, GT_ACTION), "escalated",
+                                                   NULL, &ids, err, sizeof err)) ||
+                            (rc = wf_emit_log(&g.run, st_s(g.r, 0, GT_ACTION), "WARN", line, err,
+                                              sizeof err)))) ||
             (rc = st_audit(g.tx, id->org_id, id->sub, gid, "gate.escalate", line, err,
                            sizeof err)) ||
-            (rc = wf_run_flush(&g.run, err, sizeof err))) {
+            (!g.session && (rc = wf_run_flush(&g.run, err, sizeof err)))) {
             rc = wfr_db_fail(call, rc, err);
             goto done;
         }
@@ -458,7 +469,7 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     wf_engine *e = ud;
     const auth_identity *id;
     db_tx *tx = NULL;
-    PGresult *page = NULL, *rows = NULL;
+    PGresult *page = NULL, *rows = NULL, *srows = NULL;
     char err[512];
     int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc) return rc;
@@ -485,7 +496,10 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     for (int i = 0; i < n; i++)
         k += (size_t)sprintf(ids + k, "%s%s", i ? "," : "", st_s(page, i, 0));
     ids[k++] = '}';
-    if ((rc = st_actions_by_ids(tx, ids, &rows, err, sizeof err))) {
+    /* the page's run actions and its sessions' rows, two reads (an id of the other kind
+     * matches nothing in either) */
+    if ((rc = st_actions_by_ids(tx, ids, &rows, err, sizeof err)) ||
+        (rc = st_gate_get_many(tx, ids, &srows, err, sizeof err))) {
         rc = wfr_db_fail(call, rc, err);
         goto done;
     }
@@ -493,11 +507,19 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     for (int i = 0; i < n; i++) {
         P(PendingApproval) *p = rpc_alloc(call, sizeof *p);
         upsquad__workflow__v1__pending_approval__init(p);
-        for (int j = 0; j < PQntuples(rows); j++)
+        p->agent_name = rpc_strdup(call, "");
+        for (int j = 0; !st_b(page, i, 3) && j < PQntuples(rows); j++)
             if (!strcmp(st_s(rows, j, AC_ID), st_s(page, i, 0)))
                 p->action = wfr_action_msg(call, rows, j);
+        for (int j = 0; st_b(page, i, 3) && j < PQntuples(srows); j++)
+            if (!strcmp(st_s(srows, j, GT_ID), st_s(page, i, 0))) {
+                p->action = sgate__action_msg(call, srows, j, id->clearance);
+                cJSON *sp = cJSON_Parse(st_s(srows, j, GT_SPEC));
+                const char *an = jstr(sp, "agent_name");
+                p->agent_name = rpc_strdup(call, an ? an : "");
+                cJSON_Delete(sp);
+            }
         p->workflow_name = wfr_s(call, page, i, 1);
-        p->agent_name = rpc_strdup(call, "");
         out->approvals[out->n_approvals++] = p;
     }
     Google__Protobuf__Struct ***slots = rpc_alloc(call, (size_t)(n ? n : 1) * 2 * sizeof *slots);
@@ -524,6 +546,7 @@ static int list_pending(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
 done:
     PQclear(page);
     PQclear(rows);
+    PQclear(srows);
     db_tx_rollback(tx);
     return rc;
 }
@@ -733,7 +756,7 @@ done:
 
 /* ---- ApprovalService ---- */
 
-static A(Approval) * approval_msg(rpc_call *call, const gate *g, const auth_identity *id) {
+A(Approval) * gates__approval_msg(rpc_call *call, const gate *g, const auth_identity *id) {
     A(Approval) *a = rpc_alloc(call, sizeof *a);
     upsquad__approval__v1__approval__init(a);
     a->id = wfr_s(call, g->r, 0, GT_ID);
@@ -765,6 +788,11 @@ static A(Approval) * approval_msg(rpc_call *call, const gate *g, const auth_iden
         if (cJSON_IsString(v)) a->approvers[a->n_approvers++] = rpc_strdup(call, v->valuestring);
     }
     cJSON_Delete(ap);
+    a->session_id = wfr_s(call, g->r, 0, GT_SESSION);
+    a->agent_id = wfr_s(call, g->r, 0, GT_AGENT);
+    a->tool = wfr_s(call, g->r, 0, GT_TOOL);
+    a->tool_call_id = wfr_s(call, g->r, 0, GT_TOOL_CALL);
+    a->requested_by = rpc_strdup(call, g->session ? st_s(g->r, 0, GT_TRIGGERED_BY) : "");
     return a;
 }
 
@@ -916,7 +944,7 @@ static int record_decision(rpc_call *call, const ProtobufCMessage *req, Protobuf
         rc = wfr_db_fail(call, rc, err);
         goto done;
     }
-    out->approval = approval_msg(call, &g, id);
+    out->approval = gates__approval_msg(call, &g, id);
     if ((rc = g_commit(call, e, &g))) goto done;
     if (won)
         log_info("gate.decided", "record approval=%s org=%s by=%s", rq->approval_id, id->org_id,
@@ -938,7 +966,7 @@ static int get_approval(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
     int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
     if (rc || (rc = wfr_need_gate_id(call, "approval_id", rq->approval_id))) return rc;
     if (!(rc = gate_open(call, ud, id, "approval_id", rq->approval_id, 0, 0, &g)))
-        out->approval = approval_msg(call, &g, id);
+        out->approval = gates__approval_msg(call, &g, id);
     gate_free(&g);
     return rc;
 }
@@ -986,6 +1014,7 @@ int wf_gates_register(rpc_server *srv, wf_engine *e) {
            answer_run_prompt),
         AU("RecordDecision", record_decision_request, record_decision_response, record_decision),
         AU("GetApproval", get_approval_request, get_approval_response, get_approval),
+        AU("OpenApproval", open_approval_request, open_approval_response, sgate__open),
     };
     return rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);
 }

@@ -1,4 +1,5 @@
 /* Schedules (interp.h): cron and interval triggers, their next firing, the firing thread. */
+#include "gates.h"
 #include "interp_int.h"
 
 /* ---- schedules ---- */
@@ -193,7 +194,14 @@ done:
 
 void *wf_scheduler_thread(void *arg) {
     wf_engine *e = arg;
+    int64_t swept = 0;
     while (!e->stop) {
+        /* due approval timers fire on the same beat, at least once a period however many
+         * schedules are due */
+        if (wf_now_ms() - swept >= e->cfg->schedule_poll_ms) {
+            wf_session_gates_sweep(e);
+            swept = wf_now_ms();
+        }
         if (!fire_one(e)) {
             struct timespec ts;
             util_deadline(&ts, e->cfg->schedule_poll_ms);

@@ -895,26 +895,33 @@ int st_wf_row(db_tx *tx, const char *id, PGresult **out, char *err, size_t errle
 /* timestamps in milliseconds (MS), one column per line */
 // clang-format off
 #define GT_SELECT                                                                                  \
-    "SELECT g.id, g.org_id, g.run_id, g.action_id, g.kind, g.status, g.required_clearance, "       \
+    "SELECT g.id, g.org_id, coalesce(g.run_id::text, ''), coalesce(g.action_id::text, ''), "       \
+    "       g.kind, g.status, g.required_clearance, "                                              \
     "       g.spec::text, " MS("g.created_at") ", " MS("g.expires_at") ", "                        \
     "       coalesce(g.decided_by, ''), " MS("g.decided_at") ", coalesce(g.answer::text, ''), "    \
-    "       g.comment, g.escalations, coalesce(r.triggered_by::text, ''), "                        \
-    "       " MS("a.deadline_at") ", a.status, coalesce(a.output::text, ''), "                     \
+    "       g.comment, g.escalations, "                                                            \
+    "       coalesce(r.triggered_by::text, g.requested_by::text, ''), "                            \
+    "       " MS("a.deadline_at") ", coalesce(a.status, ''), coalesce(a.output::text, ''), "       \
     "       coalesce(r.definition->'steps'->(g.spec->>'asked_by')->>'agent_role', ''), "           \
     "       coalesce((SELECT x.agent_id FROM " S "actions x WHERE x.run_id = g.run_id "            \
     "                 AND x.step_name = g.spec->>'asked_by' ORDER BY x.created_at DESC "           \
-    "                 LIMIT 1), ''), w.name, array_to_json(g.approvers)::text "                     \
-    "FROM " S "governance g JOIN " S "actions a ON a.id = g.action_id "                            \
-    "JOIN " S "runs r ON r.id = g.run_id JOIN " S "workflows w ON w.id = r.workflow_id "
+    "                 LIMIT 1), g.agent_id::text, ''), coalesce(w.name, ''), "                     \
+    "       array_to_json(g.approvers)::text, coalesce(g.session_id::text, ''), "                  \
+    "       coalesce(g.agent_id::text, ''), coalesce(g.tool, ''), coalesce(g.tool_call_id, ''), "  \
+    "       coalesce(g.correlation_key, ''), "                                                     \
+    "       (g.expires_at IS NOT NULL AND g.expires_at <= now()) "                                 \
+    "FROM " S "governance g LEFT JOIN " S "actions a ON a.id = g.action_id "                       \
+    "LEFT JOIN " S "runs r ON r.id = g.run_id LEFT JOIN " S "workflows w ON w.id = r.workflow_id "
 // clang-format on
 
 int st_gate_get(db_tx *tx, const char *id, int by_action, int lock, PGresult **out, char *err,
                 size_t errlen) {
     const char *p[] = {id};
-    const char *sql = by_action ? (lock ? GT_SELECT "WHERE g.action_id = $1::uuid ORDER BY "
-                                                    "g.created_at DESC LIMIT 1 FOR UPDATE OF g"
-                                        : GT_SELECT "WHERE g.action_id = $1::uuid ORDER BY "
-                                                    "g.created_at DESC LIMIT 1")
+    /* a session's row has no action: its id is its action's (ListPendingApprovals) */
+#define GT_BY_ACTION                                                                               \
+    GT_SELECT "WHERE (g.action_id = $1::uuid OR (g.session_id IS NOT NULL AND g.id = $1::uuid)) "  \
+              "ORDER BY g.created_at DESC LIMIT 1"
+    const char *sql = by_action ? (lock ? GT_BY_ACTION " FOR UPDATE OF g" : GT_BY_ACTION)
                                 : (lock ? GT_SELECT "WHERE g.id = $1::uuid FOR UPDATE OF g"
                                         : GT_SELECT "WHERE g.id = $1::uuid");
     return ex(tx, sql, 1, p, out, err, errlen);
@@ -988,9 +995,13 @@ int st_gate_pending(db_tx *tx, const char *member, int clearance, const char *ag
     const char *p[] = {member, c, agent ? agent : "", l, o};
     /* only what this caller may decide: a visible run, the floor cleared, the answer scope met;
      * a soft-deleted workflow's runs are "UNDISCOVERABLE" (spec), so their gates are not listed
-     * here (they stay answerable by id) */
+     * here (they stay answerable by id). A session's rows (run_id NULL) are listed beside them
+     * under the same floor and answer scope (answerable_by "requester": the asking member),
+     * until their expiry. */
     return ex(tx,
-              "SELECT a.id, w.name, count(*) OVER () FROM " S "governance g "
+              "WITH p AS ("
+              "SELECT a.id, w.name, g.created_at, g.id AS gid, false AS session "
+              "FROM " S "governance g "
               "JOIN " S "actions a ON a.id = g.action_id JOIN " S "runs r ON r.id = g.run_id "
               "JOIN " S "workflows w ON w.id = r.workflow_id "
               "WHERE g.status = 'pending' AND a.status IN ('awaiting_approval', 'escalated') "
@@ -1000,8 +1011,22 @@ int st_gate_pending(db_tx *tx, const char *member, int clearance, const char *ag
               "AND (coalesce(g.spec->>'answerable_by', '') <> 'requester' "
               "     OR r.triggered_by = $1::uuid) "
               "AND ($3 = '' OR a.agent_id = $3) "
-              "ORDER BY g.created_at, g.id LIMIT $4::int OFFSET $5::int",
+              "UNION ALL "
+              "SELECT g.id, '', g.created_at, g.id, true FROM " S "governance g "
+              "WHERE g.session_id IS NOT NULL AND g.status = 'pending' "
+              "AND (g.expires_at IS NULL OR g.expires_at > now()) "
+              "AND g.required_clearance <= $2::int "
+              "AND (coalesce(g.spec->>'answerable_by', '') <> 'requester' "
+              "     OR g.requested_by = $1::uuid) "
+              "AND ($3 = '' OR g.agent_id::text = $3)) "
+              "SELECT id, name, count(*) OVER (), session FROM p "
+              "ORDER BY created_at, gid LIMIT $4::int OFFSET $5::int",
               5, p, out, err, errlen);
+}
+
+int st_gate_get_many(db_tx *tx, const char *ids, PGresult **out, char *err, size_t errlen) {
+    const char *p[] = {ids};
+    return ex(tx, GT_SELECT "WHERE g.id = ANY ($1::uuid[])", 1, p, out, err, errlen);
 }
 
 int st_gate_vote(db_tx *tx, const char *id, const char *member, int *added, char *err,

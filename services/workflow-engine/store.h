@@ -376,6 +376,14 @@ enum {
     GT_ASKED_AGENT,
     GT_WF_NAME,
     GT_APPROVERS, /* JSON array of the member ids who approved (N of M) */
+    /* an agent session's row (run_id, action_id ""; GT_TRIGGERED_BY is its requested_by and
+     * GT_ASKED_AGENT its agent); "" on a run's */
+    GT_SESSION,
+    GT_AGENT,
+    GT_TOOL,
+    GT_TOOL_CALL,
+    GT_KEY,
+    GT_LAPSED, /* "t" when expires_at has passed */
     GT_NCOLS
 };
 int st_gate_get(db_tx *tx, const char *id, int by_action, int lock, PGresult **out, char *err,
@@ -394,11 +402,37 @@ int st_action_decided(db_tx *tx, const char *action_id, const char *member, char
                       size_t errlen);
 /* AC_* rows of the actions in ids (a Postgres uuid[] literal). */
 int st_actions_by_ids(db_tx *tx, const char *ids, PGresult **out, char *err, size_t errlen);
-/* Pending gates this member may decide: (action id, workflow name, total) rows. */
+/* Pending gates this member may decide: (action id, workflow name, total, session) rows; a
+ * session's row (session "t") gives its own id as the action id and "" as the name. */
 int st_gate_pending(db_tx *tx, const char *member, int clearance, const char *agent, int limit,
                     int offset, PGresult **out, char *err, size_t errlen);
 /* N of M: adds member to the pending row's approvers; *added 0 when already counted. */
 int st_gate_vote(db_tx *tx, const char *id, const char *member, int *added, char *err,
                  size_t errlen);
+/* GT_* rows of the governance rows in ids (a Postgres uuid[] literal). */
+int st_gate_get_many(db_tx *tx, const char *ids, PGresult **out, char *err, size_t errlen);
+
+/* ---- agent sessions' approvals (store_approvals.c; migrations/010_session_approvals.sql) ---- */
+typedef struct st_session_gate {
+    const char *id, *org, *session, *agent, *kind, *tool, *tool_call_id, *requested_by, *key;
+    const uint8_t *intent;
+    size_t intent_len;
+    int clearance;
+    const char *spec_json;
+    int64_t timeout_s;
+} st_session_gate;
+/* Opens the row and its expiry timer unless (org, session, key) has one: *created 0 and
+ * id_out (37 bytes) the existing row's id. A concurrent open of the same key waits for the
+ * first transaction (unique index) and then finds its row. */
+int st_session_gate_open(db_tx *tx, const st_session_gate *g, int *created, char *id_out, char *err,
+                         size_t errlen);
+/* The row's pending_tool_intent (*out malloc'd, caller frees; NULL and 0 when none). */
+int st_session_gate_intent(db_tx *tx, const char *id, uint8_t **out, size_t *len, char *err,
+                           size_t errlen);
+int st_approval_timer_delete(db_tx *tx, const char *id, char *err, size_t errlen);
+/* Service: up to limit due timers (approval_id, org_id), oldest first, not locked: each is
+ * fired in a transaction that locks its governance row first, the order of every decision. */
+int st_approval_timer_due(db_tx *tx, int limit, PGresult **out, char *err, size_t errlen);
+
 /* (run_id, status) of one action of the tx's org; no row: not in it. */
 int st_action_brief(db_tx *tx, const char *action_id, PGresult **out, char *err, size_t errlen);

@@ -162,12 +162,7 @@ class EngineTest(unittest.TestCase):
 
     # ---- helpers ----
     def err(self, code, fn, *args, contains=None):
-        with self.assertRaises(grpc.RpcError) as ctx:
-            fn(*args)
-        self.assertEqual(ctx.exception.code(), code, ctx.exception.details())
-        if contains:
-            self.assertIn(contains, ctx.exception.details())
-        return ctx.exception
+        return T.rpc_error(self, code, fn, *args, contains=contains)
 
     def create(self, d, name="wf", client=None, **kw):
         c = client or self.A
@@ -654,7 +649,7 @@ class EngineTest(unittest.TestCase):
     # caller's own write), through the same message builders, hence the same rule
     SAME_BUILDER = {
         "TriggerWorkflow", "CancelRun", "PauseRun", "ResumeRun", "ApproveAction", "RejectAction",
-        "EscalateAction", "RecordDecision", "RetryRun", "RerunFromNode", "GetRunPrompt",
+        "EscalateAction", "RecordDecision", "OpenApproval", "RetryRun", "RerunFromNode", "GetRunPrompt",
         "SubmitRunPrompt", "DeliverWorkflowEvent", "StreamNodeIO", "GetNodeTranscript", "StreamWorkflowEvents",
     }
     NODE_TYPES = {"upsquad.workflow.v1.WorkflowAction", "upsquad.workflow.v1.WorkflowRun",

@@ -87,12 +87,7 @@ class GatesTest(unittest.TestCase):
 
     # ---- helpers ----
     def err(self, code, fn, *args, contains=None):
-        with self.assertRaises(grpc.RpcError) as ctx:
-            fn(*args)
-        self.assertEqual(ctx.exception.code(), code, ctx.exception.details())
-        if contains:
-            self.assertIn(contains, ctx.exception.details())
-        return ctx.exception
+        return T.rpc_error(self, code, fn, *args, contains=contains)
 
     def start(self, d, client=None):
         c = client or self.A

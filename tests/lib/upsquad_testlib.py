@@ -13,6 +13,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -176,6 +177,37 @@ def engine_env(dsn, nats, secret, **overrides):
     return env
 
 
+def rpc_error(test, code, fn, *args, contains=None):
+    """Asserts fn(*args) fails with gRPC status `code` (and `contains` in its message); the
+    error."""
+    import grpc
+    with test.assertRaises(grpc.RpcError) as ctx:
+        fn(*args)
+    test.assertEqual(ctx.exception.code(), code, ctx.exception.details())
+    if contains:
+        test.assertIn(contains, ctx.exception.details())
+    return ctx.exception
+
+
+def concurrently(n, fn):
+    """Runs fn(i) for i in 0..n-1 on n threads at once; (results, grpc errors)."""
+    import grpc
+    out, errs, lock = [], [], threading.Lock()
+
+    def one(i):
+        try:
+            r = fn(i)
+            with lock:
+                out.append(r)
+        except grpc.RpcError as x:
+            with lock:
+                errs.append(x)
+    ths = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    [t.start() for t in ths]
+    [t.join() for t in ths]
+    return out, errs
+
+
 def struct(d):
     """A google.protobuf.Struct of a dict."""
     from google.protobuf import struct_pb2
@@ -185,9 +217,9 @@ def struct(d):
 
 
 class WorkflowClient:
-    """Unary calls of WorkflowService (and ApprovalService's RecordDecision / GetApproval) as a
-    bearer of `token`: client("GetWorkflowStatus", request) -> response."""
-    APPROVAL = ("RecordDecision", "GetApproval")
+    """Unary calls of WorkflowService (and ApprovalService: RecordDecision, GetApproval,
+    OpenApproval) as a bearer of `token`: client("GetWorkflowStatus", request) -> response."""
+    APPROVAL = ("RecordDecision", "GetApproval", "OpenApproval")
 
     def __init__(self, addr, token, timeout=15):
         import grpc

@@ -21,8 +21,8 @@ static void test_floors(void **state) {
 
 static void test_sensitive_keys(void **state) {
     (void)state;
-    const char *yes[] = {"password", "DB_PASSWORD", "client_secret", "refresh_token", "api_key",
-                         "ApiKey", "Authorization", "aws_credentials", "private_key"};
+    const char *yes[] = {"password", "DB_PASSWORD",   "client_secret",   "refresh_token", "api_key",
+                         "ApiKey",   "Authorization", "aws_credentials", "private_key"};
     const char *no[] = {"prompt", "text", "note", "repo", "tok", "key", "", NULL};
     for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++)
         assert_true(redact_sensitive_key(yes[i]));
