@@ -1,0 +1,53 @@
+-- Roles and schemas of the Upsquad database, run by the Job upsquad-db-bootstrap as a role
+-- with CREATEROLE and CREATE on the database (managed Postgres: its admin user). Idempotent:
+-- every run sets the passwords again (key rotation is a Secret change and a re-run).
+--
+-- Per service schema S: role S_owner owns the schema and everything in it and runs the
+-- migrations (the Job <service>-migrate, Secret <service>-pg-owner); role S is what the
+-- service logs in as (Secret <service>-pg): it owns nothing, so row-level security always
+-- applies to it, and it gets only the rights below. Neither is a superuser or BYPASSRLS.
+-- Passwords come from the environment (psql \getenv), never from this file.
+\set ON_ERROR_STOP on
+SET client_min_messages = warning;
+
+SELECT format('CREATE ROLE %I LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS', r)
+  FROM unnest(ARRAY['orchestrator', 'workflow_engine', 'model_registry', 'stream_hub',
+                    'orchestrator_owner', 'workflow_engine_owner', 'model_registry_owner',
+                    'stream_hub_owner']) AS r
+ WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) \gexec
+
+\getenv pw PG_PASSWORD_ORCHESTRATOR
+ALTER ROLE orchestrator PASSWORD :'pw';
+\getenv pw PG_PASSWORD_ORCHESTRATOR_OWNER
+ALTER ROLE orchestrator_owner PASSWORD :'pw';
+\getenv pw PG_PASSWORD_WORKFLOW_ENGINE
+ALTER ROLE workflow_engine PASSWORD :'pw';
+\getenv pw PG_PASSWORD_WORKFLOW_ENGINE_OWNER
+ALTER ROLE workflow_engine_owner PASSWORD :'pw';
+\getenv pw PG_PASSWORD_MODEL_REGISTRY
+ALTER ROLE model_registry PASSWORD :'pw';
+\getenv pw PG_PASSWORD_MODEL_REGISTRY_OWNER
+ALTER ROLE model_registry_owner PASSWORD :'pw';
+\getenv pw PG_PASSWORD_STREAM_HUB
+ALTER ROLE stream_hub PASSWORD :'pw';
+\getenv pw PG_PASSWORD_STREAM_HUB_OWNER
+ALTER ROLE stream_hub_owner PASSWORD :'pw';
+\unset pw
+
+-- The admin role must be a member of each owner to create a schema owned by it (Postgres 16+
+-- no longer implies this for CREATEROLE holders).
+SELECT format('GRANT %I TO CURRENT_USER', s || '_owner')
+  FROM unnest(ARRAY['orchestrator', 'workflow_engine', 'model_registry', 'stream_hub']) AS s
+ WHERE NOT pg_has_role(current_user, s || '_owner', 'MEMBER') \gexec
+
+SELECT format('CREATE SCHEMA IF NOT EXISTS %I AUTHORIZATION %I', s, s || '_owner'),
+       format('GRANT USAGE ON SCHEMA %I TO %I', s, s),
+       format('ALTER DEFAULT PRIVILEGES FOR ROLE %I IN SCHEMA %I '
+              'GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO %I', s || '_owner', s, s),
+       format('ALTER DEFAULT PRIVILEGES FOR ROLE %I IN SCHEMA %I '
+              'GRANT USAGE, SELECT ON SEQUENCES TO %I', s || '_owner', s, s),
+       format('GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA %I TO %I', s, s),
+       format('GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA %I TO %I', s, s),
+       format('ALTER ROLE %I IN DATABASE %I SET search_path = %I', s, current_database(), s),
+       format('ALTER ROLE %I IN DATABASE %I SET search_path = %I', s || '_owner', current_database(), s)
+  FROM unnest(ARRAY['orchestrator', 'workflow_engine', 'model_registry', 'stream_hub']) AS s \gexec
