@@ -71,7 +71,9 @@ case "${1:-}" in
             if [[ $(id -u) -eq 0 ]]; then apt-get update -qq; else sudo apt-get update -qq; fi
             (cd "$dir" && apt-get download -qq "$KUBECTL_PACKAGE") >&2
         fi
-        dpkg-deb -x "$(ls -t "$dir"/"$KUBECTL_PACKAGE"_*.deb | head -1)" "$dir/$KUBECTL_PACKAGE"
+        for deb in "$dir/$KUBECTL_PACKAGE"_*.deb; do
+            dpkg-deb -x "$deb" "$dir/$KUBECTL_PACKAGE"
+        done
     fi
     echo "$bin"
     exit 0

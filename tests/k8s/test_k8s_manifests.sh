@@ -29,11 +29,11 @@ while IFS= read -r k; do
     renders+=("$name=$out/$name.yaml")
 done < <(find k8s/overlays -name kustomization.yaml | sort)
 [ ${#renders[@]} -ge 6 ] || { echo "expected 6 renders (dev, prod x app, migrate, bootstrap), got ${#renders[@]}" >&2; exit 1; }
-node tests/k8s/validate.mjs "$node_dir/node_modules" "$out/ts" "${renders[@]}"
+node tests/k8s/validate.mjs --dockerfile=Dockerfile "$node_dir/node_modules" "$out/ts" "${renders[@]}"
 
 # the validator itself: every planted mistake is reported
 set +e
-node tests/k8s/validate.mjs "$node_dir/node_modules" "$out/ts-mistakes" \
+node tests/k8s/validate.mjs --dockerfile=Dockerfile "$node_dir/node_modules" "$out/ts-mistakes" \
     mistakes=tests/k8s/fixtures/mistakes.yaml 2>"$out/mistakes.err" >/dev/null
 rc=$?
 set -e

@@ -1,7 +1,7 @@
 // Validates rendered Kubernetes manifests strictly, two independent ways, and checks what the
 // schemas cannot see across objects.
 //
-//   node validate.mjs NODE_MODULES WORKDIR NAME=FILE.yaml...
+//   node validate.mjs [--dockerfile=FILE] NODE_MODULES WORKDIR NAME=FILE.yaml...
 //
 // 1. Schema: each object through the kubernetes-models class of its apiVersion/kind (the
 //    OpenAPI schema compiled to an ajv validator: types, required fields, enums, formats,
@@ -16,6 +16,11 @@
 //    with Secret volumes runs with an fsGroup and group-readable modes (the uid cannot read
 //    root-owned 0400 files otherwise); every GRPCRoute attaches to a rendered Gateway and
 //    sends to a rendered Service port; every BackendTLSPolicy targets a rendered Service.
+// 4. With --dockerfile: every upsquad/<name> image a pod runs is a target of the Dockerfile, and
+//    every file a container names under /usr/local/bin or /usr/share/upsquad (command, args,
+//    probes, env and ConfigMap values) is one that target installs: an executable it (or the
+//    stage it builds on) copies to /usr/local/bin, or services/<service>/<path> of the tree for
+//    /usr/share/upsquad/<service>/<path> when the target copies /usr/share/upsquad/<service>.
 // A kind with no model is an error, not a skip. Exit 0 when everything holds, 1 otherwise,
 // each problem on stderr as "NAME: Kind/namespace/name: problem".
 import { createRequire } from "node:module";
@@ -24,7 +29,9 @@ import fs from "node:fs";
 import path from "node:path";
 import { pathToFileURL } from "node:url";
 
-const [modulesArg, workdir, ...inputs] = process.argv.slice(2);
+const argv = process.argv.slice(2);
+const dockerfile = argv[0]?.startsWith("--dockerfile=") ? argv.shift().slice(13) : null;
+const [modulesArg, workdir, ...inputs] = argv;
 const modules = path.resolve(modulesArg);
 const require = createRequire(path.join(modules, "x.js"));
 const yaml = require("js-yaml");
@@ -179,6 +186,63 @@ for (const [render, objs] of byRender) {
   for (const p of objs.filter((o) => o.kind === "BackendTLSPolicy"))
     for (const t of p.spec.targetRefs ?? [])
       if (!find(t.kind, p.metadata.namespace, t.name)) fail(render, p, `targets ${t.kind} ${t.name}, which is not rendered`);
+}
+
+// ---- 4. images against the Dockerfile ----
+if (dockerfile) {
+  const root = path.dirname(path.resolve(dockerfile));
+  const stages = new Map(); // name -> {from, bins: Set, shares: Set}
+  let cur = null;
+  for (const raw of fs.readFileSync(dockerfile, "utf8").split("\n")) {
+    const line = raw.trim();
+    let m = /^FROM\s+(\S+)(?:\s+AS\s+(\S+))?/i.exec(line);
+    if (m) {
+      cur = { from: m[1], bins: new Set(), shares: new Set() };
+      if (m[2]) stages.set(m[2], cur);
+      continue;
+    }
+    m = /^COPY\s+(?:--from=\S+\s+)?(\S+)\s+(\S+)$/i.exec(line);
+    if (m && cur) {
+      if (m[2] === "/usr/local/bin/") cur.bins.add(path.basename(m[1]));
+      else if (m[2].startsWith("/usr/share/upsquad/")) cur.shares.add(m[2].replace(/\/$/, ""));
+    }
+  }
+  const installs = (stage, file) => {
+    for (let st = stages.get(stage); st; st = stages.get(st.from)) {
+      if (file.startsWith("/usr/local/bin/") && st.bins.has(path.basename(file))) return true;
+      for (const d of st.shares) {
+        if (file === d || file.startsWith(d + "/")) {
+          const rel = file.slice("/usr/share/upsquad/".length).split("/");
+          return fs.existsSync(path.join(root, "services", rel[0], ...rel.slice(1)));
+        }
+      }
+    }
+    return false;
+  };
+  const PATH_RE = /\/usr\/(?:local\/bin|share\/upsquad)\/[A-Za-z0-9._\/-]+/g;
+  for (const [render, objs] of byRender) {
+    for (const o of objs) {
+      const pod = podSpecOf(o);
+      if (!pod) continue;
+      for (const c of [...(pod.initContainers ?? []), ...(pod.containers ?? [])]) {
+        const m = /^upsquad\/([a-z0-9-]+)(?::|@|$)/.exec(c.image ?? "");
+        if (!m) continue;
+        if (!stages.has(m[1])) {
+          fail(render, o, `image ${c.image}: no target ${m[1]} in ${path.basename(dockerfile)}`);
+          continue;
+        }
+        const values = [c.command, c.args, c.startupProbe, c.readinessProbe, c.livenessProbe,
+          (c.env ?? []).map((e) => e.value)];
+        for (const e of c.envFrom ?? []) {
+          const cm = e.configMapRef && objs.find((x) => x.kind === "ConfigMap" &&
+            x.metadata.name === e.configMapRef.name && x.metadata.namespace === o.metadata.namespace);
+          if (cm) values.push(Object.values(cm.data ?? {}));
+        }
+        for (const f of new Set(JSON.stringify(values).match(PATH_RE) ?? []))
+          if (!installs(m[1], f)) fail(render, o, `container ${c.name}: ${f} is not in image target ${m[1]}`);
+      }
+    }
+  }
 }
 
 for (const p of problems) process.stderr.write(p + "\n");
