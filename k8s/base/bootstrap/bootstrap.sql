@@ -6,7 +6,8 @@
 -- migrations (the Job <service>-migrate, Secret <service>-pg-owner); role S is what the
 -- service logs in as (Secret <service>-pg): it owns nothing, so row-level security always
 -- applies to it, and it gets only the rights below. Neither is a superuser or BYPASSRLS.
--- Passwords come from the environment (psql \getenv), never from this file.
+-- Passwords come from the environment (psql \getenv), never from this file; an empty or unset
+-- variable leaves that role's password as it is (rotate one role; roles made elsewhere).
 \set ON_ERROR_STOP on
 SET client_min_messages = warning;
 
@@ -16,22 +17,30 @@ SELECT format('CREATE ROLE %I LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASS
                     'stream_hub_owner']) AS r
  WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) \gexec
 
+\set pw ''
 \getenv pw PG_PASSWORD_ORCHESTRATOR
-ALTER ROLE orchestrator PASSWORD :'pw';
+SELECT format('ALTER ROLE %I PASSWORD %L', 'orchestrator', :'pw') WHERE :'pw' <> '' \gexec
+\set pw ''
 \getenv pw PG_PASSWORD_ORCHESTRATOR_OWNER
-ALTER ROLE orchestrator_owner PASSWORD :'pw';
+SELECT format('ALTER ROLE %I PASSWORD %L', 'orchestrator_owner', :'pw') WHERE :'pw' <> '' \gexec
+\set pw ''
 \getenv pw PG_PASSWORD_WORKFLOW_ENGINE
-ALTER ROLE workflow_engine PASSWORD :'pw';
+SELECT format('ALTER ROLE %I PASSWORD %L', 'workflow_engine', :'pw') WHERE :'pw' <> '' \gexec
+\set pw ''
 \getenv pw PG_PASSWORD_WORKFLOW_ENGINE_OWNER
-ALTER ROLE workflow_engine_owner PASSWORD :'pw';
+SELECT format('ALTER ROLE %I PASSWORD %L', 'workflow_engine_owner', :'pw') WHERE :'pw' <> '' \gexec
+\set pw ''
 \getenv pw PG_PASSWORD_MODEL_REGISTRY
-ALTER ROLE model_registry PASSWORD :'pw';
+SELECT format('ALTER ROLE %I PASSWORD %L', 'model_registry', :'pw') WHERE :'pw' <> '' \gexec
+\set pw ''
 \getenv pw PG_PASSWORD_MODEL_REGISTRY_OWNER
-ALTER ROLE model_registry_owner PASSWORD :'pw';
+SELECT format('ALTER ROLE %I PASSWORD %L', 'model_registry_owner', :'pw') WHERE :'pw' <> '' \gexec
+\set pw ''
 \getenv pw PG_PASSWORD_STREAM_HUB
-ALTER ROLE stream_hub PASSWORD :'pw';
+SELECT format('ALTER ROLE %I PASSWORD %L', 'stream_hub', :'pw') WHERE :'pw' <> '' \gexec
+\set pw ''
 \getenv pw PG_PASSWORD_STREAM_HUB_OWNER
-ALTER ROLE stream_hub_owner PASSWORD :'pw';
+SELECT format('ALTER ROLE %I PASSWORD %L', 'stream_hub_owner', :'pw') WHERE :'pw' <> '' \gexec
 \unset pw
 
 -- The admin role must be a member of each owner to create a schema owned by it (Postgres 16+
