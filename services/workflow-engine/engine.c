@@ -269,10 +269,10 @@ static void metrics(wf_engine *e) {
         snprintf(l, sizeof l, "status=\"%s\"", wf_end_status[i]);
         e->m_ended[i] = metrics_counter("workflow_engine_runs_ended_total",
                                         "runs that ended, by final status", l);
-        e->m_run_seconds[i] = metrics_histogram(
-            "workflow_engine_run_duration_seconds",
-            "time from a run's start to its end, by final status", l, run_buckets,
-            sizeof run_buckets / sizeof run_buckets[0]);
+        e->m_run_seconds[i] =
+            metrics_histogram("workflow_engine_run_duration_seconds",
+                              "time from a run's start to its end, by final status", l, run_buckets,
+                              sizeof run_buckets / sizeof run_buckets[0]);
     }
 }
 

@@ -88,7 +88,9 @@ static int64_t row_int8(PGresult *r, int i, int col) { /* binary int8 */
     return (int64_t)v;
 }
 
-static int64_t row_id(PGresult *r, int i) { return row_int8(r, i, 0); }
+static int64_t row_id(PGresult *r, int i) {
+    return row_int8(r, i, 0);
+}
 
 /* Publishes the fetched rows wave by wave; acked[i] set for each row the stream acknowledged.
  * Returns the number acknowledged. */

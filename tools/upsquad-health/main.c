@@ -43,13 +43,27 @@ static int hp_parse(int argc, char **argv, hp_opts *o) {
     *o = (hp_opts){.service = "", .timeout_ms = 1000};
     while ((opt = getopt_long_only(argc, argv, "", opts, NULL)) != -1) {
         switch (opt) {
-        case 'a': o->addr = optarg; break;
-        case 's': o->service = optarg; break;
-        case 't': o->tls = 1; break;
-        case 'c': o->t.ca_file = optarg; break;
-        case 'C': o->t.cert_file = optarg; break;
-        case 'K': o->t.key_file = optarg; break;
-        case 'n': o->t.server_name_override = optarg; break;
+        case 'a':
+            o->addr = optarg;
+            break;
+        case 's':
+            o->service = optarg;
+            break;
+        case 't':
+            o->tls = 1;
+            break;
+        case 'c':
+            o->t.ca_file = optarg;
+            break;
+        case 'C':
+            o->t.cert_file = optarg;
+            break;
+        case 'K':
+            o->t.key_file = optarg;
+            break;
+        case 'n':
+            o->t.server_name_override = optarg;
+            break;
         case 'T':
             o->timeout_ms = strtol(optarg, &end, 10);
             if (*optarg == '\0' || *end != '\0' || o->timeout_ms < 1 || o->timeout_ms > 600000) {
@@ -58,7 +72,8 @@ static int hp_parse(int argc, char **argv, hp_opts *o) {
                 return -1;
             }
             break;
-        default: return -1;
+        default:
+            return -1;
         }
     }
     if (optind != argc || o->addr == NULL) {
@@ -98,9 +113,9 @@ int main(int argc, char **argv) {
     }
     req.service = (char *)o.service;
     rpc_call_opts copts = {.timeout_ms = o.timeout_ms};
-    int code = rpc_unary_call(ch, "/grpc.health.v1.Health/Check", &req.base,
-                              &grpc__health__v1__health_check_response__descriptor, &copts, &resp,
-                              &st);
+    int code =
+        rpc_unary_call(ch, "/grpc.health.v1.Health/Check", &req.base,
+                       &grpc__health__v1__health_check_response__descriptor, &copts, &resp, &st);
     if (code != 0) {
         /* 14 UNAVAILABLE, 4 DEADLINE_EXCEEDED: nothing answered */
         rc = (code == 14 || code == 4) ? HP_CONN : HP_RPC;

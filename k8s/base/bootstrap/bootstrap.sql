@@ -17,31 +17,33 @@ SELECT format('CREATE ROLE %I LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASS
                     'stream_hub_owner']) AS r
  WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) \gexec
 
-\set pw ''
-\getenv pw PG_PASSWORD_ORCHESTRATOR
-SELECT format('ALTER ROLE %I PASSWORD %L', 'orchestrator', :'pw') WHERE :'pw' <> '' \gexec
-\set pw ''
-\getenv pw PG_PASSWORD_ORCHESTRATOR_OWNER
-SELECT format('ALTER ROLE %I PASSWORD %L', 'orchestrator_owner', :'pw') WHERE :'pw' <> '' \gexec
-\set pw ''
-\getenv pw PG_PASSWORD_WORKFLOW_ENGINE
-SELECT format('ALTER ROLE %I PASSWORD %L', 'workflow_engine', :'pw') WHERE :'pw' <> '' \gexec
-\set pw ''
-\getenv pw PG_PASSWORD_WORKFLOW_ENGINE_OWNER
-SELECT format('ALTER ROLE %I PASSWORD %L', 'workflow_engine_owner', :'pw') WHERE :'pw' <> '' \gexec
-\set pw ''
-\getenv pw PG_PASSWORD_MODEL_REGISTRY
-SELECT format('ALTER ROLE %I PASSWORD %L', 'model_registry', :'pw') WHERE :'pw' <> '' \gexec
-\set pw ''
-\getenv pw PG_PASSWORD_MODEL_REGISTRY_OWNER
-SELECT format('ALTER ROLE %I PASSWORD %L', 'model_registry_owner', :'pw') WHERE :'pw' <> '' \gexec
-\set pw ''
-\getenv pw PG_PASSWORD_STREAM_HUB
-SELECT format('ALTER ROLE %I PASSWORD %L', 'stream_hub', :'pw') WHERE :'pw' <> '' \gexec
-\set pw ''
-\getenv pw PG_PASSWORD_STREAM_HUB_OWNER
-SELECT format('ALTER ROLE %I PASSWORD %L', 'stream_hub_owner', :'pw') WHERE :'pw' <> '' \gexec
-\unset pw
+-- each variable is reset first: \getenv leaves it as it was when the environment lacks it
+\set pw_orchestrator ''
+\getenv pw_orchestrator PG_PASSWORD_ORCHESTRATOR
+\set pw_orchestrator_owner ''
+\getenv pw_orchestrator_owner PG_PASSWORD_ORCHESTRATOR_OWNER
+\set pw_workflow_engine ''
+\getenv pw_workflow_engine PG_PASSWORD_WORKFLOW_ENGINE
+\set pw_workflow_engine_owner ''
+\getenv pw_workflow_engine_owner PG_PASSWORD_WORKFLOW_ENGINE_OWNER
+\set pw_model_registry ''
+\getenv pw_model_registry PG_PASSWORD_MODEL_REGISTRY
+\set pw_model_registry_owner ''
+\getenv pw_model_registry_owner PG_PASSWORD_MODEL_REGISTRY_OWNER
+\set pw_stream_hub ''
+\getenv pw_stream_hub PG_PASSWORD_STREAM_HUB
+\set pw_stream_hub_owner ''
+\getenv pw_stream_hub_owner PG_PASSWORD_STREAM_HUB_OWNER
+SELECT format('ALTER ROLE %I PASSWORD %L', role, pw)
+  FROM (VALUES ('orchestrator', :'pw_orchestrator'),
+               ('orchestrator_owner', :'pw_orchestrator_owner'),
+               ('workflow_engine', :'pw_workflow_engine'),
+               ('workflow_engine_owner', :'pw_workflow_engine_owner'),
+               ('model_registry', :'pw_model_registry'),
+               ('model_registry_owner', :'pw_model_registry_owner'),
+               ('stream_hub', :'pw_stream_hub'),
+               ('stream_hub_owner', :'pw_stream_hub_owner')) AS p (role, pw)
+ WHERE pw <> '' \gexec
 
 -- The admin role must be a member of each owner to create a schema owned by it (Postgres 16+
 -- no longer implies this for CREATEROLE holders).
