@@ -196,11 +196,17 @@ class UpsqWorkflowTest(unittest.TestCase):
         rc, out, err = self.upsq("runs", "describe", run)  # text: the step table with the gate
         self.assertEqual(rc, 0, err)
         self.assertRegex(out, r"(?m)^  g\s+awaiting_approval\s+\S+\s+%s" % gate["id"])
-        rc, _, err = self.upsq("gates", "approve", gate["id"], "--comment", "lgtm")
+        # one id: the gate's blocked_by (its approval id) works where the action id does
+        self.assertNotEqual(gate["blocked_by"], gate["id"])
+        rc, out, err = self.upsq("-o", "json", "gates", "approve", gate["blocked_by"], "--comment", "lgtm")
         self.assertEqual(rc, 0, err)
+        self.assertEqual(json.loads(out)["action"]["id"], gate["id"])
         rc, _, err = self.upsq("gates", "approve", gate["id"])
         self.assertEqual(rc, 1)
         self.assertTrue(err.startswith("upsq: FAILED_PRECONDITION: "), err)
+        rc, _, err = self.upsq("gates", "reject", str(uuid.uuid4()))  # neither: the first answer
+        self.assertEqual(rc, 1)
+        self.assertTrue(err.startswith("upsq: NOT_FOUND: "), err)
         ask = self.parked(run, "ask")
         self.assertEqual(ask["blocked_by"], ask["approval_id"])
         prompt = self.ok_json("gates", "prompt", ask["blocked_by"])
