@@ -429,5 +429,80 @@ class UpsqStreamTest(unittest.TestCase):
         self.assertTrue(err.startswith("upsq: NOT_FOUND: "), err)
 
 
+ORCH_DSN = os.environ.get("UPSQUAD_PG_DSN_ORCHESTRATOR")
+REDIS = os.environ.get("UPSQUAD_REDIS_URL")
+
+
+@unittest.skipUnless(ORCH_DSN and REDIS and os.path.exists(os.path.join(T.BUILD, "bin", "devworker")),
+                     "UPSQUAD_PG_DSN_ORCHESTRATOR, UPSQUAD_REDIS_URL and build/bin/devworker are required")
+class UpsqChatTest(unittest.TestCase):
+    """`agents chat` through a real orchestrator to a devworker (which echoes), with an agent
+    applied by upsquad-agents in a fresh org: replica A takes the worker's heartbeats, replica B
+    (the one upsq calls) runs the turn on it, as in the orchestrator's own tests."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.secret, kek = secrets.token_hex(32), "k1:" + secrets.token_hex(32)
+        base = {"UPSQUAD_JWT_SECRET": cls.secret, "UPSQUAD_PG_DSN": ORCH_DSN, "UPSQUAD_REDIS_URL": REDIS,
+                "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": kek, "UPSQUAD_WORKER_PROBE": "200ms",
+                "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services", "orchestrator", "migrations")}
+        cls.procs = []
+        a = cls.start("orchestrator", dict(base, UPSQUAD_WORKER_TARGETS="127.0.0.1:1"))
+        w = cls.start("devworker", {"UPSQUAD_JWT_SECRET": cls.secret, "UPSQUAD_ORCHESTRATOR_ADDR": a.addr,
+                                    "UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL": "200ms"})
+        cls.b = cls.start("orchestrator", dict(base, UPSQUAD_WORKER_TARGETS=w.addr))
+        cls.org = str(uuid.uuid4())
+        path = os.path.join(T.BUILD, "upsq-agent-%s.json" % uuid.uuid4().hex)
+        with open(path, "w") as f:
+            json.dump({"role": "assistant", "display_name": "upsq", "model": "claude-sonnet-4-6"}, f)
+        try:
+            p = subprocess.run([os.path.join(T.BUILD, "bin", "upsquad-agents"), "--org", cls.org, "apply", path],
+                               env=dict(os.environ, UPSQUAD_PG_DSN=ORCH_DSN, UPSQUAD_KEK=kek,
+                                        UPSQUAD_LOG_LEVEL="warn"), capture_output=True, text=True, timeout=30)
+        finally:
+            os.unlink(path)
+        if p.returncode != 0:
+            raise RuntimeError(p.stderr)
+        cls.agent = p.stdout.split()[0]
+
+    @classmethod
+    def start(cls, binary, env):
+        srv = T.Server(binary, env=env)
+        cls.procs.append(srv)
+        # keep its log flowing: a full stderr pipe would block it
+        threading.Thread(target=lambda: [None for _ in iter(srv.proc.stderr.readline, "")], daemon=True).start()
+        return srv
+
+    @classmethod
+    def tearDownClass(cls):
+        for p in reversed(cls.procs):
+            p.stop()
+
+    def upsq(self, *args):
+        e = {k: v for k, v in os.environ.items() if not k.startswith("UPSQUAD_")}
+        e.update({"UPSQUAD_ORCHESTRATOR_ADDR": self.b.addr,
+                  "UPSQUAD_TOKEN": T.mint(self.secret, sub=str(uuid.uuid4()), org=self.org, clearance=5)})
+        p = subprocess.run([UPSQ] + list(args), env=e, capture_output=True, text=True, timeout=60)
+        return p.returncode, p.stdout, p.stderr
+
+    def test_chat_streams_the_reply_then_json_frames(self):
+        msg = "hello " + uuid.uuid4().hex
+        end = time.time() + 20
+        while True:  # until the worker's first heartbeat has made it live
+            rc, out, err = self.upsq("agents", "chat", self.agent, msg)
+            if rc == 0 or time.time() > end:
+                break
+            time.sleep(0.3)
+        self.assertEqual((rc, out), (0, "echo: " + msg + "\n"), err)
+        rc, out, err = self.upsq("-o", "json", "agents", "chat", self.agent, msg)
+        self.assertEqual(rc, 0, err)
+        frames = [json.loads(x) for x in out.splitlines()]
+        self.assertEqual("".join(f["token"]["text"] for f in frames if "token" in f), "echo: " + msg)
+        self.assertEqual(len([f for f in frames if "completion" in f]), 1)
+        rc, _, err = self.upsq("agents", "chat", str(uuid.uuid4()), "hi")
+        self.assertEqual(rc, 1)
+        self.assertRegex(err, r"^upsq: (NOT_FOUND|INVALID_ARGUMENT): ")
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
