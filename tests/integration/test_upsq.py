@@ -451,7 +451,7 @@ class UpsqChatTest(unittest.TestCase):
         w = cls.start("devworker", {"UPSQUAD_JWT_SECRET": cls.secret, "UPSQUAD_ORCHESTRATOR_ADDR": a.addr,
                                     "UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL": "200ms"})
         cls.b = cls.start("orchestrator", dict(base, UPSQUAD_WORKER_TARGETS=w.addr))
-        cls.org = str(uuid.uuid4())
+        cls.org, cls.user = str(uuid.uuid4()), str(uuid.uuid4())
         path = os.path.join(T.BUILD, "upsq-agent-%s.json" % uuid.uuid4().hex)
         with open(path, "w") as f:
             json.dump({"role": "assistant", "display_name": "upsq", "model": "claude-sonnet-4-6"}, f)
@@ -481,11 +481,11 @@ class UpsqChatTest(unittest.TestCase):
     def upsq(self, *args):
         e = {k: v for k, v in os.environ.items() if not k.startswith("UPSQUAD_")}
         e.update({"UPSQUAD_ORCHESTRATOR_ADDR": self.b.addr,
-                  "UPSQUAD_TOKEN": T.mint(self.secret, sub=str(uuid.uuid4()), org=self.org, clearance=5)})
+                  "UPSQUAD_TOKEN": T.mint(self.secret, sub=self.user, org=self.org, clearance=5)})
         p = subprocess.run([UPSQ] + list(args), env=e, capture_output=True, text=True, timeout=60)
         return p.returncode, p.stdout, p.stderr
 
-    def test_chat_streams_the_reply_then_json_frames(self):
+    def test_chat_streams_the_reply_then_sessions_and_trees(self):
         msg = "hello " + uuid.uuid4().hex
         end = time.time() + 20
         while True:  # until the worker's first heartbeat has made it live
@@ -502,6 +502,19 @@ class UpsqChatTest(unittest.TestCase):
         rc, _, err = self.upsq("agents", "chat", str(uuid.uuid4()), "hi")
         self.assertEqual(rc, 1)
         self.assertRegex(err, r"^upsq: (NOT_FOUND|INVALID_ARGUMENT): ")
+        # the sessions those turns made: listed by agent, read one by one, their trees
+        listed = json.loads(self.upsq("-o", "json", "agents", "sessions", "--agent", self.agent)[1])
+        self.assertGreaterEqual(len(listed["sessions"]), 2, listed)  # a retry above may add one
+        self.assertEqual({x["agent_id"] for x in listed["sessions"]}, {self.agent})
+        sid = listed["sessions"][0]["session_id"]
+        rc, out, err = self.upsq("-o", "json", "agents", "session", sid)
+        self.assertEqual((rc, json.loads(out)["session_id"]), (0, sid), err)
+        rc, out, err = self.upsq("-o", "json", "agents", "tree", sid)
+        self.assertEqual(rc, 0, err)
+        self.assertIn(sid, out)
+        rc, _, err = self.upsq("agents", "session", str(uuid.uuid4()))
+        self.assertEqual(rc, 1)
+        self.assertTrue(err.startswith("upsq: NOT_FOUND: "), err)
 
 
 if __name__ == "__main__":
