@@ -45,6 +45,12 @@ REQUIRED_FILES=(
     /usr/include/microhttpd.h:libmicrohttpd-dev
     /usr/include/cmocka.h:libcmocka-dev
 )
+# Unpacked, not installed: Debian's kubernetes-client (kubectl with kustomize built in) renders
+# the Kubernetes overlays for tests/k8s. It is extracted under the build folder rather than
+# installed because a machine may already have another kubectl package owning /usr/bin/kubectl
+# (installing over it would fail), and so that the test renders with the same kustomize
+# everywhere. `deps.sh --kubectl DIR` prints the path of that kubectl, unpacking it first.
+KUBECTL_PACKAGE=kubernetes-client
 # Extra entries (tests): DEPS_EXTRA_REQUIRED="path:package ..."
 # shellcheck disable=SC2206
 REQUIRED_FILES+=(${DEPS_EXTRA_REQUIRED:-})
@@ -55,6 +61,23 @@ hint() {
 }
 
 case "${1:-}" in
+--kubectl) # DIR: Debian's kubectl unpacked under DIR; prints its path
+    dir=${2:?usage: deps.sh --kubectl DIR}
+    bin="$dir/$KUBECTL_PACKAGE/usr/bin/kubectl"
+    if [[ ! -x "$bin" ]]; then
+        mkdir -p "$dir"
+        # apt-get download needs the package lists: update them once when they lack it
+        if ! (cd "$dir" && apt-get download -qq "$KUBECTL_PACKAGE" 2>/dev/null); then
+            if [[ $(id -u) -eq 0 ]]; then apt-get update -qq; else sudo apt-get update -qq; fi
+            (cd "$dir" && apt-get download -qq "$KUBECTL_PACKAGE") >&2
+        fi
+        for deb in "$dir/$KUBECTL_PACKAGE"_*.deb; do
+            dpkg-deb -x "$deb" "$dir/$KUBECTL_PACKAGE"
+        done
+    fi
+    echo "$bin"
+    exit 0
+    ;;
 --list) # the declared packages, one a line (tests/scripts/test_deps.py checks them)
     printf '%s\n' "${PACKAGES[@]}"
     exit 0

@@ -252,6 +252,8 @@ int wf_tool_mounted(wf_engine *e, const char *tool) {
     return mounted;
 }
 
+static const char *const wf_end_status[3] = {"completed", "failed", "cancelled"};
+
 static void metrics(wf_engine *e) {
     e->m_transitions =
         metrics_counter("workflow_engine_transitions_total", "action transitions committed", NULL);
@@ -264,6 +266,34 @@ static void metrics(wf_engine *e) {
                                          "tool steps whose every attempt failed", NULL);
     e->m_published =
         metrics_counter("workflow_engine_outbox_published_total", "outbox rows published", NULL);
+    e->m_outbox_lag = metrics_gauge(
+        "workflow_engine_outbox_lag_seconds",
+        "age of the oldest unpublished outbox row, as the replica holding the relay saw it at its "
+        "last round (0 on the other replicas: alert on the max)",
+        NULL);
+    /* seconds to a day: a run is a tool call or two, or waits on people for hours */
+    static const double run_buckets[] = {0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400, 86400};
+    for (int i = 0; i < 3; i++) {
+        char l[32];
+        snprintf(l, sizeof l, "status=\"%s\"", wf_end_status[i]);
+        e->m_ended[i] = metrics_counter("workflow_engine_runs_ended_total",
+                                        "runs that ended, by final status", l);
+        e->m_run_seconds[i] =
+            metrics_histogram("workflow_engine_run_duration_seconds",
+                              "time from a run's start to its end, by final status", l, run_buckets,
+                              sizeof run_buckets / sizeof run_buckets[0]);
+    }
+}
+
+void wf_engine_run_ended(wf_engine *e, const char *status, int64_t started_ms) {
+    for (int i = 0; i < 3; i++) {
+        if (strcmp(status, wf_end_status[i]) != 0) continue;
+        metric_inc(e->m_ended[i]);
+        if (started_ms > 0) {
+            int64_t ms = wf_now_ms() - started_ms;
+            metric_observe(e->m_run_seconds[i], ms > 0 ? (double)ms / 1000.0 : 0.0);
+        }
+    }
 }
 
 int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen) {

@@ -965,6 +965,7 @@ static int run_control(rpc_call *call, wf_engine *e, int op, const char *run_id,
     }
     log_info("run.control", "%s run=%s org=%s by=%s outcome=%s", names[op], run_id, id->org_id,
              id->sub, outcome);
+    if (op == CTL_CANCEL && !terminal) wf_engine_run_ended(e, "cancelled", run.started_ms);
     if (woke)
         wf_engine_kick(e);
     else

@@ -622,6 +622,7 @@ static int run_tick(wf_engine *e, const char *run_id, const char *org, int64_t g
     tx = NULL;
     wf_engine_kick_relay(e);
     if (finished) {
+        wf_engine_run_ended(e, run.status, run.started_ms);
         out = TICK_FINISHED;
         goto done;
     }

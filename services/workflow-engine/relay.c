@@ -80,12 +80,16 @@ int wf_relay_waves(const char *const *subjects, int n, int *wave) {
     return top + 1;
 }
 
-static int64_t row_id(PGresult *r, int i) { /* binary int8 */
-    const unsigned char *b = (const unsigned char *)PQgetvalue(r, i, 0);
-    int64_t id = 0;
+static int64_t row_int8(PGresult *r, int i, int col) { /* binary int8 */
+    const unsigned char *b = (const unsigned char *)PQgetvalue(r, i, col);
+    uint64_t v = 0;
     for (int k = 0; k < 8; k++)
-        id = (id << 8) | b[k];
-    return id;
+        v = (v << 8) | b[k];
+    return (int64_t)v;
+}
+
+static int64_t row_id(PGresult *r, int i) {
+    return row_int8(r, i, 0);
 }
 
 /* Publishes the fetched rows wave by wave; acked[i] set for each row the stream acknowledged.
@@ -163,7 +167,10 @@ static int relay_round(wf_engine *e) {
         if (tx) log_warn("outbox.fetch", "%s", err);
         goto done;
     }
-    if (!locked || (n = PQntuples(r)) == 0) goto done;
+    /* the lock holder reports the lag; the others 0, so the max over replicas is the lag */
+    n = locked ? PQntuples(r) : 0;
+    metric_set(e->m_outbox_lag, n > 0 ? (double)row_int8(r, 0, 5) / 1000.0 : 0.0);
+    if (n == 0) goto done;
     acked = calloc((size_t)n, 1);
     ids = malloc((size_t)n * 21 + 3);
     if (!acked || !ids) goto done;

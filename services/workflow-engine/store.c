@@ -856,7 +856,10 @@ int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err
     /* pipelined, the fetch is sent with the lock attempt before its answer is known: it
      * takes the lock again (re-entrant for the holder; evaluated once), so a replica without
      * the lock reads no rows, not a batch of payloads it would throw away */
-    const char *fetch = "SELECT id, subject, msg_id, payload, trace_id FROM " S "outbox "
+    /* age_ms: how long the row has waited, for the lag gauge (the oldest row comes first) */
+    const char *fetch = "SELECT id, subject, msg_id, payload, trace_id, "
+                        "(extract(epoch FROM clock_timestamp() - created_at) * 1000)::int8 "
+                        "FROM " S "outbox "
                         "WHERE (SELECT " RELAY_LOCK ") ORDER BY id LIMIT $1::int";
 #undef RELAY_LOCK
     if (db_pipe_active(c)) { /* all behind one sync; the rows count only under the lock */

@@ -314,8 +314,8 @@ int st_events_put(db_tx *tx, const char *org, const char *run, int64_t seq, cons
 /* One outbox row; trace: the trace id it is published under ("" none). */
 int st_outbox_put(db_tx *tx, const char *org, const char *subject, const char *msg_id,
                   const void *payload, size_t len, const char *trace, char *err, size_t errlen);
-/* Service: the oldest rows (id, subject, msg_id, payload, trace_id; binary), under the relay's
- * advisory lock (*locked 0: another replica relays now, no rows). */
+/* Service: the oldest rows (id, subject, msg_id, payload, trace_id, age_ms; binary), under the
+ * relay's advisory lock (*locked 0: another replica relays now, no rows). */
 int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err, size_t errlen);
 /* Deletes the published rows; ids as a Postgres array text "{1,2,3}". */
 int st_outbox_delete(db_tx *tx, const char *ids, char *err, size_t errlen);

@@ -79,7 +79,9 @@ typedef struct wf_engine {
     int64_t announced_at[64];
     int n_announced;
     metric *m_transitions, *m_runs_started, *m_runs_finished, *m_tool_calls, *m_tool_failures,
-        *m_published, *m_first_step;
+        *m_published, *m_first_step, *m_outbox_lag;
+    /* by final status: completed, failed, cancelled (wf_engine_run_ended) */
+    metric *m_ended[3], *m_run_seconds[3];
 } wf_engine;
 
 int wf_engine_start(wf_engine *e, const wf_config *cfg, char *err, size_t errlen);
@@ -92,6 +94,10 @@ void wf_engine_kick(wf_engine *e);
 int wf_tool_mounted(wf_engine *e, const char *tool);
 /* Wakes the outbox relay (events were committed). */
 void wf_engine_kick_relay(wf_engine *e);
+/* Counts a run that reached `status` (completed, failed, cancelled; others are ignored) and
+ * observes its duration since started_ms (epoch ms; 0: unknown, not observed). Call after the
+ * transaction that ended it committed. */
+void wf_engine_run_ended(wf_engine *e, const char *status, int64_t started_ms);
 
 /* ---- projection rules (spec: WorkflowAction.status, NodeStatusUpdate, WorkflowRun) ---- */
 
