@@ -218,11 +218,10 @@ static int rehydrate(rpc_call *call, orch *o, const char *org, const char *sid, 
         rc = rpc_error(call, RPC_INTERNAL, "the session's snapshot does not decode");
         goto done;
     }
-    orch_worker_init wi = {.snapshot = snap, .checkpoint = ck, .checkpoint_len = cklen,
-                           .loop = loop};
+    orch_worker_init wi = {
+        .snapshot = snap, .checkpoint = ck, .checkpoint_len = cklen, .loop = loop};
     rc = orch_session_init_worker(o, &wi, worker, msg, sizeof msg);
-    if (rc != RPC_OK)
-        rc = rpc_error(call, rc, "%s; the session stays suspended", msg);
+    if (rc != RPC_OK) rc = rpc_error(call, rc, "%s; the session stays suspended", msg);
 done:
     if (snap) protobuf_c_message_free_unpacked(&snap->base, NULL);
     free(ck);

@@ -44,8 +44,10 @@ static void recover_one(orch *o, const orch_recovery *rv) {
     if (rc != DB_OK) goto release;
     rc = orch_store_checkpoint_latest(o->pool, rv->org_id, rv->session_id, &loop, &ck, &cklen, err,
                                       sizeof err);
-    if (rc == ORCH_ENOTFOUND) loop = -1; /* no checkpoint yet: a fresh init, prior turns carry on */
-    else if (rc != DB_OK) goto release;
+    if (rc == ORCH_ENOTFOUND)
+        loop = -1; /* no checkpoint yet: a fresh init, prior turns carry on */
+    else if (rc != DB_OK)
+        goto release;
     snap = (SessionSnapshot *)protobuf_c_message_unpack(
         &upsquad__runtime__v1__session_snapshot__descriptor, NULL, s.snapshot_len, s.snapshot);
     if (!snap) {
@@ -81,11 +83,11 @@ static void recover_one(orch *o, const orch_recovery *rv) {
              rv->session_id, rv->worker, msg);
     orch_store_recovery_release(o->pool, o->instance, rv->session_id, err, sizeof err);
     goto done;
-crash_with_err: {
+crash_with_err : {
     char why[600];
     snprintf(why, sizeof why, "crash recovery failed: %s", err);
-    rc = orch_store_session_crashed(o->pool, rv->org_id, rv->session_id, rv->worker, loop, why,
-                                    err, sizeof err);
+    rc = orch_store_session_crashed(o->pool, rv->org_id, rv->session_id, rv->worker, loop, why, err,
+                                    sizeof err);
     if (rc == DB_OK) {
         metric_inc(o->m_crashed);
         log_warn("recovery.crashed", "session %s org %s: %s", rv->session_id, rv->org_id, why);
@@ -108,6 +110,8 @@ static void sweep(orch *o) {
     size_t n = 0;
     char err[512];
     int64_t dead_after = o->cfg->worker_hb_interval_ms * o->cfg->worker_hb_misses;
+    /* nowhere to move a session: claiming would only give the claims back */
+    if (orch_workers_live(o->workers) == 0) return;
     if (orch_store_recovery_claim(o->pool, o->instance, dead_after, o->cfg->recovery_lease_ms,
                                   SWEEP_BATCH, &list, &n, err, sizeof err) != DB_OK) {
         log_warn("recovery.claim", "%s", err);

@@ -65,10 +65,9 @@ static int heartbeat(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessa
             log_warn("heartbeat.redis", "worker %s: liveness not recorded (Redis unreachable)",
                      rq->worker_id);
         /* the shared liveness record the crash-recovery sweeper of every replica reads */
-        if (orch_store_worker_seen(o->pool, rq->worker_id, rq->active_sessions, err,
-                                   sizeof err) != DB_OK)
-            log_warn("heartbeat.store", "worker %s: liveness not recorded: %s", rq->worker_id,
-                     err);
+        if (orch_store_worker_seen(o->pool, rq->worker_id, rq->active_sessions, err, sizeof err) !=
+            DB_OK)
+            log_warn("heartbeat.store", "worker %s: liveness not recorded: %s", rq->worker_id, err);
     }
     if (rq->session_id[0]) {
         rc = orch_store_heartbeat(o->pool, org, rq->session_id, err, sizeof err);

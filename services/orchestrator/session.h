@@ -20,12 +20,12 @@ int orch_session_start(orch *o, const orch_new_session *n, char session_id[37], 
                        char *msg, size_t msglen);
 
 typedef struct orch_worker_init {
-    const SessionSnapshot *snapshot;  /* borrowed */
-    const orch_worker *avoid;         /* not this one (NULL: any) */
-    const unsigned char *checkpoint;  /* resume_checkpoint bytes, borrowed (NULL: fresh) */
+    const SessionSnapshot *snapshot; /* borrowed */
+    const orch_worker *avoid;        /* not this one (NULL: any) */
+    const unsigned char *checkpoint; /* resume_checkpoint bytes, borrowed (NULL: fresh) */
     size_t checkpoint_len;
-    int loop;                         /* the checkpoint's loop_iteration */
-    int timeout_ms;                   /* 0: 10 s */
+    int loop;       /* the checkpoint's loop_iteration */
+    int timeout_ms; /* 0: 10 s */
 } orch_worker_init;
 
 /* InitWorkerSession on the least loaded live worker (its address into worker). RPC_OK;

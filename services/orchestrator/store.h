@@ -321,9 +321,8 @@ int orch_store_recovery_release(db_pool *p, const char *owner, const char *sessi
 /* The session now lives on `worker` (recovered from checkpoint loop, -1: none): sessions.worker
  * set, a session_recovered audit row when from is not NULL, the lease released. ORCH_ESTATE
  * when the session is no longer live (nothing changed). */
-int orch_store_session_placed(db_pool *p, const char *org, const char *session_id,
-                              const char *from, const char *worker, int loop, char *err,
-                              size_t errlen);
+int orch_store_session_placed(db_pool *p, const char *org, const char *session_id, const char *from,
+                              const char *worker, int loop, char *err, size_t errlen);
 /* The recovery failed for good: state crashed, AgentStatus ERROR, last_error = why, ended,
  * worker cleared, a session_crashed audit row (worker, loop_iteration, reason), lease
  * released. ORCH_ESTATE when the session is no longer live. */

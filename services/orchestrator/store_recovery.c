@@ -42,9 +42,9 @@ int orch_store_recovery_claim(db_pool *p, const char *owner, int64_t dead_after_
         *out = calloc((size_t)PQntuples(r), sizeof **out);
         if (!*out) rc = util_errf(err, errlen, DB_ENOMEM, "out of memory");
         for (int i = 0; *out && i < PQntuples(r); i++) {
-            copy((*out)[i].session_id, sizeof (*out)[i].session_id, PQgetvalue(r, i, 0));
-            copy((*out)[i].org_id, sizeof (*out)[i].org_id, PQgetvalue(r, i, 1));
-            copy((*out)[i].worker, sizeof (*out)[i].worker, PQgetvalue(r, i, 2));
+            copy((*out)[i].session_id, sizeof(*out)[i].session_id, PQgetvalue(r, i, 0));
+            copy((*out)[i].org_id, sizeof(*out)[i].org_id, PQgetvalue(r, i, 1));
+            copy((*out)[i].worker, sizeof(*out)[i].worker, PQgetvalue(r, i, 2));
             (*n)++;
         }
     }
@@ -76,9 +76,9 @@ int orch_store_recovery_release(db_pool *p, const char *owner, const char *sessi
 /* Locks the session row; ORCH_ESTATE unless it is live. agent: its agent id. */
 static int live_tx(PGconn *c, const char *session_id, char agent[37], char *err, size_t errlen) {
     PGresult *r = NULL;
-    int rc = db_exec(c,
-                     "SELECT state, agent_id FROM sessions WHERE session_id = $1::uuid FOR UPDATE",
-                     1, &session_id, &r, err, errlen);
+    int rc =
+        db_exec(c, "SELECT state, agent_id FROM sessions WHERE session_id = $1::uuid FOR UPDATE", 1,
+                &session_id, &r, err, errlen);
     if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
     if (rc == DB_OK && strcmp(PQgetvalue(r, 0, 0), "active") &&
         strcmp(PQgetvalue(r, 0, 0), "initializing"))
@@ -88,9 +88,8 @@ static int live_tx(PGconn *c, const char *session_id, char agent[37], char *err,
     return rc;
 }
 
-int orch_store_session_placed(db_pool *p, const char *org, const char *session_id,
-                              const char *from, const char *worker, int loop, char *err,
-                              size_t errlen) {
+int orch_store_session_placed(db_pool *p, const char *org, const char *session_id, const char *from,
+                              const char *worker, int loop, char *err, size_t errlen) {
     char agent[37], detail[2048];
     TX_BEGIN(org);
     rc = live_tx(c, session_id, agent, err, errlen);
@@ -99,15 +98,16 @@ int orch_store_session_placed(db_pool *p, const char *org, const char *session_i
                      (const char *[]){session_id, worker}, NULL, err, errlen);
     if (rc == DB_OK && from) {
         char *f = orch_store__json_str(from, 128), *t = orch_store__json_str(worker, 128);
-        if (!f || !t) rc = util_errf(err, errlen, DB_ENOMEM, "out of memory");
+        if (!f || !t)
+            rc = util_errf(err, errlen, DB_ENOMEM, "out of memory");
         else
             snprintf(detail, sizeof detail,
                      "{\"from_worker\":%s,\"to_worker\":%s,\"loop_iteration\":%d}", f, t, loop);
         free(f);
         free(t);
         if (rc == DB_OK)
-            rc = orch_store__audit_tx(c, session_id, "session_recovered", agent, NULL, detail,
-                                      NULL, err, errlen);
+            rc = orch_store__audit_tx(c, session_id, "session_recovered", agent, NULL, detail, NULL,
+                                      err, errlen);
     }
     /* whoever holds the lease, the session is placed: a sweep of a slower replica whose lease
      * expired finds it on a live worker */
@@ -132,8 +132,9 @@ int orch_store_session_crashed(db_pool *p, const char *org, const char *session_
                      2, (const char *[]){session_id, why}, NULL, err, errlen);
     if (rc == DB_OK) {
         char *w = orch_store__json_str(worker, 128), *y = orch_store__json_str(why, 512);
-        if (!w || !y || asprintf(&detail, "{\"worker\":%s,\"loop_iteration\":%d,\"reason\":%s}",
-                                 w, loop, y) < 0) {
+        if (!w || !y ||
+            asprintf(&detail, "{\"worker\":%s,\"loop_iteration\":%d,\"reason\":%s}", w, loop, y) <
+                0) {
             detail = NULL;
             rc = util_errf(err, errlen, DB_ENOMEM, "out of memory");
         }
@@ -141,8 +142,8 @@ int orch_store_session_crashed(db_pool *p, const char *org, const char *session_
         free(y);
     }
     if (rc == DB_OK)
-        rc = orch_store__audit_tx(c, session_id, "session_crashed", agent, NULL, detail, NULL,
-                                  err, errlen);
+        rc = orch_store__audit_tx(c, session_id, "session_crashed", agent, NULL, detail, NULL, err,
+                                  errlen);
     if (rc == DB_OK)
         rc = db_exec(c,
                      "UPDATE session_placement SET lease_owner = NULL, lease_until = NULL"

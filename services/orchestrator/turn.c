@@ -218,9 +218,8 @@ static int attempt(orch *o, orch_worker *k, ExecuteStepRequest *req, int64_t tim
                      "again",
                      k->addr, st.message ? st.message : "unavailable");
         else
-            snprintf(msg, sizeof msg,
-                     "worker %s ended the turn without an outcome (status %d: %s)", k->addr, code,
-                     st.message ? st.message : "");
+            snprintf(msg, sizeof msg, "worker %s ended the turn without an outcome (status %d: %s)",
+                     k->addr, code, st.message ? st.message : "");
         set_error(r, code == 14 ? "WORKER_UNAVAILABLE" : "WORKER_FAILED", msg, 1);
         r->outcome = TURN_FAILED;
         if (code == 14 || code == 4 || code == 13 || code == 2) {

@@ -11,7 +11,6 @@ Every test uses its own org, orchestrator replicas and devworkers, stopped by pi
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -48,14 +47,6 @@ def sql(org, query):
     return [l.split("\t") for l in out.stdout.strip().splitlines() if l]
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def script(steps):
     return "#!script\n" + json.dumps(steps)
 
@@ -71,8 +62,8 @@ class Recovery(unittest.TestCase):
         self.org = str(uuid.uuid4())
         self.user = str(uuid.uuid4())
         self.agent = apply_agent(self.org, AGENT)
-        self.wa_addr = "127.0.0.1:%d" % free_port()
-        self.wb_addr = "127.0.0.1:%d" % free_port()
+        self.wa_addr = "127.0.0.1:%d" % T.free_port()
+        self.wb_addr = "127.0.0.1:%d" % T.free_port()
 
     def tearDown(self):
         for ch in self.channels:
@@ -202,6 +193,10 @@ class Recovery(unittest.TestCase):
             self.workers_of(sids)), RECOVERY_BOUND, "every session placed on worker B")
         took = time.time() - t0
         print("recovery of 20 sessions: %.2f s after the kill" % took, file=sys.stderr)
+        if os.environ.get("RECOVERY_LOG"):
+            with open(os.environ["RECOVERY_LOG"], "w") as f:
+                f.write("kill at %.3f\n" % t0)
+                f.writelines(a.log)
         self.assertTrue(all(st == "active" for _, st in placed.values()))
         for sid in sids:
             seen = self.inspect(a.ch, sid)

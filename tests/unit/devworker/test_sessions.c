@@ -51,7 +51,7 @@ static void test_lru_eviction(void **st) {
     dw_session_init(&w, "b", "org", "m-b", 0, -1);
     dw_session_init(&w, "c", "org", "m-c", 0, -1);
     assert_int_equal(dw_session_touch(&w, "a", NULL, NULL), 5); /* a is now the most recent */
-    dw_session_init(&w, "d", "org", "m-d", 0, -1);                  /* full: b (oldest) goes */
+    dw_session_init(&w, "d", "org", "m-d", 0, -1);              /* full: b (oldest) goes */
     assert_int_equal(w.n_sessions, 3);
     dw_session_model(&w, "b", model);
     assert_string_equal(model, "");
