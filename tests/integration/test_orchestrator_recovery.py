@@ -264,6 +264,25 @@ class Recovery(unittest.TestCase):
             acted = [l for p in (a, b) for l in p.log if "recovery.recovered" in l and sid in l]
             self.assertEqual(len(acted), 1, acted)
 
+    def test_lease_of_a_dead_replica_expires(self):
+        a = self.orchestrator()
+        wa = self.worker(self.wa_addr, a)
+        sid = self.new_session(a.ch, "hello")
+        self.wait_checkpointed([sid], {sid: 0})
+        self.worker(self.wb_addr, a)
+        time.sleep(1)
+        # a replica that claimed the session and died before acting: its lease stands for 3 s
+        sql(self.org, "UPDATE session_placement SET lease_owner = 'gone:1',"
+                      " lease_until = now() + interval '3 seconds' WHERE session_id = '%s'" % sid)
+        t0 = time.time()
+        self.kill(wa)
+        time.sleep(2)
+        self.assertEqual(self.workers_of([sid])[sid][0], self.wa_addr)  # nobody else acts yet
+        self.wait_for(lambda: self.workers_of([sid])[sid][0] == self.wb_addr, RECOVERY_BOUND,
+                      "the session placed on worker B after the lease expired")
+        self.assertGreaterEqual(time.time() - t0, 2.5)
+        self.assertEqual(self.inspect(a.ch, sid)["session"]["inits"], 1)
+
     def test_turn_in_flight_ends_with_retryable_error(self):
         a = self.orchestrator()
         wa = self.worker(self.wa_addr, a)
