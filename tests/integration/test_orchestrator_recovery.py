@@ -11,7 +11,6 @@ Every test uses its own org, orchestrator replicas and devworkers, stopped by pi
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -32,25 +31,11 @@ if not DSN or not REDIS or not NATS:
 import grpc  # noqa: E402
 from upsquad.runtime.v1 import lifecycle_pb2 as L  # noqa: E402
 from test_orchestrator import SECRET, KEK, LC, MIGRATIONS, DEVWORKER, AGENT, apply_agent, drain  # noqa: E402
+from test_orchestrator_pause import sql, script  # noqa: E402
 
 HB = "200ms"        # worker heartbeat interval (devworker and orchestrator)
 MISSES = "3"        # dead after 3 missed heartbeats: 600 ms
 RECOVERY_BOUND = 10  # seconds from the kill until every session lives on the other worker
-
-
-def sql(org, query):
-    out = subprocess.run(["psql", DSN, "-X", "-Atq", "-F", "\t", "-v", "ON_ERROR_STOP=1",
-                          "-c", "SET app.org_id = '%s'" % org, "-c", query],
-                         capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr)
-    return [l.split("\t") for l in out.stdout.strip().splitlines() if l]
-
-
-def script(steps):
-    return "#!script\n" + json.dumps(steps)
-
-
 INSPECT = script([{"inspect": True}, {"complete": "ok"}])
 
 
