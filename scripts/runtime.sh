@@ -49,7 +49,11 @@ workflow-engine   1      workflow_engine
 model-registry    2      model_registry
 stream-hub        3      stream_hub
 devworker         4      -
+devworker-2       5      -
 '
+# A name ending in -<digit> is another instance of the executable it names (devworker-2 is a
+# second devworker: crash recovery moves sessions to it when the first dies, and back).
+exe_of() { echo "${1%-[0-9]}"; }
 PG_OFFSET=432
 REDIS_OFFSET=379
 NATS_OFFSET=222
@@ -462,10 +466,10 @@ write_env() {
 # ---- services ----
 FAILED=0
 service_up() {
-    local name=$1 idx=$2 role=$3 bin="$BUILD/bin/$1" pidf="$RUN_DIR/pids/$1.pid" pid
+    local name=$1 idx=$2 role=$3 bin="$BUILD/bin/$(exe_of "$1")" pidf="$RUN_DIR/pids/$1.pid" pid
     local logf="$RUN_DIR/logs/$1.log" port=$((PORT_BASE + GRPC_OFFSET + $2))
     [[ -x "$bin" ]] || return 0
-    if pid=$(pid_of "$pidf" "$name"); then
+    if pid=$(pid_of "$pidf" "$(exe_of "$name")"); then
         say "$name already running (pid $pid)"
         return 0
     fi
@@ -485,6 +489,10 @@ service_up() {
         fi
         export UPSQUAD_GRPC_ADDR=127.0.0.1:$port
         export UPSQUAD_METRICS_ADDR=127.0.0.1:$((PORT_BASE + METRICS_OFFSET + idx))
+        # every devworker of the table is a worker target
+        if [[ "$name" == orchestrator && -z "${UPSQUAD_WORKER_TARGETS:-}" ]]; then
+            export UPSQUAD_WORKER_TARGETS="$UPSQUAD_DEVWORKER_ADDR,$UPSQUAD_DEVWORKER_2_ADDR"
+        fi
         if [[ -d "$ROOT/services/$name/migrations" ]]; then
             export UPSQUAD_MIGRATIONS_DIR="$ROOT/services/$name/migrations"
         fi
@@ -505,7 +513,7 @@ service_up() {
 
 service_down() {
     local name=$1 pidf="$RUN_DIR/pids/$1.pid" pid
-    if pid=$(pid_of "$pidf" "$name"); then
+    if pid=$(pid_of "$pidf" "$(exe_of "$name")"); then
         say "stopping $name (pid $pid)"
         stop_pid "$name" "$pid"
     fi
@@ -571,9 +579,9 @@ status_devtools() {
 row() { printf '  %-16s %-8s %s\n' "$@"; }
 status_service() {
     local name=$1 idx=$2 pid
-    if pid=$(pid_of "$RUN_DIR/pids/$name.pid" "$name"); then
+    if pid=$(pid_of "$RUN_DIR/pids/$name.pid" "$(exe_of "$name")"); then
         row "$name" "$pid" "grpc 127.0.0.1:$((PORT_BASE + GRPC_OFFSET + idx))  metrics 127.0.0.1:$((PORT_BASE + METRICS_OFFSET + idx))"
-    elif [[ -x "$BUILD/bin/$name" ]]; then
+    elif [[ -x "$BUILD/bin/$(exe_of "$name")" ]]; then
         row "$name" "-" "stopped"
     fi
 }
@@ -688,7 +696,7 @@ anything_running() {
     pid_of "$RUN_DIR/pids/nats.pid" nats-server >/dev/null && return 0
     for f in "$RUN_DIR"/pids/*.pid; do
         [[ -e "$f" ]] || continue
-        pid_of "$f" "$(basename "$f" .pid)" >/dev/null && return 0
+        pid_of "$f" "$(exe_of "$(basename "$f" .pid)")" >/dev/null && return 0
     done
     return 1
 }

@@ -128,7 +128,7 @@ static int init_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCMe
         next =
             restore_body(w, s->session_id, ck->data + 4, ck->len - 4, rq->resume_loop_iteration) +
             1;
-    dw_session_init(w, s->session_id, s->tenant_id, s->model_id, next);
+    dw_session_init(w, s->session_id, s->tenant_id, s->model_id, next, ck->len > 0 ? next - 1 : -1);
     if (ck->len > 0) {
         char hash[65];
         ids_sha256_hex(ck->data, ck->len, hash);

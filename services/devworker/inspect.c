@@ -217,6 +217,16 @@ char *dw_inspect_json(dw_worker *w, const Upsquad__Runtime__V1__ExecuteStepReque
         cJSON_AddItemToObject(o, "worker", wk);
         cJSON_AddItemToObject(o, "request", req);
         wk = req = NULL;
+        /* what InitWorkerSession restored here: a recovery's proof of continuity */
+        dw_session_inits si;
+        cJSON *ss = rq->session_id && dw_session_info(w, rq->session_id, &si)
+                        ? cJSON_AddObjectToObject(o, "session")
+                        : NULL;
+        if (ss) {
+            cJSON_AddNumberToObject(ss, "inits", si.inits);
+            cJSON_AddNumberToObject(ss, "restored_loop", si.restored_loop);
+            cJSON_AddNumberToObject(ss, "next_loop", si.next_iter);
+        }
         txt = cJSON_PrintUnformatted(o);
     }
     cJSON_Delete(wk);

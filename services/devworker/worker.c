@@ -108,6 +108,7 @@ static dw_session *get_locked(dw_worker *w, const char *id) {
         free(s->state);
     }
     memset(s, 0, sizeof *s);
+    s->restored_loop = -1;
     dw_copy_id(s->id, id);
     return s;
 }
@@ -148,15 +149,25 @@ void dw_session_ck_taken(dw_worker *w, const char *id, int32_t iter, int32_t key
 }
 
 void dw_session_init(dw_worker *w, const char *id, const char *tenant, const char *model,
-                     int32_t next) {
+                     int32_t next, int32_t restored_loop) {
     pthread_mutex_lock(&w->mu);
     dw_session *s = get_locked(w, id);
+    s->inits++;
+    s->restored_loop = restored_loop;
     dw_copy_id(s->tenant, tenant);
     dw_copy_id(s->model, model);
     s->next_iter = next;
     s->ck_shift = 0; /* a resumed step re-sends its iterations: the replay path */
     s->last_used = ++w->clock;
     pthread_mutex_unlock(&w->mu);
+}
+
+int dw_session_info(dw_worker *w, const char *id, dw_session_inits *out) {
+    pthread_mutex_lock(&w->mu);
+    const dw_session *s = find_locked(w, id);
+    if (s) *out = (dw_session_inits){s->inits, s->restored_loop, s->next_iter};
+    pthread_mutex_unlock(&w->mu);
+    return s != NULL;
 }
 
 void dw_session_set_state(dw_worker *w, const char *id, int32_t iter, const uint8_t *blob,

@@ -61,7 +61,15 @@ typedef struct dw_session {
     int32_t resume_at;   /* 0: none */
     char resume_sha[65]; /* message_sha256 of the suspended script */
     char resume_call[DW_ID_MAX], resume_tool[DW_ID_MAX];
+    /* what InitWorkerSession did to it, for the inspect directive (a recovery's proof) */
+    int32_t inits;         /* InitWorkerSession calls for this session on this worker */
+    int32_t restored_loop; /* loop_iteration of the restored checkpoint; -1: none */
 } dw_session;
+
+/* The session's InitWorkerSession history (dw_session_info). */
+typedef struct dw_session_inits {
+    int32_t inits, restored_loop, next_iter;
+} dw_session_inits;
 
 /* An ExecuteStep in flight: heartbeats name its session, TerminateSession stops it. */
 typedef struct dw_step_ref {
@@ -141,9 +149,12 @@ void dw_session_set_state(dw_worker *w, const char *id, int32_t iter, const uint
 /* Copies the latest state into the call arena; RPC_NOT_FOUND when the session has none. */
 int dw_session_get_state(dw_worker *w, rpc_call *call, const char *id, uint8_t **blob, size_t *len,
                          char **hash);
-/* Initialises (or re-initialises) a session; next_iter = next. */
+/* Initialises (or re-initialises) a session; next_iter = next; restored_loop: the resumed
+ * checkpoint's loop_iteration, -1 on a fresh init. Counts the init. */
 void dw_session_init(dw_worker *w, const char *id, const char *tenant, const char *model,
-                     int32_t next);
+                     int32_t next, int32_t restored_loop);
+/* 1 with *out filled when this worker knows the session, else 0. */
+int dw_session_info(dw_worker *w, const char *id, dw_session_inits *out);
 /* Records a suspension to resume (InitWorkerSession with a suspended checkpoint). */
 void dw_session_set_resume(dw_worker *w, const char *id, int32_t at, const char *sha,
                            const char *call_id, const char *tool);

@@ -47,6 +47,18 @@ static const cfg_var vars[] = {
     {"UPSQUAD_WORKER_HEARTBEAT_TTL", CFG_MS, "15s",
      "a worker's heartbeat key expires this long after its last heartbeat", &C.worker_ttl_ms, 1000,
      600000},
+    {"UPSQUAD_WORKER_HEARTBEAT_INTERVAL", CFG_MS, "5s",
+     "how often workers heartbeat (a devworker: UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL); also how "
+     "often each replica sweeps for dead workers",
+     &C.worker_hb_interval_ms, 50, 600000},
+    {"UPSQUAD_WORKER_HEARTBEAT_MISSES", CFG_INT, "3",
+     "a worker whose last heartbeat is older than this many intervals is dead: its sessions are "
+     "recovered on another worker",
+     &C.worker_hb_misses, 1, 1000},
+    {"UPSQUAD_RECOVERY_LEASE", CFG_MS, "30s",
+     "how long one replica owns the recovery of a session; a replica that dies while recovering "
+     "leaves it to another after this",
+     &C.recovery_lease_ms, 2000, 600000},
     {"UPSQUAD_STEP_TIMEOUT", CFG_MS, "10m", "bound on one agent turn (ExecuteStep) on a worker",
      &C.step_timeout_ms, 1000, 3600000},
     {"UPSQUAD_MODEL_REGISTRY_ADDR", CFG_STR, "",
@@ -121,6 +133,10 @@ static void register_metrics(orch *o) {
         metrics_counter("orchestrator_turns_total", "agent turns", "outcome=\"failed\"");
     o->m_retries =
         metrics_counter("orchestrator_turn_retries_total", "turns retried on another worker", NULL);
+    o->m_recovered = metrics_counter("orchestrator_sessions_recovered_total",
+                                     "sessions of a dead worker moved to another worker", NULL);
+    o->m_crashed = metrics_counter("orchestrator_sessions_crashed_total",
+                                   "sessions whose recovery failed (state crashed)", NULL);
     o->m_no_worker = metrics_counter("orchestrator_no_worker_total",
                                      "turns refused because no worker was live", NULL);
     o->m_cost = metrics_counter("orchestrator_llm_cost_usd_total",
@@ -276,6 +292,7 @@ int orch_start(orch *o, const orch_config *cfg, char *err, size_t errlen) {
         goto fail_e;
     }
     if (set(cfg->nats_url) && orch_steps_start(o, e, sizeof e)) goto fail_e;
+    if (orch_recovery_start(o, e, sizeof e)) goto fail_e;
     return 0;
 fail_e:
     util_errf(err, errlen, -1, "%s", e);
@@ -284,6 +301,7 @@ fail_e:
 }
 
 void orch_stop(orch *o) {
+    orch_recovery_stop(o);
     orch_steps_stop(o);
     orch_lease_stop();
     orch_turn_watcher_stop();

@@ -36,6 +36,9 @@ typedef struct orch_config {
     char *worker_targets;
     long long worker_probe_ms;
     long long worker_ttl_ms;
+    long long worker_hb_interval_ms; /* expected heartbeat period of a worker; sweep period */
+    long long worker_hb_misses;      /* missed heartbeats that make a worker dead */
+    long long recovery_lease_ms;     /* a replica's claim on a session it recovers */
     long long step_timeout_ms;
     char *model_registry_addr;
     char *kek;
@@ -60,6 +63,7 @@ const cfg_var *orch_config_vars(size_t *n);
 orch_config *orch_config_get(void);
 
 typedef struct orch_steps orch_steps;
+typedef struct orch_sweeper orch_sweeper;
 
 typedef struct orch {
     const orch_config *cfg; /* borrowed */
@@ -71,12 +75,14 @@ typedef struct orch {
     rpc_client_tls tls; /* towards workers and model-registry (used when tls.ca_file is set) */
     orch_workers *workers;
     orch_steps *steps;
+    orch_sweeper *sweeper; /* crash recovery (recovery.c) */
     char instance[128];
     atomic_int parked; /* SendMessage streams waiting on a paused session (lifecycle.c) */
 
     metric *m_relayed, *m_dropped, *m_turns_ok, *m_turns_failed, *m_retries, *m_no_worker;
     metric *m_cost, *m_in_tokens, *m_out_tokens, *m_heartbeats, *m_checkpoints;
     metric *m_steps_ok, *m_steps_failed, *m_steps_replayed, *m_security, *m_relay_seconds;
+    metric *m_recovered, *m_crashed;
 } orch;
 
 int orch_start(orch *o, const orch_config *cfg, char *err, size_t errlen);
@@ -100,6 +106,10 @@ int orch_lifecycle_register(rpc_server *srv, orch *o);
 int orch_runtime_register(rpc_server *srv, orch *o);
 /* LifecycleService's subagent-tree methods (tree.c). */
 int orch_tree_register(rpc_server *srv, orch *o);
+
+/* The crash-recovery sweeper (recovery.c; docs/orchestrator.md, "Crash recovery"). */
+int orch_recovery_start(orch *o, char *err, size_t errlen);
+void orch_recovery_stop(orch *o);
 
 /* Workflow agent steps (steps.c). */
 int orch_steps_start(orch *o, char *err, size_t errlen);

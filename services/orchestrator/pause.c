@@ -16,6 +16,7 @@
 #include "log.h"
 #include "pbjson.h"
 #include "relay.h"
+#include "session.h"
 #include "util.h"
 
 typedef Upsquad__Runtime__V1__PauseSessionRequest PauseRequest;
@@ -181,6 +182,53 @@ static int operator_input(rpc_call *call, const ProtobufCBinaryData *in, char **
     return RPC_OK;
 }
 
+/* Spec: ResumeSession "re-hydrates a SUSPENDED session from its latest checkpoint": a worker
+ * is initialised with it (InitWorkerSession.resume_checkpoint) before the session turns
+ * ACTIVE; the worker's address into worker. Anything but SUSPENDED is FAILED_PRECONDITION; a
+ * worker that cannot be had or refuses the checkpoint leaves the session suspended. */
+static int rehydrate(rpc_call *call, orch *o, const char *org, const char *sid, char worker[128]) {
+    orch_session s = {0};
+    SessionSnapshot *snap = NULL;
+    unsigned char *ck = NULL;
+    size_t cklen = 0;
+    int loop = 0;
+    char err[512], msg[512];
+    int rc = orch_store_session_get(o->pool, org, sid, 1, &s, err, sizeof err);
+    if (rc == ORCH_ENOTFOUND) {
+        rc = rpc_error(call, RPC_NOT_FOUND, "session_id: no session %s", sid);
+        goto done;
+    }
+    if (rc != DB_OK) {
+        rc = orch_store_failed(call, "reading the session", err);
+        goto done;
+    }
+    if (strcmp(s.state, "suspended")) {
+        rc = rpc_error(call, RPC_FAILED_PRECONDITION,
+                       "session %s is %s: only a suspended session can be resumed", sid, s.state);
+        goto done;
+    }
+    rc = orch_store_checkpoint_latest(o->pool, org, sid, &loop, &ck, &cklen, err, sizeof err);
+    if (rc != DB_OK && rc != ORCH_ENOTFOUND) {
+        rc = orch_store_failed(call, "reading the latest checkpoint", err);
+        goto done;
+    }
+    snap = (SessionSnapshot *)protobuf_c_message_unpack(
+        &upsquad__runtime__v1__session_snapshot__descriptor, NULL, s.snapshot_len, s.snapshot);
+    if (!snap) {
+        rc = rpc_error(call, RPC_INTERNAL, "the session's snapshot does not decode");
+        goto done;
+    }
+    orch_worker_init wi = {
+        .snapshot = snap, .checkpoint = ck, .checkpoint_len = cklen, .loop = loop};
+    rc = orch_session_init_worker(o, &wi, worker, msg, sizeof msg);
+    if (rc != RPC_OK) rc = rpc_error(call, rc, "%s; the session stays suspended", msg);
+done:
+    if (snap) protobuf_c_message_free_unpacked(&snap->base, NULL);
+    free(ck);
+    orch_session_clear(&s);
+    return rc;
+}
+
 static int resume_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
                           void *ud) {
     orch *o = ud;
@@ -195,6 +243,11 @@ static int resume_session(rpc_call *call, const ProtobufCMessage *req, ProtobufC
         (rc = orch_text_field(call, "resume_reason", rq->resume_reason, REASON_MAX)) ||
         (rc = operator_input(call, &rq->operator_input, &input)))
         return rc;
+    char worker[128] = "";
+    if ((rc = rehydrate(call, o, id->org_id, rq->session_id, worker)) != RPC_OK) {
+        free(input);
+        return rc;
+    }
     rc = orch_store_resume(o->pool, id->org_id, rq->session_id,
                            rq->resume_reason[0] ? rq->resume_reason : "resumed by the operator",
                            input, &rs, state, err, sizeof err);
@@ -206,7 +259,12 @@ static int resume_session(rpc_call *call, const ProtobufCMessage *req, ProtobufC
                          "session %s is %s: only a suspended session can be resumed",
                          rq->session_id, state);
     if (rc != DB_OK) return orch_store_failed(call, "resuming the session", err);
-    out->status = (Upsquad__Runtime__V1__AgentStatus)rs.agent_status;
+    if (orch_store_session_placed(o->pool, id->org_id, rq->session_id, NULL, worker, 0, err,
+                                  sizeof err) != DB_OK)
+        log_warn("session.placed", "session %s: %s", rq->session_id, err);
+    /* spec: "ACTIVE on success"; AgentStatus has no ACTIVE: THINKING is its running status
+     * (docs/orchestrator.md, "ResumeSession") */
+    out->status = UPSQUAD__RUNTIME__V1__AGENT_STATUS__AGENT_STATUS_THINKING;
     out->resumed_at_loop = rs.resumed_at_loop;
     out->resumed_at = orch_ts_ms(call, rs.resumed_ms);
     log_info("session.resumed", "session %s org %s at loop %d", rq->session_id, id->org_id,

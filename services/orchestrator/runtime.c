@@ -64,6 +64,10 @@ static int heartbeat(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessa
         if (!k || kv_set_ttl(k, key, val, strlen(val), (int)o->cfg->worker_ttl_ms) != KV_OK)
             log_warn("heartbeat.redis", "worker %s: liveness not recorded (Redis unreachable)",
                      rq->worker_id);
+        /* the shared liveness record the crash-recovery sweeper of every replica reads */
+        if (orch_store_worker_seen(o->pool, rq->worker_id, rq->active_sessions, err, sizeof err) !=
+            DB_OK)
+            log_warn("heartbeat.store", "worker %s: liveness not recorded: %s", rq->worker_id, err);
     }
     if (rq->session_id[0]) {
         rc = orch_store_heartbeat(o->pool, org, rq->session_id, err, sizeof err);

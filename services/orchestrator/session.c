@@ -78,9 +78,9 @@ static int check_model(orch *o, const char *model, const char *bearer, char cano
     return rc;
 }
 
-static int init_worker(orch *o, const SessionSnapshot *s, char worker[128], char *msg,
-                       size_t msglen) {
-    orch_worker *k = orch_workers_pick(o->workers, NULL);
+int orch_session_init_worker(orch *o, const orch_worker_init *in, char worker[128], char *msg,
+                             size_t msglen) {
+    orch_worker *k = orch_workers_pick(o->workers, in->avoid);
     if (!k) {
         metric_inc(o->m_no_worker);
         snprintf(msg, msglen, "no live worker: the session cannot be initialised now");
@@ -88,12 +88,18 @@ static int init_worker(orch *o, const SessionSnapshot *s, char worker[128], char
     }
     Upsquad__Runtime__V1__InitWorkerSessionRequest rq =
         UPSQUAD__RUNTIME__V1__INIT_WORKER_SESSION_REQUEST__INIT;
-    rq.snapshot = (SessionSnapshot *)s;
+    rq.snapshot = (SessionSnapshot *)in->snapshot;
+    /* spec: the latest checkpoint's bytes as stored (4-byte version prefix + body) and its
+     * loop_iteration; empty on a fresh init */
+    rq.resume_checkpoint.data = (uint8_t *)in->checkpoint;
+    rq.resume_checkpoint.len = in->checkpoint_len;
+    rq.resume_loop_iteration = in->checkpoint_len ? in->loop : 0;
     snprintf(worker, 128, "%s", k->addr);
     ProtobufCMessage *resp = NULL;
     rpc_status st = {0};
-    char *bearer = orch_mint_call_token(o, s->tenant_id);
-    rpc_call_opts opts = {.timeout_ms = 10000, .bearer = bearer};
+    char *bearer = orch_mint_call_token(o, in->snapshot->tenant_id);
+    rpc_call_opts opts = {.timeout_ms = in->timeout_ms > 0 ? in->timeout_ms : 10000,
+                          .bearer = bearer};
     int code = rpc_unary_call(k->ch, INIT_WORKER, &rq.base,
                               &upsquad__runtime__v1__init_worker_session_response__descriptor,
                               &opts, &resp, &st);
@@ -151,7 +157,9 @@ int orch_session_start(orch *o, const orch_new_session *n, char session_id[37], 
     }
     snprintf(hash, 65, "%s", s->snapshot_hash);
     char worker[128] = "";
-    if (n->init_worker && (rc = init_worker(o, s, worker, msg, msglen)) != RPC_OK) goto done;
+    orch_worker_init wi = {.snapshot = s};
+    if (n->init_worker && (rc = orch_session_init_worker(o, &wi, worker, msg, msglen)) != RPC_OK)
+        goto done;
     size_t len = protobuf_c_message_get_packed_size(&s->base);
     packed = malloc(len ? len : 1);
     if (!packed) {

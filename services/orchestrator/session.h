@@ -19,6 +19,22 @@ typedef struct orch_new_session {
 int orch_session_start(orch *o, const orch_new_session *n, char session_id[37], char hash[65],
                        char *msg, size_t msglen);
 
+typedef struct orch_worker_init {
+    const SessionSnapshot *snapshot; /* borrowed */
+    const orch_worker *avoid;        /* not this one (NULL: any) */
+    const unsigned char *checkpoint; /* resume_checkpoint bytes, borrowed (NULL: fresh) */
+    size_t checkpoint_len;
+    int loop;       /* the checkpoint's loop_iteration */
+    int timeout_ms; /* 0: 10 s */
+} orch_worker_init;
+
+/* InitWorkerSession on the least loaded live worker (its address into worker). RPC_OK;
+ * RPC_UNAVAILABLE when no worker is live or the call failed (worth another try);
+ * RPC_FAILED_PRECONDITION when the worker answered success=false (msg carries its
+ * error_message: a checkpoint it cannot load). */
+int orch_session_init_worker(orch *o, const orch_worker_init *in, char worker[128], char *msg,
+                             size_t msglen);
+
 /* Builds the ExecuteStep request of a turn in `a`: snapshot from the stored bytes (execution
  * mode overridden when mode != 0), decrypted provider keys, prior turns. *snap receives the
  * unpacked snapshot (caller frees with protobuf_c_message_free_unpacked); keys are wiped by

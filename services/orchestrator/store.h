@@ -324,4 +324,37 @@ int orch_store_tree_terminate(db_pool *p, const char *org, const char *session_i
                               const char *reason, int max_sessions, orch_ended **out, size_t *n,
                               int *bridge_rows, char *err, size_t errlen);
 
+/* ---- worker liveness and crash recovery (store_recovery.c; docs/orchestrator.md, "Crash
+ * recovery") ---- */
+
+/* Records a worker's heartbeat (every replica sees it). */
+int orch_store_worker_seen(db_pool *p, const char *worker_id, int active_sessions, char *err,
+                           size_t errlen);
+
+typedef struct orch_recovery {
+    char session_id[37], org_id[37];
+    char worker[128]; /* the dead worker */
+} orch_recovery;
+
+/* Claims up to max live sessions of workers whose last heartbeat is older than dead_after_ms,
+ * leasing each to `owner` for lease_ms (a session under another's unexpired lease is skipped).
+ * *out heap (free()), *n claimed. */
+int orch_store_recovery_claim(db_pool *p, const char *owner, int64_t dead_after_ms,
+                              int64_t lease_ms, size_t max, orch_recovery **out, size_t *n,
+                              char *err, size_t errlen);
+/* Gives a claimed session back (nothing could be done now: the next sweep tries again). */
+int orch_store_recovery_release(db_pool *p, const char *owner, const char *session_id, char *err,
+                                size_t errlen);
+/* The session now lives on `worker` (recovered from checkpoint loop, -1: none): sessions.worker
+ * set, a session_recovered audit row when from is not NULL, the lease released. ORCH_ESTATE
+ * when the session is no longer live (nothing changed). */
+int orch_store_session_placed(db_pool *p, const char *org, const char *session_id, const char *from,
+                              const char *worker, int loop, char *err, size_t errlen);
+/* The recovery failed for good: state crashed, AgentStatus ERROR, last_error = why, ended,
+ * worker cleared, a session_crashed audit row (worker, loop_iteration, reason), lease
+ * released. ORCH_ESTATE when the session is no longer live. */
+int orch_store_session_crashed(db_pool *p, const char *org, const char *session_id,
+                               const char *worker, int loop, const char *why, char *err,
+                               size_t errlen);
+
 #endif

@@ -211,8 +211,15 @@ static int attempt(orch *o, orch_worker *k, ExecuteStepRequest *req, int64_t tim
     } else if (!saw_end && !got_error) {
         /* the worker failed or ended without an outcome */
         char msg[512];
-        snprintf(msg, sizeof msg, "worker %s ended the turn without an outcome (status %d: %s)",
-                 k->addr, code, st.message ? st.message : "");
+        if (code == 14) /* the worker is gone: crash recovery moves the session */
+            snprintf(msg, sizeof msg,
+                     "worker %s went away during the turn (%s); crash recovery resumes the "
+                     "session on another worker from its latest checkpoint: send the message "
+                     "again",
+                     k->addr, st.message ? st.message : "unavailable");
+        else
+            snprintf(msg, sizeof msg, "worker %s ended the turn without an outcome (status %d: %s)",
+                     k->addr, code, st.message ? st.message : "");
         set_error(r, code == 14 ? "WORKER_UNAVAILABLE" : "WORKER_FAILED", msg, 1);
         r->outcome = TURN_FAILED;
         if (code == 14 || code == 4 || code == 13 || code == 2) {

@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -30,14 +29,6 @@ SVC = "/upsquad.runtime.v1.RuntimeService/"
 SECRET = secrets.token_hex(16)
 PRICES = {"gpt-5.5": (5.0, 30.0), "claude-sonnet-4-6": (3.0, 15.0)}  # docs/devworker.md
 TIMEOUT = 10
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def claims_of(token):
@@ -739,7 +730,7 @@ class DevworkerTest(unittest.TestCase):
 
 class UnreachableOrchestratorTest(unittest.TestCase):
     def test_serves_and_retries_until_the_orchestrator_appears(self):
-        port = free_port()
+        port = T.free_port()
         w = start_worker("127.0.0.1:%d" % port, env={"UPSQUAD_LOG_LEVEL": "info"})
         c = Client(w.addr)
         orch = None

@@ -208,9 +208,11 @@ class DeadTurns(unittest.TestCase):
                         L.GetProvenanceChainResponse)
         self.assertEqual([k.action_type for k in ch.chain], ["message_received", "turn_reclaimed"])
         self.assertTrue(all(k.anchor_verified for k in ch.chain))
-        # the resume gives back a settled status (the one the reclaim left), never THINKING
+        # the resume answers the spec's ACTIVE (THINKING, docs/orchestrator.md); the session,
+        # idle, shows the settled status the reclaim left, never THINKING
         r = self.unary(v2, "ResumeSession", L.ResumeSessionRequest(session_id=sa), L.ResumeSessionResponse)
-        self.assertEqual(r.status, R.AGENT_STATUS_ERROR)
+        self.assertEqual(r.status, R.AGENT_STATUS_THINKING)
+        self.assertEqual(self.get(v2, sa).status, R.AGENT_STATUS_ERROR)
         # both sessions take messages again
         for sid in (sa, sb):
             evs = list(self.stream(v2, "hello again", sid))
@@ -278,7 +280,8 @@ class DeadTurns(unittest.TestCase):
         paused = [x for x in self.audit(sid) if x[1] == "session_paused"]
         self.assertEqual([x[3]["reason"] for x in paused], ["asked long ago"])
         r = self.unary(s, "ResumeSession", L.ResumeSessionRequest(session_id=sid), L.ResumeSessionResponse)
-        self.assertEqual(r.status, R.AGENT_STATUS_ERROR)  # the dead turn's, never THINKING
+        self.assertEqual(r.status, R.AGENT_STATUS_THINKING)  # the spec's ACTIVE
+        self.assertEqual(self.get(s, sid).status, R.AGENT_STATUS_ERROR)  # idle: the dead turn's
         evs = list(self.stream(s, "hello", sid))
         self.assertEqual(evs[-1].completion.final_response, "echo: hello")
         # one in flight within its bound still holds the next message back ("is pausing")

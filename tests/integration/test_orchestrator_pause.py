@@ -197,7 +197,7 @@ class Pause(unittest.TestCase):
         t1 = time.time()
         rr = self.resume(sid, operator_input=b'{"hint": "use the staging db", "n": [1, 2]}',
                          resume_reason="looked")
-        self.assertEqual(rr.status, R.AGENT_STATUS_COMPLETE)  # the status it had when paused
+        self.assertEqual(rr.status, R.AGENT_STATUS_THINKING)  # the spec's ACTIVE
         self.assertEqual(rr.resumed_at_loop, loop)
         self.assertAlmostEqual(rr.resumed_at.seconds + rr.resumed_at.nanos / 1e9, t1, delta=5)
         self.assertEqual(self.get(sid).status, R.AGENT_STATUS_COMPLETE)
@@ -231,7 +231,7 @@ class Pause(unittest.TestCase):
         self.assertEqual(rows[-1][3]["pause_source"], "PAUSE_SOURCE_OPERATOR")
         rr = self.resume(sid)
         self.assertEqual(rr.resumed_at_loop, 0)
-        self.assertEqual(rr.status, R.AGENT_STATUS_UNSPECIFIED)
+        self.assertEqual(rr.status, R.AGENT_STATUS_THINKING)
         self.assertEqual(self.get(sid).status, R.AGENT_STATUS_UNSPECIFIED)
         # the session takes messages again
         self.assertTrue(any(e.HasField("completion") for e in self.stream_of("back again", sid)))
@@ -272,7 +272,7 @@ class Pause(unittest.TestCase):
         self.pause(other, token=self.tok(self.org2))
         c, _ = self.code(lambda: self.resume(other))
         self.assertEqual(c, grpc.StatusCode.NOT_FOUND)
-        self.assertEqual(self.resume(other, token=self.tok(self.org2)).status, R.AGENT_STATUS_UNSPECIFIED)
+        self.assertEqual(self.resume(other, token=self.tok(self.org2)).status, R.AGENT_STATUS_THINKING)
         # no token, or one without an org
         c, _ = self.code(lambda: self.pause(sid, token="garbage"))
         self.assertEqual(c, grpc.StatusCode.UNAUTHENTICATED)

@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -257,6 +258,15 @@ def agent_dispatch(nc, run, timeout=15):
         if d.run_id == run:
             return d
     return None
+
+
+def free_port():
+    """A loopback port free now (for a process that must be told its address in advance)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
 
 
 def http_get(url, timeout=5):

@@ -47,11 +47,11 @@ static int teardown(void **st) {
 static void test_lru_eviction(void **st) {
     (void)st;
     char model[DW_ID_MAX];
-    dw_session_init(&w, "a", "org", "m-a", 5);
-    dw_session_init(&w, "b", "org", "m-b", 0);
-    dw_session_init(&w, "c", "org", "m-c", 0);
+    dw_session_init(&w, "a", "org", "m-a", 5, -1);
+    dw_session_init(&w, "b", "org", "m-b", 0, -1);
+    dw_session_init(&w, "c", "org", "m-c", 0, -1);
     assert_int_equal(dw_session_touch(&w, "a", NULL, NULL), 5); /* a is now the most recent */
-    dw_session_init(&w, "d", "org", "m-d", 0);                  /* full: b (oldest) goes */
+    dw_session_init(&w, "d", "org", "m-d", 0, -1);              /* full: b (oldest) goes */
     assert_int_equal(w.n_sessions, 3);
     dw_session_model(&w, "b", model);
     assert_string_equal(model, "");
@@ -66,8 +66,8 @@ static void test_terminate_and_steps(void **st) {
     dw_step_ref r1 = {.session_id = "x"}, r2 = {.session_id = "y"};
     atomic_init(&r1.terminated, 0);
     atomic_init(&r2.terminated, 0);
-    dw_session_init(&w, "x", "", "", 0);
-    dw_session_init(&w, "y", "", "", 0);
+    dw_session_init(&w, "x", "", "", 0, -1);
+    dw_session_init(&w, "y", "", "", 0, -1);
     dw_step_register(&w, &r1);
     dw_step_register(&w, &r2);
     assert_int_equal(w.n_steps, 2);
