@@ -229,6 +229,14 @@ done:
     return rc;
 }
 
+/* spec: an approval park waits for its decision (ApprovalService), not for an operator */
+static int gate_refusal(rpc_call *call, const char *session_id, const char *gate) {
+    return rpc_error(call, RPC_FAILED_PRECONDITION,
+                     "session %s is parked on approval %s: it resumes when the approval is decided "
+                     "(ApprovalService), not by ResumeSession",
+                     session_id, gate[0] ? gate : "(unnamed)");
+}
+
 static int resume_session(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
                           void *ud) {
     orch *o = ud;
@@ -243,7 +251,21 @@ static int resume_session(rpc_call *call, const ProtobufCMessage *req, ProtobufC
         (rc = orch_text_field(call, "resume_reason", rq->resume_reason, REASON_MAX)) ||
         (rc = operator_input(call, &rq->operator_input, &input)))
         return rc;
-    char worker[128] = "";
+    char worker[128] = "", gate[65];
+    /* a park on a human gate is lifted by its decision alone: nothing is rehydrated for it */
+    rc = orch_store_resume_gate(o->pool, id->org_id, rq->session_id, gate, err, sizeof err);
+    if (rc == ORCH_EGATED) {
+        free(input);
+        return gate_refusal(call, rq->session_id, gate);
+    }
+    if (rc == ORCH_ENOTFOUND) {
+        free(input);
+        return rpc_error(call, RPC_NOT_FOUND, "session_id: no session %s", rq->session_id);
+    }
+    if (rc != DB_OK) {
+        free(input);
+        return orch_store_failed(call, "reading the session", err);
+    }
     if ((rc = rehydrate(call, o, id->org_id, rq->session_id, worker)) != RPC_OK) {
         free(input);
         return rc;
@@ -258,6 +280,7 @@ static int resume_session(rpc_call *call, const ProtobufCMessage *req, ProtobufC
         return rpc_error(call, RPC_FAILED_PRECONDITION,
                          "session %s is %s: only a suspended session can be resumed",
                          rq->session_id, state);
+    if (rc == ORCH_EGATED) return gate_refusal(call, rq->session_id, rs.gate);
     if (rc != DB_OK) return orch_store_failed(call, "resuming the session", err);
     if (orch_store_session_placed(o->pool, id->org_id, rq->session_id, NULL, worker, 0, err,
                                   sizeof err) != DB_OK)

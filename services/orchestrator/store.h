@@ -13,7 +13,7 @@
 
 #include "db.h"
 
-enum { ORCH_ENOTFOUND = 1, ORCH_ECONFLICT = 2, ORCH_EREPLAY = 3, ORCH_ESTATE = 4 };
+enum { ORCH_ENOTFOUND = 1, ORCH_ECONFLICT = 2, ORCH_EREPLAY = 3, ORCH_ESTATE = 4, ORCH_EGATED = 5 };
 
 /* ---- agents and keys ---- */
 typedef struct orch_agent_row {
@@ -240,7 +240,15 @@ typedef struct orch_resume {
     int agent_status;    /* the status given back (the one the session had when paused) */
     int resumed_at_loop; /* loop_iteration of the newest checkpoint, 0 when none */
     int64_t resumed_ms;
+    char gate[65]; /* ORCH_EGATED: the approval the park waits for (its correlation id) */
 } orch_resume;
+
+/* ORCH_EGATED (gate: the approval id) when the session is parked on the approval of a gated
+ * tool call its turn raised (interrupt_required): that park is lifted only by the approval's
+ * decision, never by ResumeSession (spec InterruptRequired: the orchestrator "routes the pending
+ * tool intent through approval.Service"); DB_OK otherwise, ORCH_ENOTFOUND when absent. */
+int orch_store_resume_gate(db_pool *p, const char *org, const char *session_id, char gate[65],
+                           char *err, size_t errlen);
 
 /* Resumes a suspended session (state active, audit session_resumed with the reason). With
  * operator_input (compact JSON text, NULL: none) a system-tagged turn is stored, the newest of

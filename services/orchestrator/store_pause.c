@@ -141,6 +141,37 @@ int orch_store_pause(db_pool *p, const char *org, const char *session_id, const 
     return tx_end(tx, rc, err, errlen);
 }
 
+/* Inside the caller's transaction: ORCH_EGATED with the approval id when a suspended session
+ * waits on a human gate of its own: parked (PauseSource APPROVAL or DELEGATION_APPROVAL) on the
+ * approval its turn's interrupt_required opened (the audit row names it), so a governed tool
+ * call stays governed. A pause a caller asked for with PauseSession (an approval engine pausing
+ * under an approval of its own) is that caller's to resume. */
+static int resume_gate_tx(PGconn *c, const char *session_id, char gate[65], char *err,
+                          size_t errlen) {
+    PGresult *r = NULL;
+    gate[0] = 0;
+    int rc = db_exec(c,
+                     "SELECT s.pause_correlation_id FROM sessions s"
+                     " WHERE s.session_id = $1::uuid AND s.state = 'suspended'"
+                     " AND s.pause_source IN (2, 5) AND EXISTS (SELECT 1 FROM audit_log a"
+                     "  WHERE a.session_id = s.session_id AND a.action_type = 'interrupt_required'"
+                     "  AND a.detail->>'approval_id' = s.pause_correlation_id)",
+                     1, &session_id, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 1) {
+        copy(gate, 65, PQgetvalue(r, 0, 0));
+        rc = ORCH_EGATED;
+    }
+    PQclear(r);
+    return rc;
+}
+
+int orch_store_resume_gate(db_pool *p, const char *org, const char *session_id, char gate[65],
+                           char *err, size_t errlen) {
+    TX_BEGIN(org);
+    rc = resume_gate_tx(c, session_id, gate, err, errlen);
+    return tx_end(tx, rc, err, errlen);
+}
+
 int orch_store_park_state(db_pool *p, const char *org, const char *session_id, char *state,
                           int64_t *resumed_ms, int *resumed_loop, char *err, size_t errlen) {
     PGresult *r = NULL;
@@ -192,6 +223,8 @@ int orch_store_resume(db_pool *p, const char *org, const char *session_id, const
     }
     PQclear(r);
     r = NULL;
+    /* re-checked under the row lock: a park may have changed since the caller looked */
+    if (rc == DB_OK) rc = resume_gate_tx(c, session_id, out->gate, err, errlen);
     if (rc == DB_OK)
         rc = orch_store__latest_checkpoint_tx(c, session_id, key, &out->resumed_at_loop, err,
                                               errlen);

@@ -521,12 +521,19 @@ class Pause(unittest.TestCase):
         self.assertEqual(rows[5][3]["pause_source"], "PAUSE_SOURCE_APPROVAL")
         self.assertEqual([k.action_type for k in self.chain(sid, rows[3][0]).chain],
                          ["message_received", "tool_call", "interrupt_required"])
-        # pausing again is the same pause; the approval decided, the session resumes
+        # pausing again is the same pause; ResumeSession cannot lift it: a governed tool call
+        # waits for its approval's decision (FAILED_PRECONDITION naming it; nothing changes)
         again = self.pause(sid)
         self.assertTrue(again.was_already_suspended)
         self.assertEqual(again.paused_at, p.paused_at)
-        self.resume(sid, resume_reason="approved " + ir.approval_id)
-        self.assertTrue(any(e.HasField("completion") for e in self.stream_of("go on", sid)))
+        for reason in ("approved " + ir.approval_id, ""):
+            c, d = self.code(lambda: self.resume(sid, resume_reason=reason))
+            self.assertEqual(c, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn(ir.approval_id, d)
+        self.assertEqual(self.get(sid).status, SUSPENDED)
+        self.assertEqual([x[1] for x in self.audit(sid)].count("session_resumed"), 0)
+        c, d = self.code(lambda: self.stream_of("go on", sid))
+        self.assertEqual(c, grpc.StatusCode.FAILED_PRECONDITION)
 
     # ---- GetProvenanceChain ----
     def test_provenance_chain(self):
