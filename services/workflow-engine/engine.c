@@ -271,6 +271,13 @@ static void metrics(wf_engine *e) {
         "age of the oldest unpublished outbox row, as the replica holding the relay saw it at its "
         "last round (0 on the other replicas: alert on the max)",
         NULL);
+    e->m_pending_gates = metrics_gauge(
+        "workflow_engine_pending_approvals",
+        "human gates (approvals, prompts, questions; runs' and agent sessions') waiting for a "
+        "decision, all orgs, read every UPSQUAD_WF_SCHEDULE_POLL",
+        NULL);
+    e->m_oldest_gate = metrics_gauge("workflow_engine_oldest_pending_approval_seconds",
+                                     "age of the oldest of those gates (0 when none)", NULL);
     /* seconds to a day: a run is a tool call or two, or waits on people for hours */
     static const double run_buckets[] = {0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400, 86400};
     for (int i = 0; i < 3; i++) {

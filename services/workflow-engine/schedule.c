@@ -192,6 +192,23 @@ done:
     return handled;
 }
 
+/* The pending-approvals gauges, on the sweep's beat: one service-scoped count (the gates of
+ * every org as ids and times, pending_gates). */
+static void pending_gauges(wf_engine *e) {
+    char err[512];
+    db_tx *tx = NULL;
+    int64_t n = 0;
+    double oldest = 0;
+    if (st_begin_service(e->pool, &tx, err, sizeof err) ||
+        st_pending_gates(tx, &n, &oldest, err, sizeof err)) {
+        log_warn("metrics.pending_approvals", "%s", err);
+    } else {
+        metric_set(e->m_pending_gates, (double)n);
+        metric_set(e->m_oldest_gate, oldest);
+    }
+    db_tx_rollback(tx);
+}
+
 void *wf_scheduler_thread(void *arg) {
     wf_engine *e = arg;
     int64_t swept = 0;
@@ -200,6 +217,7 @@ void *wf_scheduler_thread(void *arg) {
          * schedules are due */
         if (wf_now_ms() - swept >= e->cfg->schedule_poll_ms) {
             wf_session_gates_sweep(e);
+            pending_gauges(e);
             swept = wf_now_ms();
         }
         if (!fire_one(e)) {

@@ -807,6 +807,20 @@ int st_queue_release(db_tx *tx, const char *run, const char *owner, int64_t gen,
               4, p, NULL, err, errlen);
 }
 
+int st_pending_gates(db_tx *tx, int64_t *n, double *oldest_s, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    int rc = ex(tx,
+                "SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8"
+                " FROM " S "pending_gates",
+                0, NULL, &r, err, errlen);
+    if (rc == DB_OK) {
+        *n = st_i(r, 0, 0);
+        *oldest_s = st_d(r, 0, 1);
+    }
+    PQclear(r);
+    return rc;
+}
+
 /* ---- outbox ---- */
 
 int st_outbox_put(db_tx *tx, const char *org, const char *subject, const char *msg_id,

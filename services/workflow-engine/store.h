@@ -305,6 +305,10 @@ int st_queue_fence(db_tx *tx, const char *run, const char *owner, int64_t lease_
 int st_queue_release(db_tx *tx, const char *run, const char *owner, int64_t gen, int64_t wake_ms,
                      char *err, size_t errlen);
 
+/* Service: the pending human gates of every org (pending_gates, migration 011): how many, and
+ * the age of the oldest in seconds (0 when none). */
+int st_pending_gates(db_tx *tx, int64_t *n, double *oldest_s, char *err, size_t errlen);
+
 /* ---- outbox ---- */
 /* The run's new event_seq and its outbox rows at once; subjects, msg_ids: Postgres text[]
  * literals; payloads: text[] of hex. */

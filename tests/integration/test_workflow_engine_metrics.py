@@ -111,5 +111,23 @@ class EngineMetrics(unittest.TestCase):
         self.wait(lambda: self.m("workflow_engine_outbox_lag_seconds") == 0, "the lag back to 0")
 
 
+    def test_pending_approvals_count_every_org_and_age(self):
+        # a service-wide count (the gates of every org): relative to what other tests left
+        gauge = "workflow_engine_pending_approvals"
+        n0 = int(psql(self.admin, "SELECT count(*) FROM workflow_engine.governance WHERE status = 'pending'"))
+        self.wait(lambda: self.m(gauge) == n0, "the gauge at the database's count (%d)" % n0)
+        runs = [self.start({"g": GATE}, "g") for _ in range(3)]
+        for run in runs:
+            self.wait(lambda: any(a.status == "awaiting_approval" for a in self.status(run).actions), "the gate")
+        self.wait(lambda: self.m(gauge) == n0 + 3, "3 more pending approvals (%s)" % self.m(gauge))
+        self.assertGreaterEqual(self.m("workflow_engine_oldest_pending_approval_seconds"), 0)
+        gate = [a for a in self.status(runs[0]).actions if a.status == "awaiting_approval"][0]
+        self.c("ApproveAction", W.ApproveActionRequest(action_id=gate.id))
+        self.wait(lambda: self.m(gauge) == n0 + 2, "one decided")
+        for run in runs[1:]:
+            self.c("CancelRun", W.CancelRunRequest(run_id=run))
+        self.wait(lambda: self.m(gauge) == n0, "the cancelled runs' gates closed")
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
