@@ -478,21 +478,45 @@ static int run_op(run *r, const dw_op *op) {
     return RUN_OK;
 }
 
-/* A suspension restored by InitWorkerSession (an approved interrupt): the gated call runs
- * now — its tool_result — and the script goes on after the interrupt. */
+/* The denial of a restored suspension's gated call: an ask_user_resume whose
+ * answer_tool_result names that call ({tool_call_id, result}) is the rejected decision, spliced
+ * as the call's result instead of running it. The result text (call arena), or NULL. */
+static const char *denial_of(run *r) {
+    const Upsquad__Runtime__V1__AskUserResume *ar = r->rq->ask_user_resume;
+    if (ar == NULL || ar->answer_tool_result.len == 0) return NULL;
+    cJSON *a = cJSON_ParseWithLength((const char *)ar->answer_tool_result.data,
+                                     ar->answer_tool_result.len);
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(a, "tool_call_id");
+    const cJSON *res = cJSON_GetObjectItemCaseSensitive(a, "result");
+    const char *out = NULL;
+    if (cJSON_IsString(id) && !strcmp(id->valuestring, r->resume_call) && res) {
+        char *t = cJSON_IsString(res) ? NULL : cJSON_PrintUnformatted(res);
+        out = rpc_strdup(r->call, t ? t : res->valuestring);
+        free(t);
+    }
+    cJSON_Delete(a);
+    return out;
+}
+
+/* A suspension restored by InitWorkerSession: the approved gated call runs now (its
+ * tool_result), or a rejected one gets the denial as an error result; either way the script
+ * goes on after the interrupt. */
 static int resume_suspended(run *r, size_t n_ops, int *start) {
     const char *call_id = r->resume_call, *tool = r->resume_tool;
     int32_t at = r->resume_at;
     if (at <= 0 || (size_t)at > n_ops) return RUN_OK;
+    const char *denied = denial_of(r);
     Upsquad__Runtime__V1__ExecuteStepEvent ev = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__INIT;
     Upsquad__Runtime__V1__ToolResultEvent tr = UPSQUAD__RUNTIME__V1__TOOL_RESULT_EVENT__INIT;
     tr.tool_call_id = (char *)call_id;
     tr.tool_name = (char *)tool;
-    tr.result = "{\"approved\":true}";
+    tr.result = denied ? (char *)denied : "{\"approved\":true}";
+    tr.is_error = denied != NULL;
     ev.event_case = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_RESULT;
     ev.tool_result = &tr;
-    log_info("step.resumed", "session %s: resuming after the approved call %s", r->rq->session_id,
-             call_id);
+    log_info("step.resumed", "session %s: resuming after the %s call %s", r->rq->session_id,
+             denied ? "rejected" : "approved", call_id);
+    if (denied) r->answer = denied;
     int rc = send_event(r, &ev);
     if (rc == RUN_OK) rc = end_iteration(r, NULL, 0);
     *start = at;
@@ -504,7 +528,8 @@ static int resume_suspended(run *r, size_t n_ops, int *start) {
 static int resume_point(run *r, size_t n_ops, int *start) {
     const Upsquad__Runtime__V1__AskUserResume *ar = r->rq->ask_user_resume;
     *start = 0;
-    if (ar == NULL || ar->checkpoint.len == 0) return resume_suspended(r, n_ops, start);
+    if (ar == NULL || ar->checkpoint.len == 0 || r->resume_at > 0)
+        return resume_suspended(r, n_ops, start);
     char *txt = rpc_strndup(r->call, (const char *)ar->checkpoint.data, ar->checkpoint.len);
     cJSON *o = txt ? cJSON_Parse(txt) : NULL;
     const cJSON *at = cJSON_GetObjectItemCaseSensitive(o, "resume_at");

@@ -360,6 +360,25 @@ class DevworkerTest(unittest.TestCase):
                 snapshot=R.SessionSnapshot(session_id="sus-1"), resume_checkpoint=state))
             self.assertEqual(arms(c2.run("hello", session="sus-1")), ["token", "token", "completion"])
             self.assertEqual(arms(c2.run(sc, session="sus-1"))[-1], "interrupt_required")
+            # a rejection: the same restore, and the denial spliced as the gated call's result
+            # (an ask_user_resume naming that call); the script goes on after the interrupt
+            c2.call("InitWorkerSession", R.InitWorkerSessionRequest(
+                snapshot=R.SessionSnapshot(session_id="sus-1"), resume_checkpoint=state))
+            denial = {"denied": True, "approval_id": "a-1", "reason": "not today"}
+            ev = c2.run(sc, session="sus-1", ask_user_resume=R.AskUserResume(
+                checkpoint=state,
+                answer_tool_result=json.dumps({"tool_call_id": "call-1", "result": denial}).encode()))
+            self.assertEqual(arms(ev), ["tool_result", "token", "completion"])
+            self.assertTrue(ev[0].tool_result.is_error)
+            self.assertEqual(json.loads(ev[0].tool_result.result), denial)
+            # a resume naming another call is no denial of this one: the call runs
+            c2.call("InitWorkerSession", R.InitWorkerSessionRequest(
+                snapshot=R.SessionSnapshot(session_id="sus-1"), resume_checkpoint=state))
+            ev = c2.run(sc, session="sus-1", ask_user_resume=R.AskUserResume(
+                checkpoint=state,
+                answer_tool_result=json.dumps({"tool_call_id": "call-9", "result": denial}).encode()))
+            self.assertFalse(ev[0].tool_result.is_error)
+            self.assertEqual(json.loads(ev[0].tool_result.result), {"approved": True})
         finally:
             c2.close()
             w2.stop()
