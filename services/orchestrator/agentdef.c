@@ -86,6 +86,41 @@ static int patterns_ok(const cJSON *v, const char *name, char *err, size_t errle
     return 0;
 }
 
+/* tool_policies: {"<tool>": {"requires_approval": bool, "required_clearance": 1..5}} */
+static int policies_ok(const cJSON *v, char *err, size_t errlen) {
+    if (!cJSON_IsObject(v)) return fail("/tool_policies: an object of tool -> policy");
+    if (cJSON_GetArraySize(v) > AGENTDEF_LIST_MAX)
+        return fail("/tool_policies: at most %d tools", AGENTDEF_LIST_MAX);
+    for (const cJSON *t = v->child; t; t = t->next) {
+        if (!t->string[0] || strlen(t->string) > 200)
+            return fail("/tool_policies: a tool name of 1..200 bytes");
+        if (!cJSON_IsObject(t)) return fail("/tool_policies/%s: must be an object", t->string);
+        for (const cJSON *m = t->child; m; m = m->next) {
+            if (!strcmp(m->string, "requires_approval")) {
+                if (!cJSON_IsBool(m))
+                    return fail("/tool_policies/%s/requires_approval: a boolean", t->string);
+            } else if (!strcmp(m->string, "required_clearance")) {
+                if (!num_in(m, 1, 5, 1))
+                    return fail("/tool_policies/%s/required_clearance: an integer in 1..5",
+                                t->string);
+            } else {
+                return fail("/tool_policies/%s/%s: unknown member", t->string, m->string);
+            }
+        }
+    }
+    return 0;
+}
+
+int agentdef_tool_clearance(const cJSON *doc, const char *tool) {
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(doc, "tool_policies"), tool ? tool : "");
+    const cJSON *c = cJSON_GetObjectItemCaseSensitive(p, "required_clearance");
+    if (cJSON_IsNumber(c) && c->valueint >= 1 && c->valueint <= 5) return c->valueint;
+    c = cJSON_GetObjectItemCaseSensitive(doc, "approval_clearance");
+    if (cJSON_IsNumber(c) && c->valueint >= 1 && c->valueint <= 5) return c->valueint;
+    return AGENTDEF_CLEARANCE_DEFAULT;
+}
+
 static int security_ok(const cJSON *v, char *err, size_t errlen) {
     if (!cJSON_IsObject(v)) return fail("/security_config: must be an object");
     for (const cJSON *m = v->child; m; m = m->next) {
@@ -189,6 +224,10 @@ int agentdef_validate(const cJSON *doc, char *err, size_t errlen) {
             if (mcp_ok(m, err, errlen)) return -1;
         } else if (!strcmp(k, "security_config")) {
             if (security_ok(m, err, errlen)) return -1;
+        } else if (!strcmp(k, "tool_policies")) {
+            if (policies_ok(m, err, errlen)) return -1;
+        } else if (!strcmp(k, "approval_clearance")) {
+            if (!num_in(m, 1, 5, 1)) return fail("/approval_clearance: an integer in 1..5");
         } else {
             return fail("/%s: unknown member", k);
         }

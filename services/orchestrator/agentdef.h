@@ -4,7 +4,8 @@
  * Document (docs/orchestrator.md, "Agent definitions"): an object with `role`, `display_name`,
  * `model` (required) and optional `id`, `fallback_chain`, `temperature`, `max_tokens`,
  * `persona`, `tools`, `guardrail_hashes`, `rbac_grants`, `max_loops`, `execution_mode`,
- * `runtime`, `llm_base_url`, `context_engine_address`, `mcp_servers`, `security_config`.
+ * `runtime`, `llm_base_url`, `context_engine_address`, `mcp_servers`, `security_config`,
+ * `tool_policies`, `approval_clearance`.
  * Unknown members are refused; every error names its JSON pointer.
  *
  * snapshot_hash: SHA-256 (lowercase hex) over the canonical encoding written in
@@ -43,6 +44,13 @@ int agentdef_mode(const cJSON *doc);
 SessionSnapshot *agentdef_freeze(orch_arena *a, const cJSON *doc, const char *session_id,
                                  const char *org_id, const char *agent_id,
                                  const char *model_override, int mode);
+
+/* The clearance (1..5) a member needs to decide a gated call of `tool` (approvals and
+ * prompts opened for this agent): the tool's `tool_policies.<tool>.required_clearance`, else
+ * the agent's `approval_clearance`, else AGENTDEF_CLEARANCE_DEFAULT — never 0: a gate whose
+ * policy names no clearance fails closed to the highest tier. doc: a validated document. */
+#define AGENTDEF_CLEARANCE_DEFAULT 5
+int agentdef_tool_clearance(const cJSON *doc, const char *tool);
 
 /* Canonical encoding (heap, caller frees) and hash of a snapshot. */
 int agentdef_canonical(const SessionSnapshot *s, unsigned char **out, size_t *len);

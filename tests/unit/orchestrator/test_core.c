@@ -194,6 +194,16 @@ static void test_validation(void **state) {
          "[\"a\",\"b\",\"c\"]}",
          "/fallback_chain"},
         {"{\"role\":\"a\",\"display_name\":\"a\",\"model\":\"m\",\"id\":\"nope\"}", "/id"},
+        {"{\"role\":\"a\",\"display_name\":\"a\",\"model\":\"m\",\"tool_policies\":"
+         "{\"gh.merge\":{\"required_clearance\":0}}}",
+         "/tool_policies/gh.merge/required_clearance"},
+        {"{\"role\":\"a\",\"display_name\":\"a\",\"model\":\"m\",\"tool_policies\":"
+         "{\"gh.merge\":{\"clearance\":3}}}",
+         "/tool_policies/gh.merge/clearance: unknown member"},
+        {"{\"role\":\"a\",\"display_name\":\"a\",\"model\":\"m\",\"tool_policies\":[]}",
+         "/tool_policies"},
+        {"{\"role\":\"a\",\"display_name\":\"a\",\"model\":\"m\",\"approval_clearance\":6}",
+         "/approval_clearance"},
     };
     char err[256];
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -202,6 +212,25 @@ static void test_validation(void **state) {
         if (!strstr(err, bad[i].want)) fail_msg("%s: %s lacks %s", bad[i].doc, err, bad[i].want);
         cJSON_Delete(d);
     }
+}
+
+/* A gated tool's clearance: its policy, else the agent's, else the highest tier (never 0). */
+static void test_tool_clearance(void **state) {
+    (void)state;
+    char err[256];
+    cJSON *d = cJSON_Parse("{\"role\":\"a\",\"display_name\":\"a\",\"model\":\"m\","
+                           "\"tool_policies\":{\"gh.merge\":{\"requires_approval\":true,"
+                           "\"required_clearance\":2},\"db.drop\":{\"requires_approval\":true}}}");
+    assert_int_equal(agentdef_validate(d, err, sizeof err), 0);
+    assert_int_equal(agentdef_tool_clearance(d, "gh.merge"), 2);
+    assert_int_equal(agentdef_tool_clearance(d, "db.drop"), AGENTDEF_CLEARANCE_DEFAULT);
+    assert_int_equal(agentdef_tool_clearance(d, "other"), 5);
+    assert_int_equal(agentdef_tool_clearance(d, NULL), 5);
+    cJSON_AddNumberToObject(d, "approval_clearance", 3);
+    assert_int_equal(agentdef_validate(d, err, sizeof err), 0);
+    assert_int_equal(agentdef_tool_clearance(d, "db.drop"), 3);
+    assert_int_equal(agentdef_tool_clearance(d, "gh.merge"), 2);
+    cJSON_Delete(d);
 }
 
 static void test_answer_budgets(void **state) {
@@ -284,6 +313,7 @@ int main(void) {
         cmocka_unit_test(test_excluded_fields),
         cmocka_unit_test(test_every_other_field),
         cmocka_unit_test(test_validation),
+        cmocka_unit_test(test_tool_clearance),
         cmocka_unit_test(test_answer_budgets),
         cmocka_unit_test(test_clamp_utf8),
         cmocka_unit_test(test_keys),
