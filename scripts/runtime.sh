@@ -493,6 +493,10 @@ service_up() {
         if [[ "$name" == orchestrator && -z "${UPSQUAD_WORKER_TARGETS:-}" ]]; then
             export UPSQUAD_WORKER_TARGETS="$UPSQUAD_DEVWORKER_ADDR,$UPSQUAD_DEVWORKER_2_ADDR"
         fi
+        # a chat turn's approvals and prompts open in the workflow engine's ApprovalService
+        if [[ "$name" == orchestrator && -z "${UPSQUAD_APPROVALS_ADDR:-}" ]]; then
+            export UPSQUAD_APPROVALS_ADDR="$UPSQUAD_WORKFLOW_ENGINE_ADDR"
+        fi
         if [[ -d "$ROOT/services/$name/migrations" ]]; then
             export UPSQUAD_MIGRATIONS_DIR="$ROOT/services/$name/migrations"
         fi

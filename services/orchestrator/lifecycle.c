@@ -9,6 +9,7 @@
 #include <strings.h>
 #include <time.h>
 
+#include "chat.h"
 #include "fields.h"
 #include "ids.h"
 #include "lease.h"
@@ -256,261 +257,6 @@ static int terminate_session(rpc_call *call, const ProtobufCMessage *req, Protob
 
 /* ---- SendMessage ---- */
 
-#define CHAT_CALLS 16
-
-typedef struct chat {
-    orch *o;
-    rpc_call *call;
-    const char *org, *sid, *agent, *parent;
-    orch_arena a;
-    int error_relayed;
-    int gone;
-    int ended;  /* a completion or an error was relayed: the step is over for the caller */
-    int status; /* the AgentStatus last stored (the turn began THINKING) */
-    /* the turn's newest tool calls (a ring) and their audit rows: a tool's result and an
-     * interrupt on it name the call as their parent (GetProvenanceChain walks it) */
-    struct {
-        char tool_call_id[65];
-        char action_id[37];
-    } calls[CHAT_CALLS];
-    unsigned ncalls;
-    /* an interrupt_required: the approval the session is parked on (spec: InterruptRequiredEvent
-     * .approval_id, the correlation id of the SessionPausedEvent that follows) */
-    char approval_id[37];
-    char gated_tool[129];
-    /* a pause asked for while the turn runs (on any replica: read from the session row at
-     * most every PAUSE_LOOK_MS, when the worker sends something) is announced once */
-    int64_t pause_look_ms;
-    int pause_told;
-} chat;
-
-#define PAUSE_LOOK_MS 250
-
-/* spec StatusEvent.pending_pause: a pause was requested and the session finishes its current
- * step before it becomes SUSPENDED */
-static int tell_pending_pause(chat *c) {
-    char err[256];
-    int pending = 0;
-    int64_t now = util_mono_ms();
-    if (c->pause_told || now < c->pause_look_ms) return RPC_OK;
-    c->pause_look_ms = now + PAUSE_LOOK_MS;
-    if (orch_store_pause_pending(c->o->pool, c->org, c->sid, &pending, err, sizeof err) != DB_OK ||
-        !pending)
-        return RPC_OK;
-    c->pause_told = 1;
-    Upsquad__Runtime__V1__StatusEvent st = UPSQUAD__RUNTIME__V1__STATUS_EVENT__INIT;
-    Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
-    AgentEvent ae;
-    upsquad__runtime__v1__agent_event__init(&ae);
-    pbjson_ts_now(&at);
-    st.status = UPSQUAD__RUNTIME__V1__AGENT_STATUS__AGENT_STATUS_THINKING;
-    st.detail = (char *)"a pause is pending: the session is suspended when this turn ends";
-    st.timestamp = &at;
-    st.pending_pause = 1;
-    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_STATUS;
-    ae.status = &st;
-    return rpc_stream_send(c->call, &ae.base);
-}
-
-/* The audit row of the turn's tool call id, else the turn's message_received. */
-static const char *call_parent(const chat *c, const char *tool_call_id) {
-    unsigned n = c->ncalls < CHAT_CALLS ? c->ncalls : CHAT_CALLS;
-    for (unsigned i = 0; tool_call_id && tool_call_id[0] && i < n; i++) {
-        unsigned k = (c->ncalls - 1 - i) % CHAT_CALLS;
-        if (!strncmp(c->calls[k].tool_call_id, tool_call_id, sizeof c->calls[k].tool_call_id - 1))
-            return c->calls[k].action_id;
-    }
-    return c->parent;
-}
-
-static void audit_event(chat *c, const ExecuteStepEvent *ev) {
-    char err[256];
-    cJSON *d = NULL;
-    const char *type = NULL, *parent = c->parent, *call_id = NULL;
-    switch (ev->event_case) {
-    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOKEN: /* the hot path: nothing */
-    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STATUS:
-    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_COMPLETION:
-    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_ERROR:
-        return;
-    default:
-        break;
-    }
-    d = cJSON_CreateObject();
-    switch (ev->event_case) {
-    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_CALL:
-        type = "tool_call";
-        call_id = ev->tool_call->tool_call_id;
-        cJSON_AddStringToObject(d, "tool_name", ev->tool_call->tool_name);
-        cJSON_AddStringToObject(d, "tool_call_id", ev->tool_call->tool_call_id);
-        break;
-    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_RESULT:
-        type = "tool_result";
-        parent = call_parent(c, ev->tool_result->tool_call_id);
-        cJSON_AddStringToObject(d, "tool_name", ev->tool_result->tool_name);
-        cJSON_AddStringToObject(d, "tool_call_id", ev->tool_result->tool_call_id);
-        cJSON_AddBoolToObject(d, "is_error", ev->tool_result->is_error);
-        cJSON_AddNumberToObject(d, "duration_ms", ev->tool_result->duration_ms);
-        break;
-    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_SECURITY:
-        /* detail is kept inside the service (audit), never relayed */
-        type = "security_event";
-        metric_inc(c->o->m_security);
-        cJSON_AddStringToObject(d, "violation_code", ev->security->violation_code);
-        cJSON_AddStringToObject(d, "severity", ev->security->severity);
-        cJSON_AddStringToObject(d, "pattern_id", ev->security->pattern_id);
-        break;
-    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INTERRUPT_REQUIRED:
-        type = "interrupt_required";
-        parent = call_parent(c, ev->interrupt_required->tool_call_id);
-        cJSON_AddStringToObject(d, "tool_name", ev->interrupt_required->tool_name);
-        cJSON_AddStringToObject(d, "tool_call_id", ev->interrupt_required->tool_call_id);
-        cJSON_AddStringToObject(d, "approval_id", c->approval_id);
-        break;
-    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INPUT_REQUIRED:
-        type = "input_required";
-        cJSON_AddStringToObject(d, "tool_call_id", ev->input_required->tool_call_id);
-        break;
-    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_METRICS:
-        metric_add(c->o->m_cost, ev->metrics->cost_usd);
-        break;
-    default:
-        break;
-    }
-    if (type) {
-        char *json = cJSON_PrintUnformatted(d), action[37] = "";
-        if (json && orch_store_audit(c->o->pool, c->org, c->sid, type, c->agent, parent, json,
-                                     action, err, sizeof err) != DB_OK)
-            log_error("audit.append", "session %s %s: %s", c->sid, type, err);
-        else if (json && call_id && call_id[0]) {
-            unsigned k = c->ncalls++ % CHAT_CALLS;
-            snprintf(c->calls[k].tool_call_id, sizeof c->calls[k].tool_call_id, "%s", call_id);
-            memcpy(c->calls[k].action_id, action, sizeof action);
-        }
-        free(json);
-    }
-    cJSON_Delete(d);
-}
-
-static int chat_event(void *ud, const ExecuteStepEvent *ev) {
-    chat *c = ud;
-    AgentEvent ae;
-    const char *why;
-    if (c->gone) return -1;
-    /* "completion signals the step has finished": whatever a worker sends after its completion
-     * (or a terminal error) never reaches the caller; a retryable error ("a recoverable or
-     * terminal error") is relayed and the step's events go on */
-    if (c->ended) {
-        log_debug("relay.after_end", "session %s: event %d after the step's end dropped", c->sid,
-                  (int)ev->event_case);
-        return 0;
-    }
-    if (tell_pending_pause(c) != RPC_OK) {
-        c->gone = 1;
-        return -1;
-    }
-    int fwd = relay_project(&c->a, ev, &ae, &why);
-    if (fwd && ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_INTERRUPT_REQUIRED) {
-        /* the session parks on this approval at the turn's end: one id per turn (the worker
-         * suspends at the first gate) */
-        if (!c->approval_id[0] && ids_uuid_v4(c->approval_id)) c->approval_id[0] = 0;
-        snprintf(c->gated_tool, sizeof c->gated_tool, "%s", ae.interrupt_required->tool_name);
-        ae.interrupt_required->approval_id = c->approval_id;
-        audit_event(c, ev);
-    }
-    if (!fwd) {
-        if (why &&
-            ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STRUCTURED_ANSWER) {
-            metric_inc(c->o->m_dropped);
-            log_debug("relay.dropped", "session %s: structured answer dropped: %s", c->sid, why);
-        }
-        audit_event(c, ev);
-        return 0;
-    }
-    int rc = rpc_stream_send(c->call, &ae.base);
-    orch_arena_free(&c->a);
-    if (rc != RPC_OK) {
-        c->gone = 1;
-        return -1;
-    }
-    if (ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_ERROR) c->error_relayed = 1;
-    if ((ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_ERROR && !ae.error->retryable) ||
-        ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_COMPLETION)
-        c->ended = 1;
-    metric_inc(c->o->m_relayed);
-    /* GetSession reports "the current session status": a transition the worker announces is
-     * stored (a write per change; a turn has a handful) */
-    if (ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STATUS &&
-        (int)ev->status->status != c->status) {
-        char err[256];
-        c->status = (int)ev->status->status;
-        if (orch_store_session_status(c->o->pool, c->org, c->sid, c->status, err, sizeof err) !=
-            DB_OK)
-            log_warn("store.status", "session %s: %s", c->sid, err);
-    }
-    return 1;
-}
-
-static int chat_cancelled(void *ud) {
-    chat *c = ud;
-    return c->gone || rpc_cancelled(c->call);
-}
-
-static void send_error(rpc_call *call, const char *code, const char *message, int retryable) {
-    Upsquad__Runtime__V1__ErrorEvent e = UPSQUAD__RUNTIME__V1__ERROR_EVENT__INIT;
-    AgentEvent ae;
-    upsquad__runtime__v1__agent_event__init(&ae);
-    e.code = (char *)code;
-    e.message = (char *)message;
-    e.retryable = retryable;
-    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_ERROR;
-    ae.error = &e;
-    rpc_stream_send(call, &ae.base);
-}
-
-#define PARK_POLL_MS 250
-
-/* The transition's own values, as ResumeSession answered them (stored with the resume). */
-static void send_resumed(rpc_call *call, int64_t resumed_ms, int resumed_loop) {
-    Upsquad__Runtime__V1__SessionResumedEvent e = UPSQUAD__RUNTIME__V1__SESSION_RESUMED_EVENT__INIT;
-    Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
-    AgentEvent ae;
-    upsquad__runtime__v1__agent_event__init(&ae);
-    pbjson_ts_from_ms(&at, resumed_ms);
-    e.resumed_at_loop = resumed_loop;
-    e.resumed_at = &at;
-    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_SESSION_RESUMED;
-    ae.session_resumed = &e;
-    rpc_stream_send(call, &ae.base);
-}
-
-/* spec SessionPausedEvent: "After this event the stream stays open with keepalive pings until
- * a SessionResumedEvent or TerminateSession". The stream waits for the session to leave
- * SUSPENDED, reading its row every PARK_POLL_MS (the resume may come to any replica):
- * resumed -> SessionResumedEvent, then OK; terminated (or gone) -> OK. The transport's
- * keepalive pings keep the connection up. A waiting stream holds a stream worker, so at most
- * UPSQUAD_PAUSED_STREAMS wait per replica (beyond, the stream ends after the pause event), and
- * the caller's deadline or cancellation ends the wait too. */
-static void park_stream(orch *o, rpc_call *call, const char *org, const char *sid) {
-    char err[256];
-    if (atomic_fetch_add(&o->parked, 1) >= o->cfg->paused_streams) goto done;
-    while (!rpc_cancelled(call) && rpc_deadline_ms(call) > PARK_POLL_MS) {
-        usleep(PARK_POLL_MS * 1000);
-        char state[16];
-        int64_t resumed_ms = 0;
-        int loop = 0;
-        int rc =
-            orch_store_park_state(o->pool, org, sid, state, &resumed_ms, &loop, err, sizeof err);
-        if (rc == ORCH_ENOTFOUND) break;
-        if (rc != DB_OK) continue; /* the next look may find the database again */
-        if (!strcmp(state, "suspended")) continue;
-        if (!strcmp(state, "active")) send_resumed(call, resumed_ms, loop);
-        break;
-    }
-done:
-    atomic_fetch_sub(&o->parked, 1);
-}
-
 static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     orch *o = ud;
     const SendMessageRequest *rq = (const SendMessageRequest *)req;
@@ -519,11 +265,6 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     orch_session s = {0};
     orch_turn *turns = NULL;
     size_t nturns = 0;
-    orch_arena a = {0};
-    SessionSnapshot *snap = NULL;
-    ExecuteStepRequest *ereq = NULL;
-    orch_turn_result res = {0};
-    orch_lease lease = {.held = 0};
     int rc;
     if ((rc = rpc_tenant(call, 0, &id)) ||
         (rc = orch_uuid_field(call, "session_id", rq->session_id, 0)) ||
@@ -582,97 +323,22 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
         rc = orch_store_failed(call, "recording the message", err);
         goto done;
     }
-    /* renewed while this relay lives; dropped once the turn's end is stored */
-    orch_lease_hold(&lease, parent);
-    if (orch_request_build(o, &a, &s, rq->message, rq->execution_mode, turns, nturns, &ereq,
-                           &snap)) {
-        /* the turn began (it counts as in flight): it ends, failed, or a pause would wait for
-         * it until its deadline */
-        orch_turn_end e = {.agent_status = 4, /* ERROR */
-                           .loop_base = s.loop_count,
-                           .error_code = "INTERNAL",
-                           .error_msg = "the session snapshot could not be read"};
-        if (orch_store_turn_end(o->pool, id->org_id, sid, parent, &e, err, sizeof err) != DB_OK)
-            log_error("store.turn_end", "session %s: %s", sid, err);
-        orch_lease_drop(&lease);
-        rc = rpc_error(call, RPC_INTERNAL, "the session snapshot could not be read");
-        goto done;
-    }
-    /* no pause is pending when a turn starts (orch_store_turn_begin refuses then): the first
-     * look is due PAUSE_LOOK_MS in, so short turns never look */
-    chat c = {.o = o,
-              .call = call,
-              .org = id->org_id,
-              .sid = sid,
-              .agent = s.agent_id,
-              .parent = parent,
-              .status = 1, /* THINKING: orch_store_turn_begin */
-              .pause_look_ms = util_mono_ms() + PAUSE_LOOK_MS};
-    orch_sink sink = {chat_event, chat_cancelled, &c};
-    orch_turn_run(o, ereq, timeout, &sink, &res);
-    orch_request_wipe(ereq);
-    orch_arena_free(&c.a);
-    orch_pause paused = {0};
-    char park_reason[192];
-    orch_turn_end e;
-    orch_turn_end_of(&res, s.loop_count, &e);
-    e.paused = &paused;
-    rc = RPC_OK;
-    switch (res.outcome) {
-    case TURN_COMPLETED:
-        metric_inc(o->m_turns_ok);
-        break;
-    case TURN_CANCELLED:
-        e.error_code = "CANCELLED";
-        e.error_msg = "the caller went away; the worker call was cancelled";
-        rc = rpc_error(call, RPC_CANCELLED, "cancelled");
-        break;
-    case TURN_NO_WORKER:
-        e.error_code = "NO_WORKER";
-        e.error_msg = "no live worker";
-        rc = rpc_error(call, RPC_UNAVAILABLE, "no live worker: the agent runtime is not reachable");
-        break;
-    case TURN_INTERRUPT:
-        /* relayed as InterruptRequiredEvent; the session parks on the approval (spec: the
-         * InterruptRequiredEvent comes just before SessionPaused(PAUSE_SOURCE_APPROVAL)) */
-        e.error_code = "APPROVAL_REQUIRED";
-        e.error_msg = "a tool call needs approval";
-        if (c.approval_id[0]) {
-            e.park_source = UPSQUAD__RUNTIME__V1__PAUSE_SOURCE__PAUSE_SOURCE_APPROVAL;
-            e.park_reason = park_reason;
-            e.park_correlation = c.approval_id;
-            snprintf(park_reason, sizeof park_reason, "tool call %s requires approval",
-                     c.gated_tool);
-        }
-        break;
-    case TURN_INPUT_REQUIRED:
-        e.error_code = "INPUT_REQUIRED";
-        e.error_msg = "the agent asked the user; prompts on the chat path are not served yet";
-        send_error(call, e.error_code, e.error_msg, 0);
-        break;
-    default:
-        e.error_code = res.error_code;
-        e.error_msg = res.error_message;
-        if (!c.error_relayed) send_error(call, res.error_code, res.error_message, res.retryable);
-        break;
-    }
-    if (res.outcome != TURN_COMPLETED) metric_inc(o->m_turns_failed);
-    metric_add(o->m_in_tokens, (double)res.input_tokens);
-    metric_add(o->m_out_tokens, (double)res.output_tokens);
-    /* an end not stored leaves the lease unrenewed from here: a replica reclaims the turn */
-    if (orch_store_turn_end(o->pool, id->org_id, sid, parent, &e, err, sizeof err) != DB_OK)
-        log_error("store.turn_end", "session %s: %s", sid, err);
-    orch_lease_drop(&lease);
-    /* a pause asked for during the turn committed at its end: the stream says so, then waits
-     * for the resume (the caller then continues with a new SendMessage) */
-    if (paused.committed && res.outcome != TURN_CANCELLED &&
-        orch_pause_send_event(call, &paused) == RPC_OK)
-        park_stream(o, call, id->org_id, sid);
+    orch_chat_turn t = {.org = id->org_id,
+                        .sid = sid,
+                        .s = &s,
+                        .requester = id->sub,
+                        .message = rq->message,
+                        .mode = rq->execution_mode,
+                        .turns = turns,
+                        .nturns = nturns,
+                        .parent = parent,
+                        .timeout_ms = timeout};
+    int parked = 0;
+    rc = orch_chat_run(o, call, &t, &parked);
+    /* parked (its own gate, or a pause asked for during the turn): the stream waits for the
+     * resume; a gate's decision resumes the turn on it */
+    if (parked) orch_chat_park(o, call, id->org_id, sid);
 done:
-    orch_lease_drop(&lease);
-    orch_turn_result_clear(&res);
-    if (snap) protobuf_c_message_free_unpacked(&snap->base, NULL);
-    orch_arena_free(&a);
     orch_turns_free(turns, nturns);
     orch_session_clear(&s);
     return rc;

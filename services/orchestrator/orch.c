@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "gate.h"
 #include "ids.h"
 #include "lease.h"
 #include "log.h"
@@ -102,6 +103,22 @@ static const cfg_var vars[] = {
      "terminated (each holds a stream worker); beyond, the stream ends after its "
      "SessionPausedEvent",
      &C.paused_streams, 0, 1024},
+    {"UPSQUAD_APPROVALS_ADDR", CFG_STR, "",
+     "the workflow engine's address (its ApprovalService): a chat turn's gated tool call or "
+     "ask_user opens its approval or prompt there; empty: such a turn fails with "
+     "APPROVAL_UNAVAILABLE (nothing runs ungoverned)",
+     &C.approvals_addr},
+    {"UPSQUAD_APPROVAL_TIMEOUT", CFG_INT, "0",
+     "seconds until a chat approval or prompt expires (1..604800; 0: the engine's default, a "
+     "day); an expired approval resumes the turn with the call denied, an expired prompt with "
+     "an empty answer",
+     &C.approval_timeout_s, 0, 604800},
+    {"UPSQUAD_APPROVALS_DURABLE", CFG_STR, "orchestrator-sessions",
+     "the JetStream durable consumer of approval.decided.> that every replica of one deployment "
+     "shares (each decision reaches one replica); deployments sharing a NATS use distinct names; "
+     "`none`: this replica consumes no decisions (a stream waiting on it still resumes its "
+     "session when another replica stores the decision)",
+     &C.approvals_durable},
     {"UPSQUAD_TURN_LEASE_TTL", CFG_MS, "15s",
      "a chat turn in flight is leased to the replica relaying it, which renews the lease every "
      "third of this; a lease not renewed for this long is reclaimed by any replica (the turn "
@@ -212,7 +229,11 @@ int orch_mint_agent_tokens(const orch *o, const char *org, const char *agent_id,
 }
 
 char *orch_mint_call_token(const orch *o, const char *org) {
-    char err[256], *tok = NULL;
+    return orch_mint_scoped_token(o, org, ORCH_CALLER_SCOPE);
+}
+
+char *orch_mint_scoped_token(const orch *o, const char *org, const char *scope) {
+    char err[256], *tok = NULL, extra[160];
     const char *aud = getenv("UPSQUAD_JWT_AUDIENCE");
     if (!o->signer) return NULL;
     auth_claims c = {.sub = "orchestrator",
@@ -221,7 +242,8 @@ char *orch_mint_call_token(const orch *o, const char *org) {
                      .issuer = "upsquad-orchestrator",
                      .clearance = 1,
                      .ttl_s = 300,
-                     .extra_json = "{\"scope\":\"" ORCH_CALLER_SCOPE "\"}"};
+                     .extra_json = extra};
+    snprintf(extra, sizeof extra, "{\"scope\":\"%s\"}", scope);
     if (auth_mint(o->signer, &c, &tok, err, sizeof err)) return NULL;
     return tok;
 }
@@ -276,6 +298,10 @@ int orch_start(orch *o, const orch_config *cfg, char *err, size_t errlen) {
         rpc_channel_opts co = {.target = cfg->model_registry_addr, .tls = tlsp};
         if (rpc_channel_new(&co, &o->registry, e, sizeof e)) goto fail_e;
     }
+    if (set(cfg->approvals_addr)) {
+        rpc_channel_opts co = {.target = cfg->approvals_addr, .tls = tlsp};
+        if (rpc_channel_new(&co, &o->approvals, e, sizeof e)) goto fail_e;
+    }
     const char *targets =
         set(cfg->worker_targets) ? cfg->worker_targets : getenv("UPSQUAD_DEVWORKER_ADDR");
     if (orch_workers_start(targets ? targets : "", cfg->worker_probe_ms, cfg->redis_url, tlsp,
@@ -292,6 +318,7 @@ int orch_start(orch *o, const orch_config *cfg, char *err, size_t errlen) {
         goto fail_e;
     }
     if (set(cfg->nats_url) && orch_steps_start(o, e, sizeof e)) goto fail_e;
+    if (orch_gate_start(o, e, sizeof e)) goto fail_e;
     if (orch_recovery_start(o, e, sizeof e)) goto fail_e;
     return 0;
 fail_e:
@@ -302,6 +329,7 @@ fail_e:
 
 void orch_stop(orch *o) {
     orch_recovery_stop(o);
+    orch_gate_stop(o);
     orch_steps_stop(o);
     orch_lease_stop();
     orch_turn_watcher_stop();
@@ -309,6 +337,8 @@ void orch_stop(orch *o) {
     o->workers = NULL;
     if (o->registry) rpc_channel_free(o->registry);
     o->registry = NULL;
+    if (o->approvals) rpc_channel_free(o->approvals);
+    o->approvals = NULL;
     auth_signer_free(o->signer);
     o->signer = NULL;
     keys_ring_wipe(&o->ring);

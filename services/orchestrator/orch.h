@@ -41,6 +41,9 @@ typedef struct orch_config {
     long long recovery_lease_ms;     /* a replica's claim on a session it recovers */
     long long step_timeout_ms;
     char *model_registry_addr;
+    char *approvals_addr;         /* UPSQUAD_APPROVALS_ADDR: the engine's ApprovalService */
+    long long approval_timeout_s; /* UPSQUAD_APPROVAL_TIMEOUT */
+    char *approvals_durable;      /* UPSQUAD_APPROVALS_DURABLE */
     char *kek;
     char *token_key;
     char *token_alg;
@@ -72,7 +75,8 @@ typedef struct orch {
     auth_signer *signer;
     keys_ring ring; /* n == 0: no KEK configured (provider keys are not sent) */
     rpc_channel *registry;
-    rpc_client_tls tls; /* towards workers and model-registry (used when tls.ca_file is set) */
+    rpc_channel *approvals; /* the workflow engine (ApprovalService); NULL: not configured */
+    rpc_client_tls tls;     /* towards workers and model-registry (used when tls.ca_file is set) */
     orch_workers *workers;
     orch_steps *steps;
     orch_sweeper *sweeper; /* crash recovery (recovery.c) */
@@ -100,6 +104,8 @@ int orch_mint_agent_tokens(const orch *o, const char *org, const char *agent_id,
 /* A short-lived bearer for calls to workers (sub "orchestrator", scope runtime.orchestrator,
  * aud UPSQUAD_JWT_AUDIENCE); NULL without a signing key. Caller frees. */
 char *orch_mint_call_token(const orch *o, const char *org);
+/* The same with another scope (e.g. approvals.open towards the engine). Caller frees. */
+char *orch_mint_scoped_token(const orch *o, const char *org, const char *scope);
 
 /* LifecycleService and RuntimeService handlers (lifecycle.c, runtime.c). */
 int orch_lifecycle_register(rpc_server *srv, orch *o);

@@ -140,7 +140,8 @@ int relay_project(orch_arena *a, const ExecuteStepEvent *ev, AgentEvent *out, co
         return 1;
     }
     case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INPUT_REQUIRED:
-        return *why = "ask_user is audited (prompts are not served on the chat path yet)", 0;
+        /* no public arm: the session parks on the prompt (SessionPausedEvent, chat.c) */
+        return *why = "ask_user parks the session on its prompt", 0;
     default:
         return *why = "unknown event", 0;
     }

@@ -213,6 +213,75 @@ int orch_store_checkpoint_latest(db_pool *p, const char *org, const char *sessio
                                  int *loop_iteration, unsigned char **state, size_t *len, char *err,
                                  size_t errlen);
 
+/* ---- a chat session parked on a human (store_gates.c; docs/orchestrator.md, "Approvals and
+ * prompts on the chat path") ---- */
+typedef struct orch_gate_row {
+    const char *approval_id; /* the engine's approval (or prompt) id */
+    const char *kind;        /* "approval_gate" or "user_prompt" */
+    const char *tool, *tool_call_id;
+    const char *message;         /* the gated turn's user message */
+    const unsigned char *frozen; /* a prompt's InputRequired.checkpoint (borrowed), else NULL */
+    size_t frozen_len;
+    int clearance;
+} orch_gate_row;
+
+/* Records the gate a turn opened (idempotent by approval id), before its park commits. */
+int orch_store_gate_record(db_pool *p, const char *org, const char *session_id,
+                           const orch_gate_row *g, char *err, size_t errlen);
+/* hold 1: this replica's stream waits on the session's untaken gates (holder = its instance);
+ * hold 0: it stopped waiting (only its own mark is cleared). */
+int orch_store_gate_hold(db_pool *p, const char *org, const char *session_id, const char *holder,
+                         int hold, char *err, size_t errlen);
+
+enum {
+    ORCH_GATE_UNKNOWN = 0, /* no such gate (another service's approval, or another org's) */
+    ORCH_GATE_EARLY = 1,   /* the turn that opened it has not parked yet */
+    ORCH_GATE_PARKED = 2,  /* the session waits on it: a resume may take it */
+    ORCH_GATE_DONE = 3,    /* taken already, or the session ended */
+};
+/* Stores an ApprovalDecided (as JSON; the first one stays) on its gate. *where: ORCH_GATE_*;
+ * holder: the replica whose stream waits ("" when none); session_id: the gate's session. */
+int orch_store_gate_decided(db_pool *p, const char *org, const char *approval_id,
+                            const char *decision_json, int *where, char holder[161],
+                            char session_id[37], char *err, size_t errlen);
+
+/* What a resume takes (heap members: orch_gate_take_clear). */
+typedef struct orch_gate_take {
+    char approval_id[37], session_id[37], agent_id[37];
+    char kind[16], tool[201], tool_call_id[201];
+    char action_id[37];    /* the session_resumed row: the resumed turn's parent and lease */
+    char *message;         /* the gated turn's user message */
+    char *decision;        /* the ApprovalDecided as JSON */
+    unsigned char *frozen; /* a prompt's frozen turn ("" when none) */
+    size_t frozen_len;
+    orch_turn *turns; /* the turns before the gated one */
+    size_t nturns;
+    int resumed_loop;
+    int64_t resumed_ms;
+} orch_gate_take;
+void orch_gate_take_clear(orch_gate_take *t);
+/* Exactly once per gate: when the session is parked on it and its decision arrived, lifts the
+ * park (state active, THINKING, in flight for timeout_ms), marks the gate taken, audits
+ * session_resumed and leases the resumed turn to owner. ORCH_ESTATE when not so (taken by
+ * another resume, not decided, not parked on it). */
+int orch_store_gate_take(db_pool *p, const char *org, const char *approval_id, int max_turns,
+                         size_t max_bytes, int64_t timeout_ms, const char *owner,
+                         orch_gate_take *out, char *err, size_t errlen);
+
+/* What a stream waiting on a park reads each look. */
+typedef struct orch_park_look {
+    char state[16];
+    int64_t resumed_ms;
+    int resumed_loop;
+    char ready_gate[37]; /* the park's gate is decided and not taken: resume it */
+    char resumed_by[37]; /* the last resume was this gate's decision ("" otherwise) */
+} orch_park_look;
+int orch_store_park_look(db_pool *p, const char *org, const char *session_id, orch_park_look *out,
+                         char *err, size_t errlen);
+/* key: the newest checkpoint stored at or after since_ms ("" when none yet). */
+int orch_store_checkpoint_since(db_pool *p, const char *org, const char *session_id,
+                                int64_t since_ms, char key[64], char *err, size_t errlen);
+
 /* ---- pause, resume, provenance (docs/orchestrator.md, "Pause, resume and provenance") ---- */
 enum { ORCH_PAUSED = 0, ORCH_PAUSE_ALREADY = 1, ORCH_PAUSE_PENDING = 2 };
 

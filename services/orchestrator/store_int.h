@@ -54,5 +54,13 @@ int orch_store__latest_checkpoint_tx(PGconn *c, const char *session_id, char key
                                      char *err, size_t errlen);
 int orch_store__pause_commit_tx(PGconn *c, const char *session_id, const char *agent,
                                 const char *parent, orch_pause *pz, char *err, size_t errlen);
+/* The newest prior turns of a session with turn_no < before (0: all), at most max_turns and
+ * max_bytes of text, oldest first. *turns heap: orch_turns_free. */
+int orch_store__prior_turns_tx(PGconn *c, const char *session_id, int before, int max_turns,
+                               size_t max_bytes, orch_turn **turns, size_t *n, char *err,
+                               size_t errlen);
+/* The lease of a turn (docs/orchestrator.md, "Dead turns"), named by its audit row. */
+int orch_store__lease_tx(PGconn *c, const char *action_id, const char *session_id,
+                         const char *owner, char *err, size_t errlen);
 
 #endif

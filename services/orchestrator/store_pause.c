@@ -143,9 +143,9 @@ int orch_store_pause(db_pool *p, const char *org, const char *session_id, const 
 
 /* Inside the caller's transaction: ORCH_EGATED with the approval id when a suspended session
  * waits on a human gate of its own: parked (PauseSource APPROVAL or DELEGATION_APPROVAL) on the
- * approval its turn's interrupt_required opened (the audit row names it), so a governed tool
- * call stays governed. A pause a caller asked for with PauseSession (an approval engine pausing
- * under an approval of its own) is that caller's to resume. */
+ * approval or prompt its turn opened (session_gates, or the interrupt_required audit row that
+ * names it), so a governed tool call stays governed. A pause a caller asked for with PauseSession
+ * (an approval engine pausing under an approval of its own) is that caller's to resume. */
 static int resume_gate_tx(PGconn *c, const char *session_id, char gate[65], char *err,
                           size_t errlen) {
     PGresult *r = NULL;
@@ -153,9 +153,12 @@ static int resume_gate_tx(PGconn *c, const char *session_id, char gate[65], char
     int rc = db_exec(c,
                      "SELECT s.pause_correlation_id FROM sessions s"
                      " WHERE s.session_id = $1::uuid AND s.state = 'suspended'"
-                     " AND s.pause_source IN (2, 5) AND EXISTS (SELECT 1 FROM audit_log a"
+                     " AND s.pause_source IN (2, 5) AND (EXISTS (SELECT 1 FROM session_gates g"
+                     "  WHERE g.session_id = s.session_id"
+                     "  AND g.approval_id::text = s.pause_correlation_id)"
+                     " OR EXISTS (SELECT 1 FROM audit_log a"
                      "  WHERE a.session_id = s.session_id AND a.action_type = 'interrupt_required'"
-                     "  AND a.detail->>'approval_id' = s.pause_correlation_id)",
+                     "  AND a.detail->>'approval_id' = s.pause_correlation_id))",
                      1, &session_id, &r, err, errlen);
     if (rc == DB_OK && PQntuples(r) == 1) {
         copy(gate, 65, PQgetvalue(r, 0, 0));

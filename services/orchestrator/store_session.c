@@ -249,15 +249,66 @@ void orch_turns_free(orch_turn *t, size_t n) {
     free(t);
 }
 
+int orch_store__prior_turns_tx(PGconn *c, const char *session_id, int before, int max_turns,
+                               size_t max_bytes, orch_turn **turns, size_t *n, char *err,
+                               size_t errlen) {
+    PGresult *r = NULL;
+    char lim[16], bef[16];
+    *turns = NULL;
+    *n = 0;
+    if (max_turns <= 0) return DB_OK;
+    snprintf(lim, sizeof lim, "%d", max_turns);
+    snprintf(bef, sizeof bef, "%d", before > 0 ? before : 0x7fffffff);
+    /* newest first from the database, kept while within the byte bound, then returned oldest
+     * first */
+    int rc = db_exec(c,
+                     "SELECT role, text FROM turns WHERE session_id = $1::uuid"
+                     " AND turn_no < $3::int ORDER BY turn_no DESC LIMIT $2::int",
+                     3, (const char *[]){session_id, lim, bef}, &r, err, errlen);
+    if (rc == DB_OK) {
+        int m = PQntuples(r), keep = 0;
+        size_t bytes = 0;
+        for (; keep < m; keep++) {
+            size_t l = (size_t)PQgetlength(r, keep, 1);
+            if (bytes + l > max_bytes) break;
+            bytes += l;
+        }
+        orch_turn *t = calloc((size_t)(keep ? keep : 1), sizeof *t);
+        if (!t) rc = DB_ENOMEM;
+        for (int i = 0; rc == DB_OK && i < keep; i++) {
+            orch_turn *o = &t[keep - 1 - i];
+            o->role = atoi(PQgetvalue(r, i, 0));
+            o->text = strdup(PQgetvalue(r, i, 1));
+            if (!o->text) rc = DB_ENOMEM;
+        }
+        if (rc == DB_OK) {
+            *turns = t;
+            *n = (size_t)keep;
+        } else {
+            orch_turns_free(t, (size_t)keep);
+        }
+    }
+    PQclear(r);
+    return rc;
+}
+
+int orch_store__lease_tx(PGconn *c, const char *action_id, const char *session_id,
+                         const char *owner, char *err, size_t errlen) {
+    return db_exec(c,
+                   "INSERT INTO turn_leases (action_id, session_id, org_id, owner)"
+                   " VALUES ($1, $2, current_org(), left($3, 160))",
+                   3, (const char *[]){action_id, session_id, owner ? owner : ""}, NULL, err,
+                   errlen);
+}
+
 int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, const char *message,
                           int max_turns, size_t max_bytes, int64_t timeout_ms, const char *owner,
                           orch_turn **turns, size_t *n, char *action_id, char *final_state,
                           char *err, size_t errlen) {
     PGresult *r = NULL;
-    char lim[16], tmo[32];
+    char tmo[32];
     *turns = NULL;
     *n = 0;
-    snprintf(lim, sizeof lim, "%d", max_turns);
     snprintf(tmo, sizeof tmo, "%lld", (long long)(timeout_ms > 0 ? timeout_ms : 1));
     TX_BEGIN(org);
     rc = db_exec(c,
@@ -303,39 +354,10 @@ int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, c
         rc = tx_end(tx, rc, err, errlen);
         return rc == DB_OK ? ORCH_ESTATE : rc;
     }
-    /* prior turns: newest first from the database, kept while within the byte bound, then
-     * returned oldest first (the current turn is not stored yet, so it is never included) */
-    if (rc == DB_OK && max_turns > 0) {
-        const char *v[] = {session_id, lim};
-        rc = db_exec(c,
-                     "SELECT role, text FROM turns WHERE session_id = $1::uuid"
-                     " ORDER BY turn_no DESC LIMIT $2::int",
-                     2, v, &r, err, errlen);
-        if (rc == DB_OK) {
-            int m = PQntuples(r), keep = 0;
-            size_t bytes = 0;
-            for (; keep < m; keep++) {
-                size_t l = (size_t)PQgetlength(r, keep, 1);
-                if (bytes + l > max_bytes) break;
-                bytes += l;
-            }
-            orch_turn *t = calloc((size_t)(keep ? keep : 1), sizeof *t);
-            if (!t) rc = DB_ENOMEM;
-            for (int i = 0; rc == DB_OK && i < keep; i++) {
-                orch_turn *o = &t[keep - 1 - i];
-                o->role = atoi(PQgetvalue(r, i, 0));
-                o->text = strdup(PQgetvalue(r, i, 1));
-                if (!o->text) rc = DB_ENOMEM;
-            }
-            if (rc == DB_OK) {
-                *turns = t;
-                *n = (size_t)keep;
-            } else {
-                orch_turns_free(t, (size_t)keep);
-            }
-        }
-        PQclear(r);
-    }
+    /* prior turns (the current turn is not stored yet, so it is never included) */
+    if (rc == DB_OK)
+        rc = orch_store__prior_turns_tx(c, session_id, 0, max_turns, max_bytes, turns, n, err,
+                                        errlen);
     if (rc == DB_OK) {
         char no[16];
         snprintf(no, sizeof no, "%d", turn_no + 1);
@@ -365,12 +387,7 @@ int orch_store_turn_begin(db_pool *p, const char *org, const char *session_id, c
     }
     /* the turn's lease, named by its message_received row (what its end is handed): renewed
      * by this replica while the relay lives, reclaimed by any replica once it is not */
-    if (rc == DB_OK)
-        rc = db_exec(c,
-                     "INSERT INTO turn_leases (action_id, session_id, org_id, owner)"
-                     " VALUES ($1, $2, current_org(), left($3, 160))",
-                     3, (const char *[]){action_id, session_id, owner ? owner : ""}, NULL, err,
-                     errlen);
+    if (rc == DB_OK) rc = orch_store__lease_tx(c, action_id, session_id, owner, err, errlen);
     if (rc != DB_OK) {
         orch_turns_free(*turns, *n);
         *turns = NULL;

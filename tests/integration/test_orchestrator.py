@@ -504,11 +504,13 @@ class Orch(unittest.TestCase):
         evs = self.fake_turn([{"token": {"text": "checking", "index": 0}},
                               {"interruptRequired": {"toolCallId": "call-7", "toolName": "deploy",
                                                      "idempotencyKey": "k", "pendingToolIntent": "U0VDUkVULUlOVEVOVA=="}}])
-        # the session parks on the approval (test_orchestrator_pause.py)
-        self.assertEqual([e.WhichOneof("event") for e in evs], ["token", "interrupt_required", "session_paused"])
-        ir = evs[1].interrupt_required
-        self.assertEqual((ir.tool_name, ir.tool_call_id), ("deploy", "call-7"))
-        self.assertEqual(ir.reason, "")  # no reason known beyond "requires approval"
+        # these replicas have no ApprovalService (UPSQUAD_APPROVALS_ADDR unset): the gate cannot
+        # open, so nothing parks and the gated call never runs; the caller is told, retryably
+        # (the projection and the park on a real approval: test_orchestrator_gates.py)
+        self.assertEqual([e.WhichOneof("event") for e in evs], ["token", "error"])
+        self.assertEqual(evs[1].error.code, "APPROVAL_UNAVAILABLE")
+        self.assertTrue(evs[1].error.retryable)
+        self.assertIn("did not run", evs[1].error.message)
         self.assertNotIn(b"SECRET-INTENT", b"".join(e.SerializeToString() for e in evs))
 
     def test_nothing_after_the_end(self):

@@ -24,8 +24,10 @@ DSN = os.environ.get("UPSQUAD_PG_DSN_ORCHESTRATOR")
 ADMIN = os.environ.get("UPSQUAD_PG_ADMIN_DSN")
 REDIS = os.environ.get("UPSQUAD_REDIS_URL")
 NATS = os.environ.get("UPSQUAD_NATS_URL")
-if not DSN or not REDIS or not NATS:
-    print("SKIP: UPSQUAD_PG_DSN_ORCHESTRATOR, UPSQUAD_REDIS_URL and UPSQUAD_NATS_URL are required")
+WF_DSN = os.environ.get("UPSQUAD_PG_DSN_WORKFLOW_ENGINE")
+if not DSN or not REDIS or not NATS or not WF_DSN:
+    print("SKIP: UPSQUAD_PG_DSN_ORCHESTRATOR, UPSQUAD_PG_DSN_WORKFLOW_ENGINE, UPSQUAD_REDIS_URL and "
+          "UPSQUAD_NATS_URL are required")
     sys.exit(0)
 
 import grpc  # noqa: E402
@@ -56,9 +58,13 @@ class Pause(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
+        # the engine's ApprovalService: a gated call's approval opens there
+        cls.engine = T.Server("workflow-engine", env=T.engine_env(WF_DSN, NATS, SECRET))
+        cls.procs.append(cls.engine)
         base = {"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": DSN, "UPSQUAD_MIGRATIONS_DIR": MIGRATIONS,
                 "UPSQUAD_REDIS_URL": REDIS, "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK,
-                "UPSQUAD_WORKER_PROBE": "200ms", "UPSQUAD_LOG_LEVEL": "info"}
+                "UPSQUAD_WORKER_PROBE": "200ms", "UPSQUAD_LOG_LEVEL": "info",
+                "UPSQUAD_APPROVALS_ADDR": cls.engine.addr, "UPSQUAD_APPROVALS_DURABLE": "none"}
         # replica A first (the worker checkpoints to it), then the worker, then replica B
         cls.a = drain(T.Server("orchestrator", env=dict(base, UPSQUAD_WORKER_TARGETS="127.0.0.1:1")))
         cls.procs.append(cls.a)

@@ -1,0 +1,54 @@
+/* One chat turn relayed to its caller, and the wait of a stream on a parked session
+ * (docs/orchestrator.md, "SendMessage" and "Approvals and prompts on the chat path").
+ *
+ * Shared by SendMessage (a fresh turn) and the resume of a turn parked on a human gate (the
+ * same turn re-entered from its frozen checkpoint: gate.c). A turn's worker events are relayed
+ * (relay.c), audited, and its end stored; an interrupt_required or input_required opens an
+ * approval or prompt through the workflow engine's ApprovalService (gate.c) and parks the
+ * session on it at the turn's end. */
+#ifndef UPSQUAD_ORCH_CHAT_H
+#define UPSQUAD_ORCH_CHAT_H
+
+#include <stdint.h>
+
+#include "orch.h"
+#include "store.h"
+#include "upsquad/runtime/v1/runtime.pb-c.h"
+
+typedef struct orch_chat_turn {
+    const char *org, *sid;
+    const orch_session *s; /* borrowed: the session row with its snapshot */
+    const char *requester; /* the member whose turn it is (a gate's requested_by) */
+    const char *message;
+    int mode; /* ExecutionMode of the request; 0 keeps the session's */
+    const orch_turn *turns;
+    size_t nturns;
+    /* the turn's audit row (message_received, or session_resumed on a resume): the parent of
+     * what it does and the name of its lease, held here while the turn runs */
+    const char *parent;
+    const char *prefer_worker; /* a resume runs where it was rehydrated ("" or NULL: any) */
+    /* a resume of a gate answered otherwise than by running the call (a denial, a prompt's
+     * answer): ExecuteStepRequest.ask_user_resume; NULL on a fresh turn or an approved call */
+    const Upsquad__Runtime__V1__AskUserResume *resume;
+    int64_t timeout_ms;
+} orch_chat_turn;
+
+/* Runs t on a worker; call (NULL: nobody listens: the turn goes to the session's history
+ * only) gets the relayed events. Stores the turn's end (parking the session on a gate it
+ * opened). *parked 1 when the session is suspended at its end (a gate, or a pause that was
+ * pending) and its SessionPausedEvent went to call. Returns the RPC status for call. */
+int orch_chat_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked);
+
+/* spec SessionPausedEvent: the stream stays open until a SessionResumedEvent or the session's
+ * end. Waits on the parked session (at most UPSQUAD_PAUSED_STREAMS per replica, within the
+ * caller's deadline); a gate decided meanwhile is resumed on this stream (the rest of the turn
+ * follows its SessionResumedEvent, and it may park again). */
+void orch_chat_park(orch *o, rpc_call *call, const char *org, const char *sid);
+
+/* A SessionResumedEvent on call; approval_id non-empty: resumed by that approval's decision. */
+void orch_chat_send_resumed(rpc_call *call, int64_t resumed_ms, int resumed_loop,
+                            const char *approval_id);
+/* An ErrorEvent on call. */
+void orch_chat_send_error(rpc_call *call, const char *code, const char *message, int retryable);
+
+#endif
