@@ -64,7 +64,8 @@ static int open_gate(chat *c, const ExecuteStepEvent *ev) {
                          .sid = c->sid,
                          .agent_id = c->agent,
                          .requester = c->requester,
-                         .message = c->message};
+                         .message = c->message,
+                         .holder = c->call ? c->o->instance : NULL};
     if (ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INTERRUPT_REQUIRED) {
         const Upsquad__Runtime__V1__InterruptRequired *ir = ev->interrupt_required;
         ask.kind = "approval_gate";
@@ -323,34 +324,33 @@ void orch_chat_send_resumed(rpc_call *call, int64_t resumed_ms, int resumed_loop
  * wait too. */
 void orch_chat_park(orch *o, rpc_call *call, const char *org, const char *sid) {
     char err[256];
-    int held = 0;
+    /* the gate was opened naming this replica as the one whose stream waits (orch_gate_open),
+     * so a decision arriving at once is left to this stream; a stream that does not wait
+     * (over the bound) or stops waiting clears that mark: a decision is then resumed by any
+     * replica, with nobody listening */
     if (atomic_fetch_add(&o->parked, 1) >= o->cfg->paused_streams) goto done;
     while (!rpc_cancelled(call) && rpc_deadline_ms(call) > PARK_POLL_MS) {
-        if (!held) {
-            held =
-                orch_store_gate_hold(o->pool, org, sid, o->instance, 1, err, sizeof err) == DB_OK;
-        } else {
-            usleep(PARK_POLL_MS * 1000);
-        }
+        usleep(PARK_POLL_MS * 1000);
         orch_park_look pl;
         int rc = orch_store_park_look(o->pool, org, sid, &pl, err, sizeof err);
         if (rc == ORCH_ENOTFOUND) break;
         if (rc != DB_OK) continue; /* the next look may find the database again */
         if (pl.ready_gate[0]) {
+            if (rpc_cancelled(call)) break; /* gone: the turn resumes with nobody listening */
             int parked = 0;
             rc = orch_gate_resume(o, call, org, pl.ready_gate, &parked);
             if (rc == ORCH_ESTATE) continue; /* another replica took it: the next look tells */
             if (!parked) break;              /* the turn ended (or failed): the stream ends */
-            held = 0;                        /* parked again, on a new gate */
-            continue;
+            continue;                        /* parked again, on a gate naming this stream */
         }
         if (!strcmp(pl.state, "suspended")) continue;
         if (!strcmp(pl.state, "active"))
             orch_chat_send_resumed(call, pl.resumed_ms, pl.resumed_loop, pl.resumed_by);
         break;
     }
-    if (held) orch_store_gate_hold(o->pool, org, sid, o->instance, 0, err, sizeof err);
 done:
+    if (orch_store_gate_unhold(o->pool, org, sid, o->instance, err, sizeof err) != DB_OK)
+        log_warn("gate.unhold", "session %s: %s", sid, err);
     atomic_fetch_sub(&o->parked, 1);
 }
 
@@ -484,6 +484,10 @@ int orch_chat_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked)
     if (paused.committed && res.outcome != TURN_CANCELLED &&
         (!call || orch_pause_send_event(call, &paused) == RPC_OK))
         *parked = 1;
+    else if (c.approval_id[0] && call &&
+             orch_store_gate_unhold(o->pool, t->org, t->sid, o->instance, err, sizeof err) !=
+                 DB_OK) /* no stream will wait on the gate it opened */
+        log_warn("gate.unhold", "session %s: %s", t->sid, err);
 done:
     orch_lease_drop(&lease);
     orch_turn_result_clear(&res);

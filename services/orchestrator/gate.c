@@ -39,6 +39,7 @@
 /* the replica whose stream waits on the park sees the decision on its next look (every
  * 250 ms): it is left this long before any replica resumes the turn with nobody listening */
 #define HOLDER_GRACE_MS 1500
+#define HOLDER_DELIVERIES 3 /* deliveries left to a waiting stream (an early one counts too) */
 /* resumes with nobody listening run on threads of their own, at most this many at once (a
  * decision beyond waits on the stream: redelivered after RESUME_BUSY_MS) */
 #define RESUMES_MAX 16
@@ -213,7 +214,8 @@ int orch_gate_open(orch *o, const orch_gate_ask *ask, char approval_id[37], char
                        .message = ask->message,
                        .frozen = prompt ? ask->frozen : NULL,
                        .frozen_len = prompt ? ask->frozen_len : 0,
-                       .clearance = clearance};
+                       .clearance = clearance,
+                       .holder = ask->holder};
     if (orch_store_gate_record(o->pool, ask->org, ask->sid, &g, err, sizeof err) != DB_OK) {
         snprintf(msg, msglen, "recording the gate: %s", err);
         rc = RPC_UNAVAILABLE;
@@ -482,7 +484,7 @@ static void handle(natsMsg *m) {
                      sid, ev->approval_id);
             bus_term(m);
         }
-    } else if (holder[0] && n <= 1) {
+    } else if (holder[0] && n <= HOLDER_DELIVERIES) {
         /* a stream waits on the park (here or on another replica): it resumes the turn there */
         log_info("gate.deferred",
                  "session %s: approval %s decided; the stream waiting on %s "

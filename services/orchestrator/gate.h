@@ -29,6 +29,7 @@ typedef struct orch_gate_ask {
     const uint8_t *frozen; /* prompt: InputRequired.checkpoint (borrowed) */
     size_t frozen_len;
     const char *message; /* the turn's user message */
+    const char *holder;  /* this replica when a stream will wait on the park, else NULL */
 } orch_gate_ask;
 
 /* Opens the approval or prompt and records the gate; approval_id out (37 bytes). RPC status

@@ -223,15 +223,16 @@ typedef struct orch_gate_row {
     const unsigned char *frozen; /* a prompt's InputRequired.checkpoint (borrowed), else NULL */
     size_t frozen_len;
     int clearance;
+    const char *holder; /* the replica whose stream will wait on the park (NULL: none) */
 } orch_gate_row;
 
 /* Records the gate a turn opened (idempotent by approval id), before its park commits. */
 int orch_store_gate_record(db_pool *p, const char *org, const char *session_id,
                            const orch_gate_row *g, char *err, size_t errlen);
-/* hold 1: this replica's stream waits on the session's untaken gates (holder = its instance);
- * hold 0: it stopped waiting (only its own mark is cleared). */
-int orch_store_gate_hold(db_pool *p, const char *org, const char *session_id, const char *holder,
-                         int hold, char *err, size_t errlen);
+/* This replica's stream stopped waiting on the session's park (only its own mark is cleared):
+ * a decision is then resumed by whichever replica takes it. */
+int orch_store_gate_unhold(db_pool *p, const char *org, const char *session_id, const char *holder,
+                           char *err, size_t errlen);
 
 enum {
     ORCH_GATE_UNKNOWN = 0, /* no such gate (another service's approval, or another org's) */

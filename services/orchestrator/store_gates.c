@@ -10,41 +10,35 @@ int orch_store_gate_record(db_pool *p, const char *org, const char *session_id,
     snprintf(cl, sizeof cl, "%d", g->clearance);
     TX_BEGIN(org);
     /* the gated turn's message: the newest user turn carrying it (its turn began it) */
-    const char *v[] = {g->approval_id,  session_id, g->kind, g->tool,
-                       g->tool_call_id, g->message, cl};
-    const int lens[] = {0, 0, 0, 0, 0, 0, 0, (int)g->frozen_len};
-    const int fmts[] = {0, 0, 0, 0, 0, 0, 0, 1};
-    const char *vals[] = {v[0], v[1], v[2], v[3],
-                          v[4], v[5], v[6], g->frozen_len ? (const char *)g->frozen : NULL};
+    const int lens[] = {0, 0, 0, 0, 0, 0, 0, (int)g->frozen_len, 0};
+    const int fmts[] = {0, 0, 0, 0, 0, 0, 0, 1, 0};
+    const char *vals[] = {
+        g->approval_id,  session_id, g->kind, g->tool,
+        g->tool_call_id, g->message, cl,      g->frozen_len ? (const char *)g->frozen : NULL,
+        g->holder};
     PGresult *r = NULL;
     rc = db_exec_bin(c,
                      "INSERT INTO session_gates (approval_id, session_id, org_id, kind, tool,"
-                     " tool_call_id, message_turn, clearance, frozen)"
+                     " tool_call_id, message_turn, clearance, frozen, stream_holder)"
                      " SELECT $1::uuid, $2::uuid, current_org(), $3, $4, $5,"
                      "  coalesce((SELECT max(turn_no) FROM turns WHERE session_id = $2::uuid"
                      "            AND role = 1 AND text = $6),"
                      "           (SELECT max(turn_no) FROM turns WHERE session_id = $2::uuid"
                      "            AND role = 1)),"
-                     "  $7::int, $8"
+                     "  $7::int, $8, left($9, 160)"
                      " ON CONFLICT (approval_id) DO NOTHING",
-                     8, vals, lens, fmts, 0, &r, err, errlen);
+                     9, vals, lens, fmts, 0, &r, err, errlen);
     PQclear(r);
     return tx_end(tx, rc, err, errlen);
 }
 
-int orch_store_gate_hold(db_pool *p, const char *org, const char *session_id, const char *holder,
-                         int hold, char *err, size_t errlen) {
+int orch_store_gate_unhold(db_pool *p, const char *org, const char *session_id, const char *holder,
+                           char *err, size_t errlen) {
     TX_BEGIN(org);
-    if (hold)
-        rc = db_exec(c,
-                     "UPDATE session_gates SET stream_holder = left($2, 160)"
-                     " WHERE session_id = $1::uuid AND taken_at IS NULL",
-                     2, (const char *[]){session_id, holder}, NULL, err, errlen);
-    else
-        rc = db_exec(c,
-                     "UPDATE session_gates SET stream_holder = NULL"
-                     " WHERE session_id = $1::uuid AND stream_holder = left($2, 160)",
-                     2, (const char *[]){session_id, holder}, NULL, err, errlen);
+    rc = db_exec(c,
+                 "UPDATE session_gates SET stream_holder = NULL"
+                 " WHERE session_id = $1::uuid AND stream_holder = left($2, 160)",
+                 2, (const char *[]){session_id, holder}, NULL, err, errlen);
     return tx_end(tx, rc, err, errlen);
 }
 

@@ -319,7 +319,9 @@ class ChatGates(unittest.TestCase):
         rows = [t for t, _ in self.audit(sid)]
         self.assertEqual(rows.count("session_resumed"), 1, rows)
         self.assertEqual(rows.count("completion"), 1, rows)
-        self.assertTrue(any("gate.resumed" in l and sid in l and "nobody listens" in l for l in self.a.log))
+        # resumed by a replica (the stream that waited is gone; a replica may still have seen
+        # it waiting when the decision came, and resumed it there)
+        self.assertTrue(any("gate.resumed" in l and sid in l for l in self.a.log + self.b.log))
         self.wait_state(sid, "active")
         turns = sql(self.org, "SELECT role, text FROM orchestrator.turns WHERE session_id = '%s'"
                     " ORDER BY turn_no" % sid)
