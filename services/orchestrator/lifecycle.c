@@ -332,6 +332,9 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
                         .turns = turns,
                         .nturns = nturns,
                         .parent = parent,
+                        /* affinity: the worker that holds the session's state (its last turn's,
+                         * or the one a resume or a recovery initialised), when it is live */
+                        .prefer_worker = s.worker,
                         .timeout_ms = timeout};
     int parked = 0;
     rc = orch_chat_run(o, call, &t, &parked);

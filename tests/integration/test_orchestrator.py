@@ -208,7 +208,7 @@ class Orch(unittest.TestCase):
         self.assertEqual(g.max_loops, 7)
         self.assertTrue(g.started_at.seconds > 0)
         # the worker was initialised with the frozen snapshot
-        init = [i for i in self.fake.inits if i.snapshot.session_id == r.session_id]
+        init = [i for i in self.fake.inits + self.fake2.inits if i.snapshot.session_id == r.session_id]
         self.assertEqual(len(init), 1)
         self.assertEqual(init[0].snapshot.snapshot_hash, r.snapshot_hash)
         self.assertEqual(init[0].snapshot.tenant_id, self.org)
@@ -973,7 +973,7 @@ class WithDevworkers(unittest.TestCase):
                           session_id=sid, agent_id="")
         self.assertAlmostEqual(self.get(sid).last_heartbeat.seconds, time.time(), delta=30)
         # every iteration of the three turns reaches replica A as a checkpoint, whichever worker
-        # ran the turn: turns land on either worker (no session affinity), each counting the
+        # ran the turn (a turn stays on the session's worker while it is live), each counting the
         # session's iterations from what it saw; a worker whose iteration another worker already
         # checkpointed re-keys it to the next one instead of dropping it (ALREADY_EXISTS)
         # (iterations 0..want-1; the newest UPSQUAD_CHECKPOINTS_KEEP, 5 by default, are kept)
@@ -994,6 +994,17 @@ class WithDevworkers(unittest.TestCase):
         self.assertEqual([l for w in self.w for l in w.log if "checkpoint.refused" in l and sid in l], [])
         # the count is the iterations, however the checkpoints raced the turns' ends
         self.assertEqual(self.get(sid).loop_count, want)
+
+    def test_turns_stay_on_the_sessions_worker(self):
+        """Affinity: a session's turns run on the worker holding its state (initialised at
+        creation, then the worker of its last turn) while it is live; the other worker is only
+        taken when that one is down."""
+        sid = self.create().session_id
+        inspect = "#!script\n" + json.dumps([{"inspect": True}, {"complete": "ok"}])
+        seen = [json.loads(self.send(inspect, session_id=sid, agent_id="")[0].token.text)["worker"]["addr"]
+                for _ in range(4)]
+        self.assertEqual(len(set(seen)), 1, seen)
+        self.assertIn(seen[0], [w.addr for w in self.w])
 
     def test_cancel_through_devworker(self):
         fn = self.ch.unary_stream(LC + "SendMessage", request_serializer=L.SendMessageRequest.SerializeToString,
