@@ -12,7 +12,6 @@ import json
 import os
 import queue
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from upsquad.runtime.v1 import runtime_pb2 as R  # noqa: E402
 from upsquad.approval.v1 import approval_pb2 as AP  # noqa: E402
 from upsquad.workflow.v1 import workflow_pb2 as W  # noqa: E402
 from test_orchestrator import SECRET, KEK, LC, MIGRATIONS, DEVWORKER, apply_agent, drain  # noqa: E402
+from test_orchestrator_pause import sql  # noqa: E402
 
 C = grpc.StatusCode
 AGENT = {"role": "deployer", "display_name": "Deployer", "model": "claude-sonnet-4-6",
@@ -57,15 +57,6 @@ def gated(call="g1", after="deployed"):
                                   "pending_tool_intent": {"env": "prod", "secret": "SECRET-INTENT"}}},
                    {"tokens": "after the gate"},
                    {"complete": after}])
-
-
-def sql(org, query):
-    out = subprocess.run(["psql", DSN, "-X", "-Atq", "-F", "\t", "-v", "ON_ERROR_STOP=1",
-                          "-c", "SET app.org_id = '%s'" % org, "-c", query],
-                         capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr)
-    return [l.split("\t") for l in out.stdout.strip().splitlines() if l]
 
 
 class Stream:
