@@ -561,8 +561,9 @@ void orch_gate_stop(orch *o) {
     pthread_join(G.th, NULL);
     G.started = 0;
     /* resumes running with nobody listening finish their turn (bounded by the step timeout);
-     * the process waits a moment for them, then their leases let another replica end them */
-    for (int i = 0; i < 50 && atomic_load(&G.resumes) > 0; i++)
+     * the process waits up to 30 s for them (a terminating pod's grace), then their leases
+     * let another replica end them */
+    for (int i = 0; i < 300 && atomic_load(&G.resumes) > 0; i++)
         pause_ms(100);
     bus_pull_close(G.pull);
     G.pull = NULL;
