@@ -38,6 +38,7 @@
 #define SUBJ_WFIO "wfio"                           /* .<org>.<run> */
 #define SUBJ_SESSION_EVENT "session.event"         /* .<org>.<session> */
 #define SUBJ_TOOL_INVOKE "tool.invoke"             /* .<tool> */
+#define SUBJ_TOOL_BATCH "tool.batch"               /* .<tool>: many calls in one request */
 #define SUBJ_TOOL_ANNOUNCE "tool.announce"
 #define SUBJ_APPROVAL_DECIDED "approval.decided" /* .<org> */
 

@@ -262,6 +262,10 @@ static void metrics(wf_engine *e) {
         metrics_counter("workflow_engine_runs_finished_total", "runs that reached an end", NULL);
     e->m_tool_calls = metrics_counter("workflow_engine_tool_requests_total",
                                       "tool requests sent (retries included)", NULL);
+    e->m_tool_batches = metrics_counter("workflow_engine_tool_batches_total",
+                                        "batch requests of a tick's calls to one tool "
+                                        "(tool.batch.<tool>)",
+                                        NULL);
     e->m_tool_failures = metrics_counter("workflow_engine_tool_failures_total",
                                          "tool steps whose every attempt failed", NULL);
     e->m_published =

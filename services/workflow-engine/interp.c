@@ -643,36 +643,58 @@ done:
     return out;
 }
 
+/* The request of one job (args: heap, pbjson_struct_free; the strings are borrowed). */
+static void tool_request(wf_engine *e, const char *run_id, const char *org, const job *j,
+                         Upsquad__Internal__V1__ToolInvokeRequest *rq,
+                         Google__Protobuf__Struct **args) {
+    char e2[256];
+    upsquad__internal__v1__tool_invoke_request__init(rq);
+    *args = NULL;
+    cJSON *aj = cJSON_Parse(j->args);
+    pbjson_struct_from_json(aj, args, e2, sizeof e2);
+    cJSON_Delete(aj);
+    rq->idempotency_key = (char *)j->key;
+    rq->org_id = (char *)org;
+    rq->run_id = (char *)run_id;
+    rq->step_name = (char *)j->step;
+    rq->iteration = j->iteration;
+    rq->tool = (char *)j->tool;
+    rq->action = (char *)j->action;
+    rq->arguments = *args;
+    rq->timeout_ms = (int32_t)e->cfg->tool_timeout_ms;
+    rq->trace_id = (char *)j->key;
+}
+
+/* A provider's answer as the outcome JSON the next tick records (heap). */
+static char *tool_outcome(const Upsquad__Internal__V1__ToolInvokeResponse *rs) {
+    cJSON *out = cJSON_CreateObject();
+    cJSON_AddBoolToObject(out, "ok", rs->ok);
+    cJSON_AddItemToObject(out, "result",
+                          rs->result ? pbjson_struct_to_json(rs->result) : cJSON_CreateObject());
+    cJSON_AddStringToObject(out, "error_code", rs->error_code);
+    cJSON_AddStringToObject(out, "error_message", rs->error_message);
+    cJSON_AddBoolToObject(out, "replayed", rs->replayed);
+    char *s = cJSON_PrintUnformatted(out);
+    cJSON_Delete(out);
+    return s;
+}
+
 /* One tool call over NATS request/reply, retried with the same key; the outcome as JSON. */
 static char *invoke_tool(wf_engine *e, const char *run_id, const char *org, const job *j) {
     Upsquad__Internal__V1__ToolInvokeRequest rq;
     Google__Protobuf__Struct *args = NULL;
-    char subject[160], e2[256];
-    upsquad__internal__v1__tool_invoke_request__init(&rq);
-    cJSON *aj = cJSON_Parse(j->args);
-    pbjson_struct_from_json(aj, &args, e2, sizeof e2);
-    cJSON_Delete(aj);
-    rq.idempotency_key = (char *)j->key;
-    rq.org_id = (char *)org;
-    rq.run_id = (char *)run_id;
-    rq.step_name = (char *)j->step;
-    rq.iteration = j->iteration;
-    rq.tool = (char *)j->tool;
-    rq.action = (char *)j->action;
-    rq.arguments = args;
-    rq.timeout_ms = (int32_t)e->cfg->tool_timeout_ms;
-    rq.trace_id = (char *)j->key;
+    char subject[160];
+    tool_request(e, run_id, org, j, &rq, &args);
     size_t len = protobuf_c_message_get_packed_size(&rq.base);
     uint8_t *buf = malloc(len ? len : 1);
     protobuf_c_message_pack(&rq.base, buf);
     if (args) pbjson_struct_free(args);
-    cJSON *out = cJSON_CreateObject();
+    char *text = NULL;
     const char *code = "no_provider";
-    int ok = 0;
     if (!bus_token_valid(j->tool)) code = "invalid_tool";
     snprintf(subject, sizeof subject, "%s.%s", SUBJ_TOOL_INVOKE, j->tool);
     for (long long at = 0;
-         !ok && at < e->cfg->tool_attempts && !e->stop && strcmp(code, "invalid_tool"); at++) {
+         !text && at < e->cfg->tool_attempts && !e->stop && strcmp(code, "invalid_tool"); at++) {
         natsMsg *reply = NULL;
         metric_inc(e->m_tool_calls);
         int rc = e->bus ? bus_request(e->bus, subject, buf, (int)len, (int)e->cfg->tool_timeout_ms,
@@ -693,31 +715,70 @@ static char *invoke_tool(wf_engine *e, const char *run_id, const char *org, cons
                 code = "retryable";
                 continue;
             }
-            cJSON_AddBoolToObject(out, "ok", rs->ok);
-            cJSON_AddItemToObject(out, "result",
-                                  rs->result ? pbjson_struct_to_json(rs->result)
-                                             : cJSON_CreateObject());
-            cJSON_AddStringToObject(out, "error_code", rs->error_code);
-            cJSON_AddStringToObject(out, "error_message", rs->error_message);
-            cJSON_AddBoolToObject(out, "replayed", rs->replayed);
+            text = tool_outcome(rs);
             protobuf_c_message_free_unpacked(&rs->base, NULL);
-            ok = 1;
         } else {
             code = rc == BUS_ETIMEOUT ? "timeout" : "no_provider";
             if (rc == BUS_ENORESP) usleep(200000);
         }
     }
     free(buf);
-    if (!ok) {
+    if (!text) {
         metric_inc(e->m_tool_failures);
+        cJSON *out = cJSON_CreateObject();
         cJSON_AddBoolToObject(out, "ok", 0);
         cJSON_AddStringToObject(out, "error_code", code);
         cJSON_AddStringToObject(out, "error_message",
                                 "the tool provider did not answer within its attempts");
+        text = cJSON_PrintUnformatted(out);
+        cJSON_Delete(out);
     }
-    char *s = cJSON_PrintUnformatted(out);
-    cJSON_Delete(out);
-    return s;
+    return text;
+}
+
+/* The jobs idx[0..n) of one tool as one request on tool.batch.<tool> (decision: a tick's calls
+ * to one provider travel together). Each settled answer (ok, or a failure not worth a retry)
+ * becomes its job's outcome in results; the others stay NULL and go one by one (invoke_tool:
+ * the same keys, so nothing runs twice), as do all of them when the provider serves no batches
+ * (no responders) or the request fails. */
+static void invoke_batch(wf_engine *e, const char *run_id, const char *org, const job *jobs,
+                         const int *idx, int n, char **results) {
+    Upsquad__Internal__V1__ToolInvokeRequest rq[MAX_JOBS], *calls[MAX_JOBS];
+    Google__Protobuf__Struct *args[MAX_JOBS];
+    Upsquad__Internal__V1__ToolInvokeBatchRequest b =
+        UPSQUAD__INTERNAL__V1__TOOL_INVOKE_BATCH_REQUEST__INIT;
+    char subject[160];
+    natsMsg *reply = NULL;
+    if (!e->bus || !bus_token_valid(jobs[idx[0]].tool)) return;
+    for (int k = 0; k < n; k++) {
+        tool_request(e, run_id, org, &jobs[idx[k]], &rq[k], &args[k]);
+        calls[k] = &rq[k];
+    }
+    b.calls = calls;
+    b.n_calls = (size_t)n;
+    size_t len = protobuf_c_message_get_packed_size(&b.base);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (buf) protobuf_c_message_pack(&b.base, buf);
+    for (int k = 0; k < n; k++)
+        if (args[k]) pbjson_struct_free(args[k]);
+    if (!buf) return;
+    snprintf(subject, sizeof subject, "%s.%s", SUBJ_TOOL_BATCH, jobs[idx[0]].tool);
+    metric_inc(e->m_tool_batches);
+    int rc = bus_request(e->bus, subject, buf, (int)len, (int)e->cfg->tool_timeout_ms, &reply);
+    free(buf);
+    if (rc != BUS_OK) return;
+    Upsquad__Internal__V1__ToolInvokeBatchResponse *rs =
+        upsquad__internal__v1__tool_invoke_batch_response__unpack(
+            NULL, (size_t)natsMsg_GetDataLength(reply), (const uint8_t *)natsMsg_GetData(reply));
+    natsMsg_Destroy(reply);
+    for (int k = 0; rs && k < n && (size_t)k < rs->n_results; k++) {
+        const Upsquad__Internal__V1__ToolInvokeResponse *r = rs->results[k];
+        if (r->ok || !r->retryable) {
+            metric_inc(e->m_tool_calls);
+            results[idx[k]] = tool_outcome(r);
+        }
+    }
+    if (rs) protobuf_c_message_free_unpacked(&rs->base, NULL);
 }
 
 static void release(wf_engine *e, const char *run_id, const char *org, int64_t gen,
@@ -743,20 +804,36 @@ static void *invoke_thread(void *arg) {
     return NULL;
 }
 
-/* Requests a tick's tool calls at once (one thread each, at most MAX_JOBS), so the tool steps
- * of parallel branches overlap; one call runs inline. */
+/* Requests a tick's tool calls: the calls of one tool (two or more) as one batch, then what is
+ * left at once (one thread each, at most MAX_JOBS), so the tool steps of parallel branches
+ * overlap; one call runs inline. */
 static void invoke_all(wf_engine *e, const char *run_id, const char *org, const job *jobs,
                        char **results, int n) {
     invoke_arg args[MAX_JOBS];
     pthread_t th[MAX_JOBS];
-    int started[MAX_JOBS] = {0};
+    int started[MAX_JOBS] = {0}, grouped[MAX_JOBS] = {0}, idx[MAX_JOBS], left[MAX_JOBS], nleft = 0;
+    for (int k = 0; k < n; k++)
+        results[k] = NULL;
     for (int k = 0; k < n; k++) {
-        args[k] = (invoke_arg){e, run_id, org, &jobs[k], NULL};
-        if (n > 1 && k > 0) started[k] = pthread_create(&th[k], NULL, invoke_thread, &args[k]) == 0;
-        if (!started[k] && k > 0) invoke_thread(&args[k]);
+        int m = 0;
+        for (int i = k; i < n && !grouped[k]; i++)
+            if (!grouped[i] && !strcmp(jobs[i].tool, jobs[k].tool)) idx[m++] = i;
+        if (m < 2) continue;
+        for (int i = 0; i < m; i++)
+            grouped[idx[i]] = 1;
+        invoke_batch(e, run_id, org, jobs, idx, m, results);
     }
-    invoke_thread(&args[0]);
-    for (int k = 0; k < n; k++) {
+    for (int k = 0; k < n; k++)
+        if (!results[k]) left[nleft++] = k;
+    for (int i = 0; i < nleft; i++) {
+        int k = left[i];
+        args[k] = (invoke_arg){e, run_id, org, &jobs[k], NULL};
+        if (i > 0) started[k] = pthread_create(&th[k], NULL, invoke_thread, &args[k]) == 0;
+        if (!started[k] && i > 0) invoke_thread(&args[k]);
+    }
+    if (nleft > 0) invoke_thread(&args[left[0]]);
+    for (int i = 0; i < nleft; i++) {
+        int k = left[i];
         if (started[k]) pthread_join(th[k], NULL);
         results[k] = args[k].result;
     }

@@ -79,7 +79,8 @@ typedef struct wf_engine {
     int64_t announced_at[64];
     int n_announced;
     metric *m_transitions, *m_runs_started, *m_runs_finished, *m_tool_calls, *m_tool_failures,
-        *m_published, *m_first_step, *m_outbox_lag, *m_pending_gates, *m_oldest_gate;
+        *m_tool_batches, *m_published, *m_first_step, *m_outbox_lag, *m_pending_gates,
+        *m_oldest_gate;
     /* by final status: completed, failed, cancelled (wf_engine_run_ended) */
     metric *m_ended[3], *m_run_seconds[3];
 } wf_engine;

@@ -569,6 +569,79 @@ static void test_bad_requests(void **state) {
     resp_free(r);
 }
 
+/* tool.batch.<tool>: each call through the same admission (a recorded key replays, a bad call
+ * gets its own error, a cue fails only its call), one reply with the responses in order. */
+static void test_batch(void **state) {
+    (void)state;
+    char k1[96], k2[96], k3[96];
+    new_key(k1, sizeof k1);
+    new_key(k2, sizeof k2);
+    new_key(k3, sizeof k3);
+    const char *args = "{\"repo\":\"acme/widgets\",\"number\":5,\"body\":\"hi\"}";
+    resp_t *first = invoke("github", "create_comment", k1, args); /* recorded: replays */
+    assert_true(first->ok);
+    const char *keys[] = {k1, k2, k3, k2};
+    const char *bodies[] = {args, args,
+                            "{\"repo\":\"acme/widgets\",\"number\":5,\"body\":\"x __fail\"}", args};
+    req_t q[4], *calls[4];
+    Google__Protobuf__Struct *st[4];
+    char err[256];
+    for (int i = 0; i < 4; i++) {
+        upsquad__internal__v1__tool_invoke_request__init(&q[i]);
+        q[i].idempotency_key = (char *)keys[i];
+        q[i].org_id = "0d5e0000-0000-0000-0000-000000000001";
+        q[i].run_id = g_run;
+        q[i].step_name = (char *)g_step;
+        q[i].tool = "github";
+        q[i].action = i == 3 ? "no_such_action" : "create_comment";
+        cJSON *a = cJSON_Parse(bodies[i]);
+        assert_int_equal(pbjson_struct_from_json(a, &st[i], err, sizeof err), 0);
+        cJSON_Delete(a);
+        q[i].arguments = st[i];
+        calls[i] = &q[i];
+    }
+    Upsquad__Internal__V1__ToolInvokeBatchRequest b =
+        UPSQUAD__INTERNAL__V1__TOOL_INVOKE_BATCH_REQUEST__INIT;
+    b.calls = calls;
+    b.n_calls = 4;
+    size_t n = upsquad__internal__v1__tool_invoke_batch_request__get_packed_size(&b);
+    uint8_t *buf = malloc(n);
+    upsquad__internal__v1__tool_invoke_batch_request__pack(&b, buf);
+    for (int i = 0; i < 4; i++)
+        pbjson_struct_free(st[i]);
+    natsMsg *reply = NULL;
+    assert_int_equal(bus_request(g_bus, "tool.batch.github", buf, (int)n, 5000, &reply), 0);
+    free(buf);
+    Upsquad__Internal__V1__ToolInvokeBatchResponse *r =
+        upsquad__internal__v1__tool_invoke_batch_response__unpack(
+            NULL, (size_t)natsMsg_GetDataLength(reply), (const uint8_t *)natsMsg_GetData(reply));
+    natsMsg_Destroy(reply);
+    assert_non_null(r);
+    assert_int_equal(r->n_results, 4);
+    assert_true(r->results[0]->ok && r->results[0]->replayed); /* k1 was recorded */
+    assert_true(r->results[1]->ok && !r->results[1]->replayed);
+    assert_false(r->results[2]->ok);
+    assert_false(r->results[2]->retryable);
+    assert_string_equal(r->results[3]->error_code, "unknown_action");
+    upsquad__internal__v1__tool_invoke_batch_response__free_unpacked(r, NULL);
+    resp_free(first);
+    /* k2 ran once in the batch: a single call replays it */
+    resp_t *again = invoke("github", "create_comment", k2, args);
+    assert_true(again->replayed);
+    resp_free(again);
+    int tries, execs, replays;
+    key_counts(k2, &tries, &execs, &replays);
+    assert_int_equal(execs, 1);
+    /* garbage: no results, and the requester sends its calls alone */
+    assert_int_equal(bus_request(g_bus, "tool.batch.github", "\xff\xff\xff", 3, 5000, &reply), 0);
+    r = upsquad__internal__v1__tool_invoke_batch_response__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(reply), (const uint8_t *)natsMsg_GetData(reply));
+    natsMsg_Destroy(reply);
+    assert_non_null(r);
+    assert_int_equal(r->n_results, 0);
+    upsquad__internal__v1__tool_invoke_batch_response__free_unpacked(r, NULL);
+}
+
 static void test_stats_by_run(void **state) {
     (void)state;
     char q[160];
@@ -692,6 +765,7 @@ int main(void) {
         cmocka_unit_test(test_duplicate_of_running_key_in_progress),
         cmocka_unit_test(test_sleep_beyond_timeout_gives_up),
         cmocka_unit_test(test_late_reply_then_retry_replays),
+        cmocka_unit_test(test_batch),
         cmocka_unit_test(test_bad_requests),
         cmocka_unit_test(test_stats_by_run),
         cmocka_unit_test(test_announce_periodic_and_on_request),

@@ -570,6 +570,49 @@ class EngineTest(unittest.TestCase):
         self.assertEqual([(a.iteration, a.status) for a in t1 if a.status == "completed"], [(3, "completed")])
         self.assertEqual(len([a for a in t1 if a.status == "skipped"]), 19)
 
+    def test_03c_batched_tool_calls(self):
+        """A tick's calls to one tool go as one request on tool.batch.<tool> (devtools serves
+        it): each call keeps its own key and outcome, and a retryable failure in the batch is
+        retried alone with the same key."""
+        d = defn("fan", {
+            "fan": {"type": "parallel", "branches": ["b1", "b2", "b3"], "next": "after"},
+            "b1": tool("get_issue", number=11),
+            "b2": tool("get_issue", number=12),
+            "b3": tool("create_comment", number=13, body="once __fail_times=1"),
+            "after": tool("get_issue", number=14),
+        })
+        w = self.create(d)
+        sid, q = self.nc.subscribe("tool.*.github")
+        self.nc.flush()
+        before = json.loads(self.nc.request("devtools.stats", b"{}"))["batches"]
+        try:
+            run = self.trigger(w.id)
+            s = self.done(run.id)
+            self.nc.flush()
+        finally:
+            self.nc.unsubscribe(sid)
+        self.assertEqual(s.run.status, "completed", self.acts(s))
+        out = {a.step_name: js(a.output) for a in s.actions}
+        self.assertEqual((out["b1"]["number"], out["b2"]["number"]), (11, 12))
+        # what went on the bus for this run: the three branches in one batch request, then the
+        # failed call alone (same key), then the single step after the fan
+        seen = []
+        while not q.empty():
+            subj, _, _, data = q.get()
+            if subj.startswith("tool.batch."):
+                calls = [c for c in ToolPB.ToolInvokeBatchRequest.FromString(data).calls if c.run_id == run.id]
+                if calls:
+                    seen.append(("batch", sorted(c.step_name for c in calls), {c.idempotency_key for c in calls}))
+            else:
+                r = ToolPB.ToolInvokeRequest.FromString(data)
+                if r.run_id == run.id:
+                    seen.append(("one", [r.step_name], {r.idempotency_key}))
+        self.assertEqual([(k, st) for k, st, _ in seen], [("batch", ["b1", "b2", "b3"]), ("one", ["b3"]), ("one", ["after"])])
+        self.assertTrue(seen[1][2] <= seen[0][2])  # the retry's key is the batched call's
+        self.assertGreater(json.loads(self.nc.request("devtools.stats", b"{}"))["batches"], before)
+        per_run = json.loads(self.nc.request("devtools.stats", json.dumps({"run_id": run.id}).encode()))
+        self.assertTrue(all(r["executions"] == 1 for r in per_run["records"]), per_run)
+
     def test_04_failures_and_gates(self):
         f = self.create(defn("a", {"a": tool("create_comment", "b", number=1, body="boom __fail"),
                                    "b": tool("get_issue", number=1)}))

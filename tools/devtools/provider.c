@@ -1,6 +1,7 @@
 /* The provider side of the tool contract (proto/upsquad/internal/v1/tool.proto):
  *
  *   tool.invoke.<tool>  queue group <tool>   ToolInvokeRequest -> ToolInvokeResponse
+ *   tool.batch.<tool>   queue group <tool>   ToolInvokeBatchRequest -> ToolInvokeBatchResponse
  *   tool.announce                            ToolAnnounce at start, every announce_ms, and
  *                                            in reply to any request on the subject
  *   <stats_subject>                          JSON stats, request/reply
@@ -53,17 +54,25 @@ typedef struct dt_job {
     uint32_t try_no;
     int64_t t0_ms;
     int waiting; /* a duplicate of a running key, waiting for that try to end */
+    /* a call of a batch: its response is kept here (heap) for the batch's one reply instead
+     * of being published to reply */
+    struct dt_slot *slot;
 } dt_job;
+
+typedef struct dt_slot {
+    uint8_t *buf;
+    size_t len;
+} dt_slot;
 
 typedef struct dt_subctx {
     dt_provider *p;
     const dt_tool *t;
-    bus_sub *sub;
+    bus_sub *sub, *batch_sub;
 } dt_subctx;
 
 typedef struct dt_counters {
     uint64_t invocations, executions, replays, in_progress, transient_failures, permanent_failures,
-        timeouts, rejected, overloaded;
+        timeouts, rejected, overloaded, batches;
     uint32_t max_executions_per_key;
 } dt_counters;
 
@@ -125,17 +134,30 @@ static void job_free(dt_job *j) {
 
 /* ---- replies ---- */
 
-static void publish_resp(dt_provider *p, const char *reply, const dt_resp *r) {
+/* A response (borrowed bytes) to the job's requester: published to its inbox, or kept in its
+ * batch slot. */
+static void deliver(dt_provider *p, const dt_job *j, const uint8_t *buf, size_t len) {
+    if (j->slot) {
+        free(j->slot->buf);
+        j->slot->buf = malloc(len ? len : 1);
+        j->slot->len = j->slot->buf ? len : 0;
+        if (j->slot->buf) memcpy(j->slot->buf, buf, len);
+        return;
+    }
+    if (bus_publish(p->b, j->reply, buf, (int)len) != BUS_OK)
+        log_warn("devtools.reply", "reply to %s not sent", j->reply);
+}
+
+static void publish_resp(dt_provider *p, const dt_job *j, const dt_resp *r) {
     size_t n = upsquad__internal__v1__tool_invoke_response__get_packed_size(r);
     uint8_t *buf = malloc(n ? n : 1);
     if (!buf) return; /* the requester times out and retries the same key */
     upsquad__internal__v1__tool_invoke_response__pack(r, buf);
-    if (bus_publish(p->b, reply, buf, (int)n) != BUS_OK)
-        log_warn("devtools.reply", "reply to %s not sent", reply);
+    deliver(p, j, buf, n);
     free(buf);
 }
 
-static void reply_error(dt_provider *p, const char *reply, const char *code, const char *msg,
+static void reply_error(dt_provider *p, const dt_job *j, const char *code, const char *msg,
                         int retryable, int64_t t0) {
     dt_resp r = UPSQUAD__INTERNAL__V1__TOOL_INVOKE_RESPONSE__INIT;
     r.ok = 0;
@@ -143,18 +165,18 @@ static void reply_error(dt_provider *p, const char *reply, const char *code, con
     r.error_message = (char *)msg;
     r.retryable = retryable;
     r.duration_ms = (int32_t)(util_mono_ms() - t0);
-    publish_resp(p, reply, &r);
+    publish_resp(p, j, &r);
 }
 
 /* A recorded response sent again with replayed = true: field 7 (varint) appended to the
  * recorded bytes; a protobuf parser keeps the last value of a scalar field. */
-static void reply_replay(dt_provider *p, const char *reply, const uint8_t *resp, size_t len) {
+static void reply_replay(dt_provider *p, const dt_job *j, const uint8_t *resp, size_t len) {
     uint8_t *buf = malloc(len + 2);
     if (!buf) return;
     memcpy(buf, resp, len);
     buf[len] = (7 << 3) | 0; /* tag: field 7, wire type varint */
     buf[len + 1] = 1;
-    bus_publish(p->b, reply, buf, (int)len + 2);
+    deliver(p, j, buf, len + 2);
     free(buf);
 }
 
@@ -194,12 +216,12 @@ static int key_valid(const char *k) {
     return 1;
 }
 
-/* Decodes and checks the request into j; on a bad request answers it and returns -1. */
-static int decode(dt_provider *p, const dt_tool *t, natsMsg *m, dt_job *j) {
+/* Decodes and checks the request (bytes) into j; on a bad request answers it and returns
+ * -1. */
+static int decode(dt_provider *p, const dt_tool *t, const uint8_t *data, size_t len, dt_job *j) {
     char err[256] = "";
     const char *code = "invalid_arguments";
-    j->req = upsquad__internal__v1__tool_invoke_request__unpack(
-        NULL, (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
+    j->req = upsquad__internal__v1__tool_invoke_request__unpack(NULL, len, data);
     if (!j->req) {
         snprintf(err, sizeof err, "request: not a ToolInvokeRequest");
     } else if (!key_valid(j->req->idempotency_key)) {
@@ -222,7 +244,7 @@ static int decode(dt_provider *p, const dt_tool *t, natsMsg *m, dt_job *j) {
     pthread_mutex_lock(&p->mu);
     p->st.rejected++;
     pthread_mutex_unlock(&p->mu);
-    reply_error(p, j->reply, code, err, 0, j->t0_ms);
+    reply_error(p, j, code, err, 0, j->t0_ms);
     return -1;
 }
 
@@ -273,13 +295,13 @@ static int admit(dt_provider *p, dt_job *j, int may_wait) {
     }
     pthread_mutex_unlock(&p->mu);
     if (copy) {
-        reply_replay(p, j->reply, copy, copy_len);
+        reply_replay(p, j, copy, copy_len);
         free(copy);
     } else if (busy) {
-        reply_error(p, j->reply, "in_progress", "this idempotency key is running; retry later", 1,
+        reply_error(p, j, "in_progress", "this idempotency key is running; retry later", 1,
                     j->t0_ms);
     } else if (oom) {
-        reply_error(p, j->reply, "provider_error", "out of memory", 1, j->t0_ms);
+        reply_error(p, j, "provider_error", "out of memory", 1, j->t0_ms);
     } else {
         return ADMIT_RUN;
     }
@@ -392,12 +414,12 @@ static void execute(dt_provider *p, dt_job *j) {
         /* the contract: a provider gives up after timeout_ms, having run nothing */
         if (nap(p, timed_out ? give_up : c->sleep_ms)) {
             finish_unrecorded(p, key, &p->st.transient_failures);
-            reply_error(p, j->reply, "provider_error", "provider stopping", 1, j->t0_ms);
+            reply_error(p, j, "provider_error", "provider stopping", 1, j->t0_ms);
             return;
         }
         if (timed_out) {
             finish_unrecorded(p, key, &p->st.timeouts);
-            reply_error(p, j->reply, "timeout", "gave up after the request's timeout_ms (cue)", 1,
+            reply_error(p, j, "timeout", "gave up after the request's timeout_ms (cue)", 1,
                         j->t0_ms);
             return;
         }
@@ -406,7 +428,7 @@ static void execute(dt_provider *p, dt_job *j) {
         char msg[96];
         snprintf(msg, sizeof msg, "failing try %u of %d on cue", j->try_no, c->fail_times);
         finish_unrecorded(p, key, &p->st.transient_failures);
-        reply_error(p, j->reply, "provider_error", msg, 1, j->t0_ms);
+        reply_error(p, j, "provider_error", msg, 1, j->t0_ms);
         return;
     }
     char err[256] = "";
@@ -420,7 +442,7 @@ static void execute(dt_provider *p, dt_job *j) {
         r.result = result;
     } else {
         finish_unrecorded(p, key, &p->st.transient_failures);
-        reply_error(p, j->reply, "provider_error", err[0] ? err : "out of memory", 1, j->t0_ms);
+        reply_error(p, j, "provider_error", err[0] ? err : "out of memory", 1, j->t0_ms);
         return;
     }
     r.duration_ms = (int32_t)(util_mono_ms() - j->t0_ms);
@@ -430,7 +452,7 @@ static void execute(dt_provider *p, dt_job *j) {
     pbjson_struct_free(result);
     if (!buf) {
         finish_unrecorded(p, key, &p->st.transient_failures);
-        reply_error(p, j->reply, "provider_error", "out of memory", 1, j->t0_ms);
+        reply_error(p, j, "provider_error", "out of memory", 1, j->t0_ms);
         return;
     }
     /* Recorded before the reply is sent: a retry that overtakes a late reply gets the same
@@ -444,8 +466,7 @@ static void execute(dt_provider *p, dt_job *j) {
               c->fail ? c->fail_code : "ok");
     log_set_trace(NULL);
     if (c->reply_delay_ms > 0) nap(p, c->reply_delay_ms);
-    if (copy && bus_publish(p->b, j->reply, copy, (int)n) != BUS_OK)
-        log_warn("devtools.reply", "reply for key %s not sent", key);
+    if (copy) deliver(p, j, copy, n);
     free(copy);
 }
 
@@ -488,8 +509,7 @@ static void enqueue(dt_provider *p, dt_job *j) {
     } else {
         finish_unrecorded(p, j->req->idempotency_key, &p->st.overloaded);
     }
-    reply_error(p, j->reply, "overloaded", "devtools' delayed-invocation queue is full", 1,
-                j->t0_ms);
+    reply_error(p, j, "overloaded", "devtools' delayed-invocation queue is full", 1, j->t0_ms);
     job_free(j);
 }
 
@@ -529,7 +549,10 @@ static void on_invoke(bus *b, natsMsg *m, void *ud) {
         return;
     }
     j->t0_ms = util_mono_ms();
-    int a = decode(p, sc->t, m, j) != 0 ? ADMIT_DONE : admit(p, j, 1);
+    int a = decode(p, sc->t, (const uint8_t *)natsMsg_GetData(m), (size_t)natsMsg_GetDataLength(m),
+                   j) != 0
+                ? ADMIT_DONE
+                : admit(p, j, 1);
     if (a == ADMIT_WAIT) {
         j->waiting = 1; /* waits on a worker, never on this subscription's thread */
         enqueue(p, j);
@@ -549,6 +572,77 @@ static void on_invoke(bus *b, natsMsg *m, void *ud) {
     }
     execute(p, j);
     job_free(j);
+}
+
+/* tool.batch.<tool>: every call of the batch through the same admission and execution as a
+ * single request (its own key, replay, cues), one after the other on this thread (a delayed
+ * one included: the batch's one reply waits for its last call), then one reply with the
+ * responses in order. A batch over DT_BATCH_MAX calls, or one that does not decode, gets no
+ * results: the requester sends its calls one by one. */
+#define DT_BATCH_MAX 256
+
+static void on_batch(bus *b, natsMsg *m, void *ud) {
+    (void)b;
+    dt_subctx *sc = ud;
+    dt_provider *p = sc->p;
+    const char *reply = natsMsg_GetReply(m);
+    if (!reply || !*reply) return;
+    Upsquad__Internal__V1__ToolInvokeBatchRequest *bq =
+        upsquad__internal__v1__tool_invoke_batch_request__unpack(
+            NULL, (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
+    size_t n = bq && bq->n_calls <= DT_BATCH_MAX ? bq->n_calls : 0;
+    dt_slot *slots = calloc(n ? n : 1, sizeof *slots);
+    dt_resp **rs = calloc(n ? n : 1, sizeof *rs);
+    Upsquad__Internal__V1__ToolInvokeBatchResponse out =
+        UPSQUAD__INTERNAL__V1__TOOL_INVOKE_BATCH_RESPONSE__INIT;
+    if (!slots || !rs) n = 0;
+    pthread_mutex_lock(&p->mu);
+    p->st.batches++;
+    p->st.invocations += n;
+    pthread_mutex_unlock(&p->mu);
+    for (size_t i = 0; i < n; i++) {
+        dt_job *j = calloc(1, sizeof *j);
+        size_t len = upsquad__internal__v1__tool_invoke_request__get_packed_size(bq->calls[i]);
+        uint8_t *buf = malloc(len ? len : 1);
+        if (!j || !buf || !(j->reply = strdup(reply))) {
+            free(buf);
+            job_free(j);
+            continue; /* no response for it: the requester sends it alone */
+        }
+        upsquad__internal__v1__tool_invoke_request__pack(bq->calls[i], buf);
+        j->slot = &slots[i];
+        j->t0_ms = util_mono_ms();
+        int a = decode(p, sc->t, buf, len, j) != 0 ? ADMIT_DONE : admit(p, j, 1);
+        free(buf);
+        if (a == ADMIT_WAIT) {
+            j->waiting = 1;
+            a = await_key(p, j);
+        }
+        if (a == ADMIT_RUN) execute(p, j);
+        job_free(j);
+    }
+    for (size_t i = 0; i < n && slots[i].buf; i++) {
+        rs[i] =
+            upsquad__internal__v1__tool_invoke_response__unpack(NULL, slots[i].len, slots[i].buf);
+        if (!rs[i]) break;
+        out.n_results = i + 1;
+    }
+    out.results = rs;
+    size_t len = upsquad__internal__v1__tool_invoke_batch_response__get_packed_size(&out);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (buf) {
+        upsquad__internal__v1__tool_invoke_batch_response__pack(&out, buf);
+        if (bus_publish(p->b, reply, buf, (int)len) != BUS_OK)
+            log_warn("devtools.reply", "batch reply to %s not sent", reply);
+    }
+    free(buf);
+    for (size_t i = 0; i < n; i++) {
+        if (rs[i]) upsquad__internal__v1__tool_invoke_response__free_unpacked(rs[i], NULL);
+        free(slots[i].buf);
+    }
+    free(rs);
+    free(slots);
+    if (bq) upsquad__internal__v1__tool_invoke_batch_request__free_unpacked(bq, NULL);
 }
 
 static void on_announce_request(bus *b, natsMsg *m, void *ud) {
@@ -598,6 +692,7 @@ static void on_stats(bus *b, natsMsg *m, void *ud) {
     const dt_counters *s = &p->st;
     cJSON_AddStringToObject(o, "provider", p->o.provider);
     cJSON_AddNumberToObject(o, "invocations", (double)s->invocations);
+    cJSON_AddNumberToObject(o, "batches", (double)s->batches);
     cJSON_AddNumberToObject(o, "executions", (double)s->executions);
     cJSON_AddNumberToObject(o, "replays", (double)s->replays);
     cJSON_AddNumberToObject(o, "in_progress", (double)s->in_progress);
@@ -688,7 +783,11 @@ static int subscribe_all(dt_provider *p, char *err, size_t errlen) {
         /* queue group named after the tool: replicas of a provider share its work */
         if (bus_subscribe(p->b, subject, sc->t->tool, on_invoke, sc, &sc->sub, err, errlen) != 0)
             return -1;
-        p->n_subs++;
+        p->n_subs++; /* unsubscribed at stop, the batch subscription too once made */
+        snprintf(subject, sizeof subject, "%s.%s", SUBJ_TOOL_BATCH, sc->t->tool);
+        if (bus_subscribe(p->b, subject, sc->t->tool, on_batch, sc, &sc->batch_sub, err, errlen) !=
+            0)
+            return -1;
     }
     if (bus_subscribe(p->b, p->o.stats_subject, NULL, on_stats, p, &p->stats_sub, err, errlen) !=
             0 ||
@@ -743,8 +842,10 @@ int dt_provider_start(bus *b, const dt_catalog *c, const dt_opts *o, dt_provider
 
 void dt_provider_stop(dt_provider *p) {
     if (!p) return;
-    for (size_t i = 0; i < p->n_subs; i++)
+    for (size_t i = 0; i < p->n_subs; i++) {
         bus_unsubscribe(p->subs[i].sub);
+        bus_unsubscribe(p->subs[i].batch_sub);
+    }
     bus_unsubscribe(p->stats_sub);
     bus_unsubscribe(p->announce_sub);
     pthread_mutex_lock(&p->mu);
