@@ -1249,9 +1249,12 @@ class EngineTest(unittest.TestCase):
 
     def test_09_kill9(self):
         n = int(os.environ.get("WF_KILL_RUNS", "200"))
-        w = self.create(defn("a", {"a": tool("create_comment", "b", number=1, body="k"),
-                                   "b": tool("create_comment", "c", number=2, body="k"),
-                                   "c": {"type": "agent_action", "agent_role": "x", "prompt": "OUT={\"ok\": true}"}}))
+        # a parallel pair of calls to one tool (one batch request), then an agent step
+        w = self.create(defn("fan", {"fan": {"type": "parallel", "branches": ["a", "b"], "next": "c"},
+                                     "a": tool("create_comment", number=1, body="k"),
+                                     "b": tool("create_comment", number=2, body="k"),
+                                     "c": {"type": "agent_action", "agent_role": "x", "prompt": "OUT={\"ok\": true}"}}))
+        batches = json.loads(self.nc.request("devtools.stats", b"{}"))["batches"]
         while not self.ev_q.empty():  # earlier tests' events
             self.ev_q.get()
         runs = [self.trigger(w.id, client=self.B).id for _ in range(n)]
@@ -1268,8 +1271,10 @@ class EngineTest(unittest.TestCase):
         for r in runs:
             s = self.done(r, max(1, deadline - time.time()))
             self.assertEqual(s.run.status, "completed", self.acts(s))
-            self.assertEqual([(a.step_name, a.status) for a in s.actions], [("a", "completed"), ("b", "completed"), ("c", "completed")])
+            self.assertEqual(sorted((a.step_name, a.status) for a in s.actions),
+                             [("a", "completed"), ("b", "completed"), ("c", "completed"), ("fan", "completed")])
         stats = json.loads(self.nc.request("devtools.stats", b"{}"))
+        self.assertGreaterEqual(stats["batches"] - batches, n // 2)  # the pairs went batched
         self.assertEqual(stats["evicted"], 0)
         self.assertEqual(stats["max_executions_per_key"], 1)
         self.assertLessEqual(max(self.responder.seen.values()), 1)  # no agent step twice
@@ -1292,7 +1297,7 @@ class EngineTest(unittest.TestCase):
             if ev.WhichOneof("event") == "run":
                 last_run[ev.scope.run_id] = ev.run.status
         for r in runs:
-            self.assertGreaterEqual(len(firsts[r]), 9, r)  # 3 runs statuses, 6 node transitions
+            self.assertGreaterEqual(len(firsts[r]), 11, r)  # 3 run statuses, 8 node transitions
             self.assertEqual(firsts[r], list(range(1, len(firsts[r]) + 1)), r)
             self.assertEqual(last_run.get(r), "completed", r)
 
