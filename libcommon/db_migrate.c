@@ -165,7 +165,7 @@ static int mig_commit(mig_run *r, char *err, size_t errlen) {
 /* Creates the schema (when missing) and the bookkeeping table, and reads what is applied. */
 static int mig_prepare(mig_run *r, char *err, size_t errlen) {
     PGresult *res = NULL;
-    char sql[512];
+    char sql[1024];
     const char *schema[] = {r->schema};
     int rc = mig_begin_locked(r, err, errlen);
     if (rc == DB_OK)
@@ -182,6 +182,22 @@ static int mig_prepare(mig_run *r, char *err, size_t errlen) {
                  "CREATE TABLE IF NOT EXISTS %s (version int PRIMARY KEY, name text NOT NULL, "
                  "checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
                  r->table);
+        rc = mig_simple(r, sql, err, errlen);
+    }
+    /* the ledger is the owner's alone: the default privileges a schema grants its login role
+     * (DML on every table) would let that role forge or erase the record of what ran, so
+     * whatever write privilege another role holds on it is taken back (a no-op when the runner
+     * does not own it: then nobody else was granted anything by it) */
+    if (rc == DB_OK) {
+        snprintf(sql, sizeof sql,
+                 "DO $m$ DECLARE g record; BEGIN"
+                 " FOR g IN SELECT DISTINCT grantee FROM information_schema.role_table_grants"
+                 "  WHERE table_schema = '%s' AND table_name = 'schema_migrations'"
+                 "  AND grantee NOT IN (current_user, 'PUBLIC')"
+                 "  AND privilege_type IN ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE')"
+                 " LOOP EXECUTE format('REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON %s FROM %%I',"
+                 "  g.grantee); END LOOP; END $m$",
+                 r->schema, r->table);
         rc = mig_simple(r, sql, err, errlen);
     }
     if (rc == DB_OK) {

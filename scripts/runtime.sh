@@ -367,6 +367,8 @@ ALTER DEFAULT PRIVILEGES FOR ROLE $role IN SCHEMA $role
     GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO ${role}_app;
 ALTER DEFAULT PRIVILEGES FOR ROLE $role IN SCHEMA $role
     GRANT USAGE, SELECT ON SEQUENCES TO ${role}_app;
+SELECT 'REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON $role.schema_migrations FROM ${role}_app'
+ WHERE to_regclass('$role.schema_migrations') IS NOT NULL \\gexec
 "
     done
     "${psql[@]}" "${vars[@]}" "$(pg_dsn postgres "$PG_DATABASE")" >/dev/null <<<"$sql" ||

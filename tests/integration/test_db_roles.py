@@ -156,6 +156,20 @@ class Roles(unittest.TestCase):
         finally:
             srv.stop()
 
+    def test_the_login_role_cannot_touch_the_migration_ledger(self):
+        # the schema's default privileges give its login role DML on every table; the ledger
+        # of applied migrations is taken back from it (db_migrate), or the role could forge or
+        # erase the record of what ran
+        for schema in SERVICES:
+            owner, app = dsns(schema)
+            q = "%s.schema_migrations" % schema
+            for sql in ("INSERT INTO %s VALUES (9999, 'x', 'x')" % q,
+                        "UPDATE %s SET checksum = 'x'" % q,
+                        "DELETE FROM %s" % q,
+                        "TRUNCATE %s" % q):
+                self.assertIn("permission denied", refused(app, sql), sql)
+            self.assertGreater(int(T.psql(owner, "SELECT count(*) FROM %s" % q)), 0, schema)
+
     def test_a_pending_migration_cannot_be_applied_by_the_login_role(self):
         # without the owner's DSN the service's login cannot create what a migration creates
         owner, app = dsns("stream_hub")

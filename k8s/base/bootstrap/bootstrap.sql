@@ -70,3 +70,10 @@ SELECT format('ALTER ROLE %I NOSUPERUSER NOBYPASSRLS', s),
        format('ALTER ROLE %I IN DATABASE %I SET search_path = %I', s || '_app',
               current_database(), s)
   FROM unnest(ARRAY['orchestrator', 'workflow_engine', 'model_registry', 'stream_hub']) AS s \gexec
+
+-- The migration ledger is the owner's alone (the grant on all tables above included it; the
+-- migration runner takes it back too).
+SELECT format('REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON %I.schema_migrations FROM %I', s,
+              s || '_app')
+  FROM unnest(ARRAY['orchestrator', 'workflow_engine', 'model_registry', 'stream_hub']) AS s
+ WHERE to_regclass(format('%I.schema_migrations', s)) IS NOT NULL \gexec
