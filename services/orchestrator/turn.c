@@ -234,9 +234,16 @@ static int attempt(orch *o, orch_worker *k, ExecuteStepRequest *req, int64_t tim
 
 int orch_turn_run(orch *o, ExecuteStepRequest *req, int64_t timeout_ms, const orch_sink *sink,
                   orch_turn_result *out) {
+    return orch_turn_run_on(o, req, timeout_ms, sink, NULL, out);
+}
+
+int orch_turn_run_on(orch *o, ExecuteStepRequest *req, int64_t timeout_ms, const orch_sink *sink,
+                     const char *prefer, orch_turn_result *out) {
     memset(out, 0, sizeof *out);
     out->outcome = TURN_NO_WORKER;
-    orch_worker *first = orch_workers_pick(o->workers, NULL);
+    orch_worker *first = NULL;
+    if (prefer && prefer[0]) first = orch_workers_pick_live(o->workers, prefer);
+    if (!first) first = orch_workers_pick(o->workers, NULL);
     if (!first) {
         metric_inc(o->m_no_worker);
         set_error(out, "NO_WORKER", "no live worker to run the turn", 1);

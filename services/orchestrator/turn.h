@@ -51,6 +51,10 @@ typedef struct orch_turn_result {
  * timeout_ms bounds the whole turn. */
 int orch_turn_run(orch *o, ExecuteStepRequest *req, int64_t timeout_ms, const orch_sink *sink,
                   orch_turn_result *out);
+/* The same, on the worker at address prefer when it is live (a turn resumed where its frozen
+ * state was restored), else as orch_turn_run. */
+int orch_turn_run_on(orch *o, ExecuteStepRequest *req, int64_t timeout_ms, const orch_sink *sink,
+                     const char *prefer, orch_turn_result *out);
 void orch_turn_result_clear(orch_turn_result *r);
 /* The session's side of a turn's end, from its result (borrowed: e points into res).
  * loop_base: the session's loop_count when the turn began. */

@@ -228,6 +228,18 @@ orch_worker *orch_workers_pick(orch_workers *p, const orch_worker *avoid) {
     return best;
 }
 
+orch_worker *orch_workers_pick_live(orch_workers *p, const char *addr) {
+    orch_worker *hit = NULL;
+    pthread_mutex_lock(&p->mu);
+    for (size_t j = 0; j < p->n && !hit; j++) {
+        orch_worker *k = p->w[j];
+        if (k->up && k->present && !strcmp(k->addr, addr)) hit = k;
+    }
+    if (hit) hit->inflight++;
+    pthread_mutex_unlock(&p->mu);
+    return hit;
+}
+
 void orch_workers_done(orch_workers *p, orch_worker *k) {
     pthread_mutex_lock(&p->mu);
     if (k->inflight > 0) k->inflight--;

@@ -40,6 +40,8 @@ void orch_workers_stop(orch_workers *w);
 /* The least loaded live worker other than `avoid` (NULL ok), with its in-flight count raised;
  * NULL when none is live. The worker stays valid until orch_workers_stop. */
 orch_worker *orch_workers_pick(orch_workers *w, const orch_worker *avoid);
+/* The worker at addr when it is live, with its in-flight count raised; else NULL. */
+orch_worker *orch_workers_pick_live(orch_workers *w, const char *addr);
 void orch_workers_done(orch_workers *w, orch_worker *k);
 /* A call could not reach it: not chosen again before a probe succeeds. */
 void orch_workers_mark_down(orch_workers *w, orch_worker *k);
