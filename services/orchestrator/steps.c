@@ -12,6 +12,10 @@
  *      events and the final assistant message also carry their TranscriptEvent);
  *   4. record the AgentStepResult, publish it on agent.step.result.<org>.<run> (Nats-Msg-Id =
  *      the idempotency key), then ack the dispatch.
+ * An interrupt_required turn (a gated tool call) carries its InterruptGate: the tool's clearance
+ * from the agent's policy and the worker's frozen checkpoint; a dispatch with resume_checkpoint
+ * (the decided gate) restores a worker with it and runs the same message there, re-entering
+ * only the gated call (docs/orchestrator.md "Workflow agent steps: in-step approvals").
  * A long step keeps its dispatch with in-progress acks every 10 s. An undecodable dispatch is
  * terminated (never redelivered) with an error log. An AgentStepCancel (AGENT_CANCELS, read by
  * every replica) cancels the attempt's worker call, or answers its dispatch "cancelled" when it
@@ -516,8 +520,9 @@ static void frozen_checkpoint(orch *o, const char *org, const char *sid, const c
         if (rc != ORCH_ENOTFOUND) break;
         pause_ms(FROZEN_STEP_MS);
     }
-    log_warn("steps.no_frozen", "session %s: no frozen checkpoint for the interrupt; its approval "
-                                "will start a fresh attempt",
+    log_warn("steps.no_frozen",
+             "session %s: no frozen checkpoint for the interrupt; its approval "
+             "will start a fresh attempt",
              sid);
 }
 
@@ -626,7 +631,8 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
             fail(&r, &failed, "NO_WORKER", emsg, 1);
             goto record;
         }
-        if (rc != RPC_OK) { /* the worker refused the checkpoint: another attempt cannot do better */
+        /* the worker refused the checkpoint: another attempt cannot do better */
+        if (rc != RPC_OK) {
             fail(&r, &failed, "RESUME_REFUSED", emsg, 0);
             goto record;
         }

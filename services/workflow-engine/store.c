@@ -1137,8 +1137,8 @@ int st_agent_retry_take(db_tx *tx, const char *org, const char *run, const char 
 int st_agent_ask_put(db_tx *tx, const char *org, const char *run, const char *action_id,
                      const char *tool_call_id, const uint8_t *checkpoint, size_t len, int gated,
                      char *err, size_t errlen) {
-    const char *p[] = {action_id, org, run, tool_call_id, (const char *)checkpoint,
-                       gated ? "true" : "false"};
+    const char *p[] = {
+        action_id, org, run, tool_call_id, (const char *)checkpoint, gated ? "true" : "false"};
     int lens[] = {0, 0, 0, 0, (int)len, 0};
     int fmts[] = {0, 0, 0, 0, 1, 0};
     return db_exec_bin(db_tx_conn(tx),

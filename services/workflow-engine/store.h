@@ -332,7 +332,7 @@ typedef struct st_agent_state {
     uint8_t *checkpoint; /* heap (caller frees with st_agent_state_clear); NULL: no open ask */
     size_t checkpoint_len;
     char *answer; /* heap; NULL: not resumed */
-    int gated;    /* the checkpoint is an approval interrupt's (012_agent_gates.sql), not an ask's */
+    int gated; /* the checkpoint is an approval interrupt's (012_agent_gates.sql), not an ask's */
 } st_agent_state;
 void st_agent_state_clear(st_agent_state *s);
 /* The action's row; all zero when it has none. */

@@ -15,7 +15,6 @@ import queue
 import secrets
 import subprocess
 import sys
-import threading
 import time
 import unittest
 import uuid
@@ -23,18 +22,9 @@ import uuid
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
 import upsquad_testlib as T  # noqa: E402
 
-WF_DSN = os.environ.get("UPSQUAD_PG_DSN_WORKFLOW_ENGINE")
-ORCH_DSN = os.environ.get("UPSQUAD_PG_DSN_ORCHESTRATOR")
-REDIS = os.environ.get("UPSQUAD_REDIS_URL")
-NATS = os.environ.get("UPSQUAD_NATS_URL")
-if not WF_DSN or not ORCH_DSN or not REDIS or not NATS:
-    print("SKIP: UPSQUAD_PG_DSN_WORKFLOW_ENGINE, UPSQUAD_PG_DSN_ORCHESTRATOR, UPSQUAD_REDIS_URL "
-          "and UPSQUAD_NATS_URL are required")
-    sys.exit(0)
-for b in ("workflow-engine", "orchestrator", "devworker", "upsquad-agents"):
-    if not os.path.exists(os.path.join(T.BUILD, "bin", b)):
-        print("SKIP: build/bin/%s is not built" % b)
-        sys.exit(0)
+WF_DSN, ORCH_DSN, REDIS, NATS = T.require(
+    ["UPSQUAD_PG_DSN_WORKFLOW_ENGINE", "UPSQUAD_PG_DSN_ORCHESTRATOR", "UPSQUAD_REDIS_URL", "UPSQUAD_NATS_URL"],
+    bins=("workflow-engine", "orchestrator", "devworker", "upsquad-agents"))
 
 import grpc  # noqa: E402
 from google.protobuf import json_format  # noqa: E402
@@ -70,27 +60,10 @@ def gated_step(tool=GATED, after="merged after approval", **kw):
     return {"version": 1, "start": "a", "steps": {"a": s}}
 
 
-def drain(server):
-    server.log = []
-    threading.Thread(target=lambda: [server.log.append(l) for l in iter(server.proc.stderr.readline, "")],
-                     daemon=True).start()
-    return server
-
-
 def apply_agent(org):
-    path = "/tmp/agent-%s.json" % uuid.uuid4().hex
-    with open(path, "w") as f:
-        json.dump({"role": ROLE, "display_name": "Gated", "model": "claude-sonnet-4-6",
-                   "tool_policies": {GATED: {"requires_approval": True, "required_clearance": 3}},
-                   "approval_clearance": 2}, f)
-    try:
-        env = dict(os.environ, UPSQUAD_PG_DSN=ORCH_DSN, UPSQUAD_KEK=KEK, UPSQUAD_LOG_LEVEL="warn")
-        out = subprocess.run([os.path.join(T.BUILD, "bin", "upsquad-agents"), "--org", org, "apply", path],
-                             env=env, capture_output=True, text=True, timeout=30)
-        if out.returncode != 0:
-            raise RuntimeError(out.stderr)
-    finally:
-        os.unlink(path)
+    T.apply_agent(org, {"role": ROLE, "display_name": "Gated", "model": "claude-sonnet-4-6",
+                        "tool_policies": {GATED: {"requires_approval": True, "required_clearance": 3}},
+                        "approval_clearance": 2}, ORCH_DSN, KEK)
 
 
 Client = T.WorkflowClient
@@ -101,16 +74,16 @@ class AgentStepApprovals(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.worker = drain(T.Server("devworker", env={"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info",
+        cls.worker = T.drain(T.Server("devworker", env={"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info",
                                                       "UPSQUAD_ORCHESTRATOR_ADDR": ""}))
         cls.procs.append(cls.worker)
-        cls.orch = drain(T.Server("orchestrator", env={
+        cls.orch = T.drain(T.Server("orchestrator", env={
             "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": ORCH_DSN, "UPSQUAD_REDIS_URL": REDIS,
             "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK, "UPSQUAD_WORKER_PROBE": "200ms",
             "UPSQUAD_MIGRATIONS_DIR": os.path.join(T.ROOT, "services/orchestrator/migrations"),
             "UPSQUAD_WORKER_TARGETS": cls.worker.addr, "UPSQUAD_LOG_LEVEL": "info"}))
         cls.procs.append(cls.orch)
-        cls.engine = drain(T.Server("workflow-engine", env=T.engine_env(
+        cls.engine = T.drain(T.Server("workflow-engine", env=T.engine_env(
             WF_DSN, NATS, SECRET, UPSQUAD_WF_LEASE="2s", UPSQUAD_LOG_LEVEL="info")))
         cls.procs.append(cls.engine)
         cls.org = str(uuid.uuid4())
@@ -146,16 +119,7 @@ class AgentStepApprovals(unittest.TestCase):
         return self.A("GetWorkflowStatus", W.GetWorkflowStatusRequest(run_id=run))
 
     def wait_for(self, run, pred, timeout=30):
-        end = time.time() + timeout
-        s = None
-        while time.time() < end:
-            s = self.status(run)
-            if pred(s):
-                return s
-            time.sleep(0.1)
-        logs = [l.strip()[:250] for o in (self.orch, self.engine, self.worker) for l in o.log]
-        self.fail("timed out; last: %s %s\n%s" % (s.run.status, [(a.step_name, a.status) for a in s.actions],
-                                                  "\n".join(logs[-25:])))
+        return T.wait_run(self, self.A, run, pred, timeout, logs=[o.log for o in (self.orch, self.engine, self.worker)])
 
     def parked(self, run):
         s = self.wait_for(run, lambda s: any(a.status == "awaiting_approval" for a in s.actions))
