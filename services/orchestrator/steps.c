@@ -447,6 +447,8 @@ static void fail(StepResult *r, Upsquad__Internal__V1__StepFailed *f, const char
 #define FROZEN_POLL_TIMEOUT_MS 3000
 #define FROZEN_WAIT_MS 3000
 #define FROZEN_STEP_MS 25
+/* the AgentStepResult carrying it must fit one NATS message (max_payload, 1 MiB by default) */
+#define FROZEN_MAX_BYTES (768 * 1024)
 
 /* The clearance the gated tool's approval needs, from the agent's definition (never 0). */
 static int tool_clearance(const orch_agent_row *agent, const char *tool) {
@@ -507,7 +509,7 @@ static void frozen_checkpoint(orch *o, const char *org, const char *sid, const c
     int loop = 0;
     *ck = NULL;
     *len = 0;
-    if (poll_frozen(o, org, sid, worker, ck, len) == 0) return;
+    if (poll_frozen(o, org, sid, worker, ck, len) == 0) goto bound;
     for (int64_t t0 = util_mono_ms(); util_mono_ms() - t0 < FROZEN_WAIT_MS;) {
         unsigned char *b = NULL;
         size_t n = 0;
@@ -515,7 +517,7 @@ static void frozen_checkpoint(orch *o, const char *org, const char *sid, const c
         if (rc == DB_OK) {
             *ck = b;
             *len = n;
-            return;
+            goto bound;
         }
         if (rc != ORCH_ENOTFOUND) break;
         pause_ms(FROZEN_STEP_MS);
@@ -524,6 +526,16 @@ static void frozen_checkpoint(orch *o, const char *org, const char *sid, const c
              "session %s: no frozen checkpoint for the interrupt; its approval "
              "will start a fresh attempt",
              sid);
+    return;
+bound:
+    if (*len <= FROZEN_MAX_BYTES) return;
+    log_warn("steps.frozen_too_large",
+             "session %s: the frozen checkpoint (%zu bytes) exceeds %d bytes; its approval will "
+             "start a fresh attempt",
+             sid, *len, FROZEN_MAX_BYTES);
+    free(*ck);
+    *ck = NULL;
+    *len = 0;
 }
 
 /* An approved or rejected interrupt's attempt: a worker initialised with the frozen checkpoint
