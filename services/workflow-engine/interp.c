@@ -860,7 +860,8 @@ void *wf_interp_thread(void *arg) {
  *   - an approval interrupt (gated): the next dispatch carries the checkpoint as
  *     resume_checkpoint (the worker re-enters only the gated call); approved, the answer
  *     {tool_call_id, result: {approved: true, ...}} is only recorded; rejected, the result is
- *     the denial {denied: true, approval_id, decided_by, comment}, sent as AskUserResume.
+ *     the denial {denied: true, approval_id, status, decided_by, comment}, sent as
+ *     AskUserResume.
  * Without a frozen turn: an approval or an answer starts a fresh turn whose feedback carries
  * it; a rejection is not resumed (*resumed 0: the step is rejected as before). Either way a
  * resumed attempt is not an acceptance redo. */
@@ -879,6 +880,7 @@ static int resume_agent_turn(tick *t, act *a, const char *status, const char *ou
             cJSON *dec = cJSON_CreateObject(), *x;
             cJSON_AddBoolToObject(dec, rejected ? "denied" : "approved", 1);
             cJSON_AddStringToObject(dec, "approval_id", a->approval);
+            cJSON_AddStringToObject(dec, "status", status); /* as the chat path's decision */
             x = cJSON_GetObjectItemCaseSensitive(res, "decided_by");
             cJSON_AddStringToObject(dec, "decided_by", cJSON_IsString(x) ? x->valuestring : "");
             x = cJSON_GetObjectItemCaseSensitive(res, "comment");

@@ -253,7 +253,7 @@ class AgentStepApprovals(unittest.TestCase):
         text = js(s.actions[0].output)["text"]
         self.assertTrue(text.startswith("stopped: "), text)
         denial = json.loads(text[len("stopped: "):])
-        self.assertEqual(denial, {"denied": True, "approval_id": a.approval_id, "decided_by": self.m3,
+        self.assertEqual(denial, {"denied": True, "approval_id": a.approval_id, "status": "rejected", "decided_by": self.m3,
                                   "comment": "not on a Friday"})
         got = self.gated_results(self.frames_of(run), call)
         self.assertEqual(len(got), 1)
