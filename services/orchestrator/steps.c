@@ -12,6 +12,10 @@
  *      events and the final assistant message also carry their TranscriptEvent);
  *   4. record the AgentStepResult, publish it on agent.step.result.<org>.<run> (Nats-Msg-Id =
  *      the idempotency key), then ack the dispatch.
+ * An interrupt_required turn (a gated tool call) carries its InterruptGate: the tool's clearance
+ * from the agent's policy and the worker's frozen checkpoint; a dispatch with resume_checkpoint
+ * (the decided gate) restores a worker with it and runs the same message there, re-entering
+ * only the gated call (docs/orchestrator.md "Workflow agent steps: in-step approvals").
  * A long step keeps its dispatch with in-progress acks every 10 s. An undecodable dispatch is
  * terminated (never redelivered) with an error log. An AgentStepCancel (AGENT_CANCELS, read by
  * every replica) cancels the attempt's worker call, or answers its dispatch "cancelled" when it
@@ -22,8 +26,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
+#include "agentdef.h"
 #include "ids.h"
 #include "log.h"
 #include "orch.h"
@@ -67,6 +73,8 @@ struct orch_steps {
     char recent[RECENT_CANCELS][65];
     size_t recent_next;
 };
+
+static void pause_ms(long ms);
 
 /* ---- the tee ---- */
 
@@ -433,6 +441,118 @@ static void fail(StepResult *r, Upsquad__Internal__V1__StepFailed *f, const char
     r->failed = f;
 }
 
+/* ---- an approval interrupt: its clearance and its frozen checkpoint ---- */
+
+#define CHECKPOINT_POLL "/upsquad.runtime.v1.RuntimeService/Checkpoint"
+#define FROZEN_POLL_TIMEOUT_MS 3000
+#define FROZEN_WAIT_MS 3000
+#define FROZEN_STEP_MS 25
+/* the AgentStepResult carrying it must fit one NATS message (max_payload, 1 MiB by default) */
+#define FROZEN_MAX_BYTES (768 * 1024)
+
+/* The clearance the gated tool's approval needs, from the agent's definition (never 0). */
+static int tool_clearance(const orch_agent_row *agent, const char *tool) {
+    cJSON *doc = cJSON_Parse(agent->definition ? agent->definition : "{}");
+    int c = doc ? agentdef_tool_clearance(doc, tool) : AGENTDEF_CLEARANCE_DEFAULT;
+    cJSON_Delete(doc);
+    return c;
+}
+
+/* The worker-side Checkpoint poll ("serialise and return state", spec CheckpointRequest) on
+ * the worker that ran the turn. 0 with *ck (heap) when it answered a well-formed state. */
+static int poll_frozen(orch *o, const char *org, const char *sid, const char *addr, uint8_t **ck,
+                       size_t *len) {
+    orch_worker *k = addr[0] ? orch_workers_find(o->workers, addr) : NULL;
+    if (!k) return -1;
+    Upsquad__Runtime__V1__CheckpointRequest rq = UPSQUAD__RUNTIME__V1__CHECKPOINT_REQUEST__INIT;
+    rq.session_id = (char *)sid;
+    ProtobufCMessage *resp = NULL;
+    rpc_status st = {0};
+    char *bearer = orch_mint_call_token(o, org), hex[65];
+    rpc_call_opts opts = {.timeout_ms = FROZEN_POLL_TIMEOUT_MS, .bearer = bearer};
+    int rc = -1;
+    if (rpc_unary_call(k->ch, CHECKPOINT_POLL, &rq.base,
+                       &upsquad__runtime__v1__checkpoint_response__descriptor, &opts, &resp,
+                       &st) == RPC_OK) {
+        const Upsquad__Runtime__V1__CheckpointResponse *r = (const void *)resp;
+        /* the blob as RuntimeService.Checkpoint takes it: version prefix, bound, digest */
+        if (r->state.len >= 4 && (long long)r->state.len <= o->cfg->checkpoint_max) {
+            ids_sha256_hex(r->state.data, r->state.len, hex);
+            if (!r->hash[0] || !strcasecmp(r->hash, hex)) {
+                *ck = malloc(r->state.len);
+                if (*ck) {
+                    memcpy(*ck, r->state.data, r->state.len);
+                    *len = r->state.len;
+                    rc = 0;
+                }
+            }
+        }
+    }
+    if (rc)
+        log_warn("steps.frozen_poll", "session %s: the worker's Checkpoint poll gave no state (%s)",
+                 sid, st.message ? st.message : "malformed or oversized state");
+    if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+    rpc_status_clear(&st);
+    free(bearer);
+    return rc;
+}
+
+/* The worker's state frozen at the interrupt: the worker suspends and ends the loop iteration
+ * it was in with the suspension in its state before the stream closes, but reports that
+ * checkpoint (RuntimeService.Checkpoint) asynchronously, a moment later. So the worker is asked
+ * first; one that cannot answer leaves the newest checkpoint stored for the session (a fresh
+ * session per attempt: every one is this turn's), waited for up to FROZEN_WAIT_MS. Nothing
+ * (*len 0): the gate resumes as a fresh attempt (docs/orchestrator.md). *ck: caller frees. */
+static void frozen_checkpoint(orch *o, const char *org, const char *sid, const char *worker,
+                              uint8_t **ck, size_t *len) {
+    char err[256];
+    int loop = 0;
+    *ck = NULL;
+    *len = 0;
+    if (poll_frozen(o, org, sid, worker, ck, len) == 0) goto bound;
+    for (int64_t t0 = util_mono_ms(); util_mono_ms() - t0 < FROZEN_WAIT_MS;) {
+        unsigned char *b = NULL;
+        size_t n = 0;
+        int rc = orch_store_checkpoint_latest(o->pool, org, sid, &loop, &b, &n, err, sizeof err);
+        if (rc == DB_OK) {
+            *ck = b;
+            *len = n;
+            goto bound;
+        }
+        if (rc != ORCH_ENOTFOUND) break;
+        pause_ms(FROZEN_STEP_MS);
+    }
+    log_warn("steps.no_frozen",
+             "session %s: no frozen checkpoint for the interrupt; its approval "
+             "will start a fresh attempt",
+             sid);
+    return;
+bound:
+    if (*len <= FROZEN_MAX_BYTES) return;
+    log_warn("steps.frozen_too_large",
+             "session %s: the frozen checkpoint (%zu bytes) exceeds %d bytes; its approval will "
+             "start a fresh attempt",
+             sid, *len, FROZEN_MAX_BYTES);
+    free(*ck);
+    *ck = NULL;
+    *len = 0;
+}
+
+/* An approved or rejected interrupt's attempt: a worker initialised with the frozen checkpoint
+ * (the turn then runs there: worker out). RPC status with msg as orch_session_init_worker's. */
+static int reenter(orch *o, const Dispatch *d, const SessionSnapshot *snap, char worker[128],
+                   char *msg, size_t msglen) {
+    orch_worker_init wi = {.snapshot = snap,
+                           .checkpoint = d->resume_checkpoint.data,
+                           .checkpoint_len = d->resume_checkpoint.len};
+    int rc = orch_session_init_worker(o, &wi, worker, msg, msglen);
+    if (rc == RPC_OK)
+        log_info("steps.reenter", "run %s step %s: worker %s restored the frozen turn (%s)",
+                 d->run_id, d->step_name, worker,
+                 d->ask_user_resume ? "the gated call was rejected" : "the gated call approved");
+    return rc;
+}
+
 /* No live worker: the dispatch waits (nak, redelivered 2 s later) until its
  * UPSQUAD_AGENT_STEP_NO_WORKER_DELIVERIES-th delivery; then the step is reported failed,
  * NO_WORKER, retryable, and the engine's retry policy decides (a fresh attempt after its
@@ -466,6 +586,7 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
     Upsquad__Internal__V1__StepCompleted done = UPSQUAD__INTERNAL__V1__STEP_COMPLETED__INIT;
     Upsquad__Runtime__V1__TokenUsage usage = UPSQUAD__RUNTIME__V1__TOKEN_USAGE__INIT;
     Google__Protobuf__Timestamp fin = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    Upsquad__Internal__V1__InterruptGate gate = UPSQUAD__INTERNAL__V1__INTERRUPT_GATE__INIT;
     orch_agent_row agent = {0};
     orch_session s = {0};
     orch_arena a = {0};
@@ -514,6 +635,20 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
         orch_request_build(o, &a, &s, message, 1, NULL, 0, &req, &snap))
         goto retry;
     req->ask_user_resume = d->ask_user_resume;
+    char worker[128] = "";
+    if (d->resume_checkpoint.len) {
+        rc = reenter(o, d, snap, worker, emsg, sizeof emsg);
+        if (rc == RPC_UNAVAILABLE && !no_worker_final(o, msg)) goto retry;
+        if (rc == RPC_UNAVAILABLE) {
+            fail(&r, &failed, "NO_WORKER", emsg, 1);
+            goto record;
+        }
+        /* the worker refused the checkpoint: another attempt cannot do better */
+        if (rc != RPC_OK) {
+            fail(&r, &failed, "RESUME_REFUSED", emsg, 0);
+            goto record;
+        }
+    }
     tee t = {.o = o,
              .d = d,
              .session_id = sid,
@@ -525,7 +660,7 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
     bus_subject(t.subject, sizeof t.subject, SUBJ_WFIO, d->org_id, d->run_id, NULL);
     orch_sink sink = {tee_event, tee_poll, &t};
     int64_t timeout = d->timeout_ms > 0 ? d->timeout_ms : o->cfg->step_default_timeout_ms;
-    orch_turn_run(o, req, timeout, &sink, &res);
+    orch_turn_run_on(o, req, timeout, &sink, worker, &res);
     orch_request_wipe(req);
     pthread_mutex_lock(&t.mu);
     flush_locked(&t);
@@ -564,6 +699,10 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
     case TURN_INTERRUPT:
         r.outcome_case = UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INTERRUPT_REQUIRED;
         r.interrupt_required = res.stop->interrupt_required;
+        gate.required_clearance = tool_clearance(&agent, r.interrupt_required->tool_name);
+        frozen_checkpoint(o, d->org_id, sid, res.worker, &gate.checkpoint.data,
+                          &gate.checkpoint.len);
+        r.interrupt_gate = &gate;
         break;
     default:
         fail(&r, &failed, res.error_code[0] ? res.error_code : "worker_error",
@@ -602,6 +741,7 @@ retry:
     rc = -1;
 done:
     if (done.output) pbjson_struct_free(done.output);
+    free(gate.checkpoint.data);
     orch_turn_result_clear(&res);
     if (snap) protobuf_c_message_free_unpacked(&snap->base, NULL);
     orch_arena_free(&a);

@@ -435,18 +435,33 @@ int interp__dispatch_agent(tick *t, act *a, const cJSON *sd) {
     Upsquad__Runtime__V1__AskUserResume aur = UPSQUAD__RUNTIME__V1__ASK_USER_RESUME__INIT;
     if (a->resume && a->resume->checkpoint && a->resume->answer) {
         /* the same frozen turn goes on: its checkpoint verbatim, the answer keyed to the
-         * pending ask_user call (agent-runtime-api: AskUserResume) */
+         * pending call (agent-runtime-api: AskUserResume); a gated call's checkpoint restores
+         * the worker first (InitWorkerSession.resume_checkpoint), and only a denial is spliced
+         * as the call's result (an approved call runs) */
         aur.checkpoint.data = a->resume->checkpoint;
         aur.checkpoint.len = a->resume->checkpoint_len;
         aur.answer_tool_result.data = (uint8_t *)a->resume->answer;
         aur.answer_tool_result.len = strlen(a->resume->answer);
-        d.ask_user_resume = &aur;
+        if (a->resume->gated) {
+            d.resume_checkpoint.data = a->resume->checkpoint;
+            d.resume_checkpoint.len = a->resume->checkpoint_len;
+        }
+        if (!a->resume->gated || interp__answer_denies(a->resume->answer)) d.ask_user_resume = &aur;
     }
     int rc = outbox_msg(t, SUBJ_AGENT_STEP_DISPATCH, a->key, &d.base);
     free(ef);
     free(efp);
     if (input) pbjson_struct_free(input);
     return rc;
+}
+
+/* A gated call's recorded decision {tool_call_id, result} is a denial. */
+int interp__answer_denies(const char *answer) {
+    cJSON *o = cJSON_Parse(answer);
+    int denied = cJSON_IsTrue(
+        cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(o, "result"), "denied"));
+    cJSON_Delete(o);
+    return denied;
 }
 
 /* An agent attempt in flight is stopped (CancelRun, its run failing, its timeout): the cancel
@@ -913,21 +928,44 @@ void *wf_interp_thread(void *arg) {
 
 /* ---- a person's decision on a parked gate (gates.c) ---- */
 
-/* How a parked agent's answer reaches its turn. An ask_user with its frozen turn kept
- * (keep_ask): AskUserResume = that checkpoint + answer_tool_result {tool_call_id, result: the
- * recorded answer {choice, text, answered_by}}, built from the durable answer so a replay sends
- * the same bytes; the prompt is unchanged (the worker resumes the same turn). Anything else (an
- * approved interrupt, an ask without a checkpoint): a fresh turn whose feedback carries the
- * answer. Either way a resumed attempt is not an acceptance redo. */
-static int resume_agent_turn(tick *t, act *a, const char *output_json) {
+/* How a person's answer or decision reaches the parked agent's turn (docs/workflow-engine.md
+ * "Agent steps: retries and ask_user resume", "Agent steps: in-step approvals"). With the
+ * frozen turn kept (keep_ask) the same turn goes on, from an answer built from the durable
+ * decision so a replay sends the same bytes, the prompt unchanged:
+ *   - an ask_user: AskUserResume = the checkpoint + {tool_call_id, result: the recorded answer
+ *     {choice, text, answered_by}};
+ *   - an approval interrupt (gated): the next dispatch carries the checkpoint as
+ *     resume_checkpoint (the worker re-enters only the gated call); approved, the answer
+ *     {tool_call_id, result: {approved: true, ...}} is only recorded; rejected, the result is
+ *     the denial {denied: true, approval_id, status, decided_by, comment}, sent as
+ *     AskUserResume.
+ * Without a frozen turn: an approval or an answer starts a fresh turn whose feedback carries
+ * it; a rejection is not resumed (*resumed 0: the step is rejected as before). Either way a
+ * resumed attempt is not an acceptance redo. */
+static int resume_agent_turn(tick *t, act *a, const char *status, const char *output_json,
+                             int *resumed) {
     st_agent_state *rs = calloc(1, sizeof *rs);
     char *answer = NULL;
+    int rejected = !strcmp(status, "rejected");
     int rc = rs ? st_agent_state_get(t->tx, a->id, rs, t->err, sizeof t->err) : DB_ENOMEM;
+    *resumed = 0;
     if (rc) goto done;
     if (rs->checkpoint && rs->tool_call_id[0]) {
         cJSON *o = cJSON_CreateObject();
-        cJSON_AddStringToObject(o, "tool_call_id", rs->tool_call_id);
         cJSON *res = cJSON_Parse(output_json ? output_json : "{}");
+        if (rs->gated) { /* the decision as the gated call's outcome (its result if denied) */
+            cJSON *dec = cJSON_CreateObject(), *x;
+            cJSON_AddBoolToObject(dec, rejected ? "denied" : "approved", 1);
+            cJSON_AddStringToObject(dec, "approval_id", a->approval);
+            cJSON_AddStringToObject(dec, "status", status); /* as the chat path's decision */
+            x = cJSON_GetObjectItemCaseSensitive(res, "decided_by");
+            cJSON_AddStringToObject(dec, "decided_by", cJSON_IsString(x) ? x->valuestring : "");
+            x = cJSON_GetObjectItemCaseSensitive(res, "comment");
+            cJSON_AddStringToObject(dec, "comment", cJSON_IsString(x) ? x->valuestring : "");
+            cJSON_Delete(res);
+            res = dec;
+        }
+        cJSON_AddStringToObject(o, "tool_call_id", rs->tool_call_id);
         cJSON_AddItemToObject(o, "result", res ? res : cJSON_CreateObject());
         answer = cJSON_PrintUnformatted(o);
         cJSON_Delete(o);
@@ -939,6 +977,8 @@ static int resume_agent_turn(tick *t, act *a, const char *output_json) {
         rs->answer = strdup(answer);
         a->resume = rs;
         rs = NULL;
+    } else if (rejected) {
+        goto done; /* nothing to re-enter: the rejection stands */
     } else {
         char fb[1200];
         snprintf(fb, sizeof fb, "A person answered your request: %s",
@@ -946,6 +986,7 @@ static int resume_agent_turn(tick *t, act *a, const char *output_json) {
         free(a->feedback);
         a->feedback = strdup(fb);
     }
+    *resumed = 1;
     rc = st_agent_resume_put(t->tx, t->run->org, t->run->id, a->id, answer, t->err, sizeof t->err);
 done:
     if (rs) st_agent_state_clear(rs);
@@ -968,15 +1009,18 @@ int wf_interp_decide(wf_engine *e, wf_run *r, const char *action_id, const char 
         snprintf(t.err, sizeof t.err, "action %s is not in run %s", action_id, r->id);
         rc = DB_EINVAL;
     }
-    int resume_agent = !rc && !strcmp(a->type, "agent_action") &&
-                       (!strcmp(status, "completed") || !strcmp(status, "approved"));
-    if (resume_agent) {
+    int resumed = 0;
+    if (!rc && !strcmp(a->type, "agent_action") &&
+        (!strcmp(status, "completed") || !strcmp(status, "approved") ||
+         !strcmp(status, "rejected")))
         /* an agent that asked a person (input_required / interrupt_required): its turn goes
          * on as a new attempt; the step's output stays the agent's to give */
-        rc = resume_agent_turn(&t, a, output_json);
+        rc = resume_agent_turn(&t, a, status, output_json, &resumed);
+    if (resumed) {
         a->blocked[0] = 0;
+        a->deadline_ms = 0; /* the gate's window is over; the attempt arms its own */
         const char *keep = a->step;
-        if (!rc) interp__start_agent(&t, a, interp__step_def(&t, keep));
+        interp__start_agent(&t, a, interp__step_def(&t, keep));
         rc = t.rc;
     } else if (!rc) {
         if (output_json) interp__set_output(a, cJSON_Parse(output_json));

@@ -128,6 +128,8 @@ int interp__apply_agent_result(tick *t, act *a, const cJSON *sd);
 int interp__walk_scope(tick *t, const char *entry, const char *lap, int iteration);
 void interp__tick_init(tick *t, wf_engine *e, wf_run *run);
 void interp__tick_free(tick *t);
+int interp__agent_gate_timed_out(tick *t, act *a);
+int interp__answer_denies(const char *answer);
 int interp__keep_ask(db_tx *tx, const Upsquad__Internal__V1__AgentStepResult *m, char *err,
                      size_t errlen);
 

@@ -58,9 +58,17 @@ static char *result_json(const Upsquad__Internal__V1__AgentStepResult *m) {
         outcome = "input_required";
         ask_spec(o, m->input_required);
         break;
-    case UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INTERRUPT_REQUIRED:
+    case UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INTERRUPT_REQUIRED: {
+        /* the gate's card: which call waits, and the floor its policy sets (an orchestrator
+         * that names none leaves the gate at the highest clearance: never 0) */
+        int c = m->interrupt_gate ? m->interrupt_gate->required_clearance : 0;
         outcome = "interrupt_required";
+        cJSON_AddStringToObject(o, "tool_name", m->interrupt_required->tool_name);
+        cJSON_AddStringToObject(o, "tool_call_id", m->interrupt_required->tool_call_id);
+        cJSON_AddNumberToObject(o, "required_clearance",
+                                c >= 1 && c <= WF_CLEARANCE_MAX ? c : WF_CLEARANCE_MAX);
         break;
+    }
     default:
         break;
     }
@@ -79,17 +87,29 @@ static char *result_json(const Upsquad__Internal__V1__AgentStepResult *m) {
     return s;
 }
 
-/* An ask_user park (InputRequired with a checkpoint): the frozen turn is kept with the action,
- * in the transaction that records the result, for the AskUserResume of the answer. It never
- * enters the result JSON, the governance row's spec or any event. */
+/* A park with a frozen turn — an ask_user (InputRequired.checkpoint) or an approval interrupt
+ * (InterruptGate.checkpoint, gated) — is kept with the action, in the transaction that records
+ * the result, for the resume the answer or decision starts. It never enters the result JSON,
+ * the governance row's spec or any event. */
 int interp__keep_ask(db_tx *tx, const Upsquad__Internal__V1__AgentStepResult *m, char *err,
                      size_t errlen) {
-    if (m->outcome_case != UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INPUT_REQUIRED)
+    const char *call = NULL;
+    const ProtobufCBinaryData *ck = NULL;
+    int gated = 0;
+    if (m->outcome_case == UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INPUT_REQUIRED) {
+        call = m->input_required->tool_call_id;
+        ck = &m->input_required->checkpoint;
+    } else if (m->outcome_case ==
+               UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INTERRUPT_REQUIRED) {
+        call = m->interrupt_required->tool_call_id;
+        ck = m->interrupt_gate ? &m->interrupt_gate->checkpoint : NULL;
+        gated = 1;
+    } else {
         return DB_OK;
-    if (m->input_required->checkpoint.len == 0) /* nothing to resume: an earlier ask is over */
+    }
+    if (!ck || ck->len == 0) /* nothing to resume: an earlier park is over */
         return st_agent_ask_clear(tx, m->action_id, err, errlen);
-    return st_agent_ask_put(tx, m->org_id, m->run_id, m->action_id, m->input_required->tool_call_id,
-                            m->input_required->checkpoint.data, m->input_required->checkpoint.len,
+    return st_agent_ask_put(tx, m->org_id, m->run_id, m->action_id, call, ck->data, ck->len, gated,
                             err, errlen);
 }
 

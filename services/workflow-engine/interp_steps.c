@@ -195,6 +195,28 @@ int interp__gate_timed_out(tick *t, act *a, const cJSON *sd) {
     return SCOPE_FAILED;
 }
 
+/* An agent's approval interrupt whose window (the step's timeout_minutes) closed: the step's
+ * timeout policy applies, as it does to the attempt itself: the row closes as expired, the
+ * gated call never runs and the step fails "timeout" (an agent step has no on_timeout). */
+int interp__agent_gate_timed_out(tick *t, act *a) {
+    if (a->deadline_ms <= 0) return SCOPE_BUSY; /* no window: it waits for its decision */
+    if (t->now < a->deadline_ms) {
+        interp__wake_at(t, a->deadline_ms);
+        return SCOPE_BUSY;
+    }
+    char line[300];
+    snprintf(line, sizeof line,
+             "step %s timed out waiting for the approval of its gated call (timeout_minutes)",
+             a->step);
+    if (a->approval[0]) t->rc = st_governance_expire(t->tx, a->approval, t->err, sizeof t->err);
+    if (!t->rc) t->rc = wf_emit_log(t->run, a->id, "WARN", line, t->err, sizeof t->err);
+    if (!t->rc) t->rc = st_agent_ask_clear(t->tx, a->id, t->err, sizeof t->err);
+    if (t->rc) return SCOPE_BUSY;
+    a->deadline_ms = 0;
+    interp__fail_act(t, a, "timeout", "nobody decided the gated tool call in time");
+    return SCOPE_FAILED;
+}
+
 /* ---- waits ---- */
 
 static int wait_timed_out(tick *t, act *a, const cJSON *sd) {
@@ -457,11 +479,27 @@ int interp__apply_agent_result(tick *t, act *a, const cJSON *sd) {
         snprintf(a->blocked, sizeof a->blocked, "%s", a->approval);
         interp__set_status(a, "awaiting_approval");
         const char *kind = !strcmp(outcome, "input_required") ? "user_prompt" : "approval_gate";
+        int gated = !strcmp(kind, "approval_gate"), floor = 0;
         a->park_kind = kind;
+        a->deadline_ms = 0; /* the attempt is over: a parked ask waits for its answer */
+        if (gated) {
+            /* the gated tool's floor as the orchestrator read it from the agent's policy
+             * (result_json never leaves it 0); the step's timeout_minutes is the gate's window,
+             * as an approval gate's own (docs/workflow-engine.md "Agent steps: in-step
+             * approvals") */
+            int tm = num(sd, "timeout_minutes", 0);
+            floor = num(r, "required_clearance", WF_CLEARANCE_MAX);
+            if (floor < 1 || floor > WF_CLEARANCE_MAX) floor = WF_CLEARANCE_MAX;
+            if (tm > 0) {
+                a->deadline_ms = t->now + (int64_t)tm * 60000;
+                interp__wake_at(t, a->deadline_ms);
+                cJSON_AddNumberToObject(spec, "timeout_minutes", tm); /* its expires_at */
+            }
+        }
         if (!interp__save(t, a)) {
             char *sj = cJSON_PrintUnformatted(spec);
             t->rc = st_governance_insert(t->tx, a->approval, t->run->org, t->run->id, a->id, kind,
-                                         0, sj, t->err, sizeof t->err);
+                                         floor, sj, t->err, sizeof t->err);
             free(sj);
             if (!t->rc && !strcmp(kind, "user_prompt")) t->rc = interp__prompt_frame(t, a, spec);
         }

@@ -183,6 +183,9 @@ static int walk_step(tick *t, const char *name, const char *lap, int iteration) 
     }
     if (!strcmp(type, "approval_gate") || !strcmp(type, "user_input") || !strcmp(type, "question"))
         return interp__gate_timed_out(t, a, sd);
+    if (!strcmp(type, "agent_action") &&
+        (!strcmp(a->status, "awaiting_approval") || !strcmp(a->status, "escalated")))
+        return interp__agent_gate_timed_out(t, a);
     return SCOPE_BUSY; /* parked on a person */
 }
 

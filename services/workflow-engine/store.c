@@ -1087,7 +1087,7 @@ int st_agent_state_get(db_tx *tx, const char *action_id, st_agent_state *out, ch
     memset(out, 0, sizeof *out);
     /* binary results: the checkpoint's bytes as they are (the counters as int4) */
     int rc = db_exec_bin(db_tx_conn(tx),
-                         "SELECT retries, resumes, tool_call_id, checkpoint, answer FROM " S
+                         "SELECT retries, resumes, tool_call_id, checkpoint, answer, gated FROM " S
                          "agent_steps WHERE action_id = $1::uuid",
                          1, p, NULL, NULL, 1, &r, err, errlen);
     if (rc != DB_OK || PQntuples(r) == 0) goto done;
@@ -1109,6 +1109,7 @@ int st_agent_state_get(db_tx *tx, const char *action_id, st_agent_state *out, ch
         out->answer = strndup(PQgetvalue(r, 0, 4), (size_t)PQgetlength(r, 0, 4));
         if (!out->answer) rc = DB_ENOMEM;
     }
+    out->gated = PQgetvalue(r, 0, 5)[0] != 0; /* binary bool: one byte */
 done:
     PQclear(r);
     if (rc != DB_OK) st_agent_state_clear(out);
@@ -1134,17 +1135,18 @@ int st_agent_retry_take(db_tx *tx, const char *org, const char *run, const char 
 }
 
 int st_agent_ask_put(db_tx *tx, const char *org, const char *run, const char *action_id,
-                     const char *tool_call_id, const uint8_t *checkpoint, size_t len, char *err,
-                     size_t errlen) {
-    const char *p[] = {action_id, org, run, tool_call_id, (const char *)checkpoint};
-    int lens[] = {0, 0, 0, 0, (int)len};
-    int fmts[] = {0, 0, 0, 0, 1};
+                     const char *tool_call_id, const uint8_t *checkpoint, size_t len, int gated,
+                     char *err, size_t errlen) {
+    const char *p[] = {
+        action_id, org, run, tool_call_id, (const char *)checkpoint, gated ? "true" : "false"};
+    int lens[] = {0, 0, 0, 0, (int)len, 0};
+    int fmts[] = {0, 0, 0, 0, 1, 0};
     return db_exec_bin(db_tx_conn(tx),
                        "INSERT INTO " S "agent_steps AS a (action_id, org_id, run_id, "
-                       "tool_call_id, checkpoint) VALUES ($1::uuid, $2::uuid, $3::uuid, $4, "
-                       "$5::bytea) ON CONFLICT (action_id) DO UPDATE SET tool_call_id = $4, "
-                       "checkpoint = $5::bytea, answer = NULL",
-                       5, p, lens, fmts, 0, NULL, err, errlen);
+                       "tool_call_id, checkpoint, gated) VALUES ($1::uuid, $2::uuid, $3::uuid, "
+                       "$4, $5::bytea, $6::boolean) ON CONFLICT (action_id) DO UPDATE SET "
+                       "tool_call_id = $4, checkpoint = $5::bytea, answer = NULL, gated = $6",
+                       6, p, lens, fmts, 0, NULL, err, errlen);
 }
 
 int st_agent_resume_put(db_tx *tx, const char *org, const char *run, const char *action_id,
@@ -1160,7 +1162,7 @@ int st_agent_resume_put(db_tx *tx, const char *org, const char *run, const char 
 int st_agent_ask_clear(db_tx *tx, const char *action_id, char *err, size_t errlen) {
     const char *p[] = {action_id};
     return ex(tx,
-              "UPDATE " S "agent_steps SET checkpoint = NULL, answer = NULL "
+              "UPDATE " S "agent_steps SET checkpoint = NULL, answer = NULL, gated = false "
               "WHERE action_id = $1::uuid AND (checkpoint IS NOT NULL OR answer IS NOT NULL)",
               1, p, NULL, err, errlen);
 }

@@ -332,6 +332,7 @@ typedef struct st_agent_state {
     uint8_t *checkpoint; /* heap (caller frees with st_agent_state_clear); NULL: no open ask */
     size_t checkpoint_len;
     char *answer; /* heap; NULL: not resumed */
+    int gated; /* the checkpoint is an approval interrupt's (012_agent_gates.sql), not an ask's */
 } st_agent_state;
 void st_agent_state_clear(st_agent_state *s);
 /* The action's row; all zero when it has none. */
@@ -341,10 +342,11 @@ int st_agent_state_get(db_tx *tx, const char *action_id, st_agent_state *out, ch
  * the retries are exhausted. */
 int st_agent_retry_take(db_tx *tx, const char *org, const char *run, const char *action_id, int max,
                         int *taken, char *err, size_t errlen);
-/* Records the frozen turn of an ask (replacing an earlier one; the answer is cleared). */
+/* Records the frozen turn of an ask, or (gated) the frozen checkpoint of an approval
+ * interrupt, replacing an earlier one; the answer is cleared. */
 int st_agent_ask_put(db_tx *tx, const char *org, const char *run, const char *action_id,
-                     const char *tool_call_id, const uint8_t *checkpoint, size_t len, char *err,
-                     size_t errlen);
+                     const char *tool_call_id, const uint8_t *checkpoint, size_t len, int gated,
+                     char *err, size_t errlen);
 /* Counts a resumed attempt; answer_json (NULL ok) is the AskUserResume.answer_tool_result. */
 int st_agent_resume_put(db_tx *tx, const char *org, const char *run, const char *action_id,
                         const char *answer_json, char *err, size_t errlen);

@@ -12,7 +12,6 @@ import queue
 import secrets
 import subprocess
 import sys
-import threading
 import time
 import unittest
 import uuid
@@ -20,18 +19,9 @@ import uuid
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lib"))
 import upsquad_testlib as T  # noqa: E402
 
-WF_DSN = os.environ.get("UPSQUAD_PG_DSN_WORKFLOW_ENGINE")
-ORCH_DSN = os.environ.get("UPSQUAD_PG_DSN_ORCHESTRATOR")
-REDIS = os.environ.get("UPSQUAD_REDIS_URL")
-NATS = os.environ.get("UPSQUAD_NATS_URL")
-if not WF_DSN or not ORCH_DSN or not REDIS or not NATS:
-    print("SKIP: UPSQUAD_PG_DSN_WORKFLOW_ENGINE, UPSQUAD_PG_DSN_ORCHESTRATOR, UPSQUAD_REDIS_URL "
-          "and UPSQUAD_NATS_URL are required")
-    sys.exit(0)
-for b in ("workflow-engine", "orchestrator", "devworker", "upsquad-agents"):
-    if not os.path.exists(os.path.join(T.BUILD, "bin", b)):
-        print("SKIP: build/bin/%s is not built" % b)
-        sys.exit(0)
+WF_DSN, ORCH_DSN, REDIS, NATS = T.require(
+    ["UPSQUAD_PG_DSN_WORKFLOW_ENGINE", "UPSQUAD_PG_DSN_ORCHESTRATOR", "UPSQUAD_REDIS_URL", "UPSQUAD_NATS_URL"],
+    bins=("workflow-engine", "orchestrator", "devworker", "upsquad-agents"))
 
 import grpc  # noqa: E402
 from google.protobuf import json_format  # noqa: E402
@@ -64,26 +54,8 @@ def agent(prompt, nxt=None, **kw):
     return s
 
 
-def drain(server):
-    """Keeps a process's log (stderr) flowing into server.log so tests can grep it."""
-    server.log = []
-    threading.Thread(target=lambda: [server.log.append(l) for l in iter(server.proc.stderr.readline, "")],
-                     daemon=True).start()
-    return server
-
-
 def apply_agent(org):
-    path = "/tmp/agent-%s.json" % uuid.uuid4().hex
-    with open(path, "w") as f:
-        json.dump({"role": ROLE, "display_name": "Scripted", "model": "claude-sonnet-4-6"}, f)
-    try:
-        env = dict(os.environ, UPSQUAD_PG_DSN=ORCH_DSN, UPSQUAD_KEK=KEK, UPSQUAD_LOG_LEVEL="warn")
-        out = subprocess.run([os.path.join(T.BUILD, "bin", "upsquad-agents"), "--org", org, "apply", path],
-                             env=env, capture_output=True, text=True, timeout=30)
-        if out.returncode != 0:
-            raise RuntimeError(out.stderr)
-    finally:
-        os.unlink(path)
+    T.apply_agent(org, {"role": ROLE, "display_name": "Scripted", "model": "claude-sonnet-4-6"}, ORCH_DSN, KEK)
 
 
 Client = T.WorkflowClient
@@ -97,7 +69,7 @@ class AgentSteps(unittest.TestCase):
         # one devworker (no heartbeats: the orchestrators' health probes find it live), two
         # orchestrator replicas sharing the dispatch queue: a cancel must reach whichever runs
         # the turn
-        cls.worker = drain(T.Server("devworker", env={"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info",
+        cls.worker = T.drain(T.Server("devworker", env={"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info",
                                                       "UPSQUAD_ORCHESTRATOR_ADDR": ""}))
         cls.procs.append(cls.worker)
         orch_env = {
@@ -107,9 +79,9 @@ class AgentSteps(unittest.TestCase):
             "UPSQUAD_WORKER_TARGETS": cls.worker.addr, "UPSQUAD_LOG_LEVEL": "info",
             "UPSQUAD_AGENT_STEP_NO_WORKER_DELIVERIES": "2"}
         cls.orch_env = orch_env
-        cls.orchs = [drain(T.Server("orchestrator", env=orch_env)) for _ in range(2)]
+        cls.orchs = [T.drain(T.Server("orchestrator", env=orch_env)) for _ in range(2)]
         cls.procs.extend(cls.orchs)
-        cls.engine = drain(T.Server("workflow-engine", env=T.engine_env(
+        cls.engine = T.drain(T.Server("workflow-engine", env=T.engine_env(
             WF_DSN, NATS, SECRET, UPSQUAD_WF_LEASE="2s", UPSQUAD_WF_AGENT_RETRIES="2",
             UPSQUAD_WF_AGENT_RETRY_BACKOFF="200ms", UPSQUAD_LOG_LEVEL="info")))
         cls.procs.append(cls.engine)
@@ -478,7 +450,7 @@ class AgentSteps(unittest.TestCase):
                                  action_id=c.action_id, step_name="later", attempt=1, agent_role=ROLE,
                                  goal=script({"complete": "ran"}))
         self.nc.js_publish("agent.step.dispatch", d.SerializeToString(), msg_id=key)
-        type(self).orchs = [drain(T.Server("orchestrator", env=self.orch_env))]
+        type(self).orchs = [T.drain(T.Server("orchestrator", env=self.orch_env))]
         self.procs.extend(self.orchs)
         res = self.results_of(run, 1)
         self.assertEqual(len(res), 1)

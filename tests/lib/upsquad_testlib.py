@@ -159,6 +159,60 @@ def with_database(dsn, dbname):
     return urllib.parse.urlunsplit((u.scheme, u.netloc, "/" + dbname, u.query, u.fragment))
 
 
+def require(env, bins=()):
+    """The values of the environment variables env (a list of names), in order; a missing one,
+    or a program of bins not built in build/bin, skips the whole test file (SKIP, exit 0)."""
+    vals = [os.environ.get(n) for n in env]
+    if not all(vals):
+        print("SKIP: %s are required" % ", ".join(env))
+        sys.exit(0)
+    for b in bins:
+        if not os.path.exists(os.path.join(BUILD, "bin", b)):
+            print("SKIP: build/bin/%s is not built" % b)
+            sys.exit(0)
+    return vals
+
+
+def drain(server):
+    """Keeps a process's log (stderr) flowing into server.log so tests can grep it."""
+    server.log = []
+    threading.Thread(target=lambda: [server.log.append(l) for l in iter(server.proc.stderr.readline, "")],
+                     daemon=True).start()
+    return server
+
+
+def apply_agent(org, definition, dsn, kek):
+    """Provisions an agent definition (a dict: role, display_name, model, ...) in org with
+    upsquad-agents, against the orchestrator's database dsn and key-encryption key kek."""
+    path = "/tmp/agent-%s.json" % secrets.token_hex(8)
+    with open(path, "w") as f:
+        json.dump(definition, f)
+    try:
+        env = dict(os.environ, UPSQUAD_PG_DSN=dsn, UPSQUAD_KEK=kek, UPSQUAD_LOG_LEVEL="warn")
+        out = subprocess.run([os.path.join(BUILD, "bin", "upsquad-agents"), "--org", org, "apply", path],
+                             env=env, capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr)
+    finally:
+        os.unlink(path)
+
+
+def wait_run(test, client, run, pred, timeout=30, logs=()):
+    """Polls GetWorkflowStatus of run through client until pred(status) holds; fails the test
+    with the last status (and the tail of logs, lists of lines) when timeout passes."""
+    from upsquad.workflow.v1 import workflow_pb2 as W
+    end = time.time() + timeout
+    s = None
+    while time.time() < end:
+        s = client("GetWorkflowStatus", W.GetWorkflowStatusRequest(run_id=run))
+        if pred(s):
+            return s
+        time.sleep(0.1)
+    tail = [l.strip()[:250] for log in logs for l in log if "heartbeat" not in l]
+    test.fail("timed out; last: %s %s\n%s" % (s.run.status, [(a.step_name, a.status) for a in s.actions],
+                                              "\n".join(tail[-25:])))
+
+
 def engine_env(dsn, nats, secret, **overrides):
     """The environment of a test workflow-engine: its Postgres, NATS and token secret, the
     tree's migrations, schema and catalogue, a fresh page key, a short lease and idle poll, and
