@@ -45,6 +45,7 @@ typedef struct chat {
     char question[256]; /* a prompt's question, for the pause's reason */
     const char *requester, *message;
     int64_t started_ms; /* wall clock: the frozen checkpoint is one stored since */
+    const orch_chat_step *step; /* an autonomous cycle's hook, or NULL */
     /* a pause asked for while the turn runs (on any replica: read from the session row at
      * most every PAUSE_LOOK_MS, when the worker sends something) is announced once */
     int64_t pause_look_ms;
@@ -234,6 +235,12 @@ static int chat_event(void *ud, const ExecuteStepEvent *ev) {
         c->gone = 1;
         return -1;
     }
+    if (c->step && c->step->observe) c->step->observe(c->step->ud, ev);
+    if (c->step && c->step->hold_completion &&
+        ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_COMPLETION) {
+        c->ended = 1; /* the cycle is over; the loop tells its own end */
+        return 0;
+    }
     int fwd = relay_project(&c->a, ev, &ae, &why);
     if ((fwd && ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_INTERRUPT_REQUIRED) ||
         ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INPUT_REQUIRED) {
@@ -361,17 +368,17 @@ done:
 #define FROZEN_WAIT_MS 3000
 #define FROZEN_POLL_MS 25
 
-static void wait_frozen(orch *o, const chat *c) {
+static void wait_frozen(orch *o, const char *org, const char *sid, int64_t since_ms) {
     char key[64] = "", err[256];
     for (int64_t t0 = util_mono_ms(); util_mono_ms() - t0 < FROZEN_WAIT_MS;) {
-        if (orch_store_checkpoint_since(o->pool, c->org, c->sid, c->started_ms, key, err,
-                                        sizeof err) != DB_OK ||
+        if (orch_store_checkpoint_since(o->pool, org, sid, since_ms, key, err, sizeof err) !=
+                DB_OK ||
             key[0])
             return;
         usleep(FROZEN_POLL_MS * 1000);
     }
-    log_warn("gate.no_frozen", "session %s: no checkpoint since the gated turn began (%d ms)",
-             c->sid, FROZEN_WAIT_MS);
+    log_warn("gate.no_frozen", "session %s: no checkpoint since the gated turn began (%d ms)", sid,
+             FROZEN_WAIT_MS);
 }
 
 static int64_t wall_ms(void) {
@@ -380,31 +387,27 @@ static int64_t wall_ms(void) {
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-int orch_chat_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked) {
+/* One ExecuteStep of a turn already begun (its lease held by the caller), relayed; st keeps
+ * what the turn's end needs. RPC status for call. */
+int orch_chat_exec(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn_result *res,
+                   orch_chat_state *st) {
     orch_arena a = {0};
     SessionSnapshot *snap = NULL;
     ExecuteStepRequest *ereq = NULL;
-    orch_turn_result res = {0};
-    orch_lease lease = {.held = 0};
-    char err[512], park_reason[320];
     int rc = RPC_OK;
-    *parked = 0;
-    /* renewed while this relay lives; dropped once the turn's end is stored */
-    orch_lease_hold(&lease, t->parent);
+    memset(st, 0, sizeof *st);
+    memset(res, 0, sizeof *res);
     if (orch_request_build(o, &a, t->s, t->message, t->mode, t->turns, t->nturns, &ereq, &snap)) {
-        /* the turn began (it counts as in flight): it ends, failed, or a pause would wait for
-         * it until its deadline */
-        orch_turn_end e = {.agent_status = 4, /* ERROR */
-                           .loop_base = t->s->loop_count,
-                           .error_code = "INTERNAL",
-                           .error_msg = "the session snapshot could not be read"};
-        if (orch_store_turn_end(o->pool, t->org, t->sid, t->parent, &e, err, sizeof err) != DB_OK)
-            log_error("store.turn_end", "session %s: %s", t->sid, err);
+        res->outcome = TURN_FAILED;
+        snprintf(res->error_code, sizeof res->error_code, "INTERNAL");
+        res->error_message = strdup("the session snapshot could not be read");
+        st->error_relayed = 1;
         rc = call ? rpc_error(call, RPC_INTERNAL, "the session snapshot could not be read")
                   : RPC_INTERNAL;
         goto done;
     }
     ereq->ask_user_resume = (Upsquad__Runtime__V1__AskUserResume *)t->resume;
+    if (t->step && t->step->goal) ereq->step_goal = (char *)t->step->goal;
     /* no pause is pending when a turn starts (orch_store_turn_begin refuses then): the first
      * look is due PAUSE_LOOK_MS in, so short turns never look */
     chat c = {.o = o,
@@ -416,18 +419,38 @@ int orch_chat_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked)
               .requester = t->requester,
               .message = t->message,
               .started_ms = wall_ms(),
+              .step = t->step,
               .status = 1, /* THINKING: orch_store_turn_begin */
               .pause_look_ms = util_mono_ms() + PAUSE_LOOK_MS};
     orch_sink sink = {chat_event, chat_cancelled, &c};
-    orch_turn_run_on(o, ereq, t->timeout_ms, &sink, t->prefer_worker, &res);
+    orch_turn_run_on(o, ereq, t->timeout_ms, &sink, t->prefer_worker, res);
     ereq->ask_user_resume = NULL; /* borrowed */
+    ereq->step_goal = NULL;
     orch_request_wipe(ereq);
     orch_arena_free(&c.a);
+    memcpy(st->approval_id, c.approval_id, sizeof st->approval_id);
+    memcpy(st->gated_tool, c.gated_tool, sizeof st->gated_tool);
+    memcpy(st->question, c.question, sizeof st->question);
+    st->error_relayed = c.error_relayed;
+    st->started_ms = c.started_ms;
+done:
+    if (snap) protobuf_c_message_free_unpacked(&snap->base, NULL);
+    orch_arena_free(&a);
+    return rc;
+}
+
+/* The turn's end from its (last) step's result: stored (parking the session on a gate the step
+ * opened), told to call. RPC status for call; *parked as orch_chat_run's. */
+int orch_chat_finish(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn_result *res,
+                     const orch_chat_state *st, int *parked) {
+    char err[512], park_reason[320];
+    int rc = RPC_OK;
+    *parked = 0;
     orch_pause paused = {0};
     orch_turn_end e;
-    orch_turn_end_of(&res, t->s->loop_count, &e);
+    orch_turn_end_of(res, t->s->loop_count, &e);
     e.paused = &paused;
-    switch (res.outcome) {
+    switch (res->outcome) {
     case TURN_COMPLETED:
         metric_inc(o->m_turns_ok);
         break;
@@ -448,50 +471,58 @@ int orch_chat_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked)
         /* the session parks on the gate opened when the event came (spec: the
          * InterruptRequiredEvent comes just before SessionPaused(PAUSE_SOURCE_APPROVAL); an
          * ask_user parks the same way on its prompt); none opened: the turn failed */
-        e.error_code = res.outcome == TURN_INTERRUPT ? "APPROVAL_REQUIRED" : "INPUT_REQUIRED";
-        e.error_msg = res.outcome == TURN_INTERRUPT ? "a tool call needs approval"
-                                                    : "the agent asked the user";
-        if (!c.approval_id[0]) {
+        e.error_code = res->outcome == TURN_INTERRUPT ? "APPROVAL_REQUIRED" : "INPUT_REQUIRED";
+        e.error_msg = res->outcome == TURN_INTERRUPT ? "a tool call needs approval"
+                                                      : "the agent asked the user";
+        if (!st->approval_id[0]) {
             e.agent_status = 4; /* ERROR */
             break;
         }
-        wait_frozen(o, &c);
+        wait_frozen(o, t->org, t->sid, st->started_ms);
         e.park_source = UPSQUAD__RUNTIME__V1__PAUSE_SOURCE__PAUSE_SOURCE_APPROVAL;
         e.park_reason = park_reason;
-        e.park_correlation = c.approval_id;
-        if (res.outcome == TURN_INTERRUPT)
+        e.park_correlation = st->approval_id;
+        if (res->outcome == TURN_INTERRUPT)
             snprintf(park_reason, sizeof park_reason, "tool call %s requires approval",
-                     c.gated_tool);
+                     st->gated_tool);
         else
-            snprintf(park_reason, sizeof park_reason, "user_prompt: %s", c.question);
+            snprintf(park_reason, sizeof park_reason, "user_prompt: %s", st->question);
         break;
     default:
-        e.error_code = res.error_code;
-        e.error_msg = res.error_message;
-        if (!c.error_relayed && call)
-            orch_chat_send_error(call, res.error_code, res.error_message, res.retryable);
+        e.error_code = res->error_code;
+        e.error_msg = res->error_message;
+        if (!st->error_relayed && call)
+            orch_chat_send_error(call, res->error_code, res->error_message, res->retryable);
         break;
     }
-    if (res.outcome != TURN_COMPLETED) metric_inc(o->m_turns_failed);
-    metric_add(o->m_in_tokens, (double)res.input_tokens);
-    metric_add(o->m_out_tokens, (double)res.output_tokens);
+    if (res->outcome != TURN_COMPLETED) metric_inc(o->m_turns_failed);
+    metric_add(o->m_in_tokens, (double)res->input_tokens);
+    metric_add(o->m_out_tokens, (double)res->output_tokens);
     /* an end not stored leaves the lease unrenewed from here: a replica reclaims the turn */
     if (orch_store_turn_end(o->pool, t->org, t->sid, t->parent, &e, err, sizeof err) != DB_OK)
         log_error("store.turn_end", "session %s: %s", t->sid, err);
-    orch_lease_drop(&lease);
     /* a pause committed at the turn's end (its own gate, or one asked for meanwhile): the
      * stream says so; the caller waits for the resume (orch_chat_park) */
-    if (paused.committed && res.outcome != TURN_CANCELLED &&
+    if (paused.committed && res->outcome != TURN_CANCELLED &&
         (!call || orch_pause_send_event(call, &paused) == RPC_OK))
         *parked = 1;
-    else if (c.approval_id[0] && call &&
+    else if (st->approval_id[0] && call &&
              orch_store_gate_unhold(o->pool, t->org, t->sid, o->instance, err, sizeof err) !=
                  DB_OK) /* no stream will wait on the gate it opened */
         log_warn("gate.unhold", "session %s: %s", t->sid, err);
-done:
+    return rc;
+}
+
+int orch_chat_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked) {
+    orch_turn_result res;
+    orch_chat_state st;
+    orch_lease lease = {.held = 0};
+    *parked = 0;
+    /* renewed while this relay lives; dropped once the turn's end is stored */
+    orch_lease_hold(&lease, t->parent);
+    int rc = orch_chat_exec(o, call, t, &res, &st);
+    int rc2 = orch_chat_finish(o, call, t, &res, &st, parked);
     orch_lease_drop(&lease);
     orch_turn_result_clear(&res);
-    if (snap) protobuf_c_message_free_unpacked(&snap->base, NULL);
-    orch_arena_free(&a);
-    return rc;
+    return rc != RPC_OK ? rc : rc2;
 }

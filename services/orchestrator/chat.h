@@ -13,7 +13,18 @@
 
 #include "orch.h"
 #include "store.h"
+#include "turn.h"
 #include "upsquad/runtime/v1/runtime.pb-c.h"
+
+/* An autonomous cycle's step (autonomy.c): its ExecuteStepRequest.step_goal, a look at every
+ * worker event before it is relayed, and its CompletionEvent kept back (the loop tells its own
+ * end). */
+typedef struct orch_chat_step {
+    const char *goal;
+    void (*observe)(void *ud, const Upsquad__Runtime__V1__ExecuteStepEvent *ev);
+    void *ud;
+    int hold_completion;
+} orch_chat_step;
 
 typedef struct orch_chat_turn {
     const char *org, *sid;
@@ -31,7 +42,25 @@ typedef struct orch_chat_turn {
      * answer): ExecuteStepRequest.ask_user_resume; NULL on a fresh turn or an approved call */
     const Upsquad__Runtime__V1__AskUserResume *resume;
     int64_t timeout_ms;
+    const orch_chat_step *step; /* NULL: a chat turn */
 } orch_chat_turn;
+
+/* What a step leaves for its turn's end. */
+typedef struct orch_chat_state {
+    char approval_id[37]; /* the gate its interrupt / ask_user opened ("" none) */
+    char gated_tool[129];
+    char question[256];
+    int error_relayed;
+    int64_t started_ms;
+} orch_chat_state;
+
+/* One ExecuteStep of a turn already begun (the caller holds its lease), relayed to call; st and
+ * res (orch_turn_result_clear) for the turn's end. RPC status for call. */
+int orch_chat_exec(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn_result *res,
+                   orch_chat_state *st);
+/* The turn's end from its last step's result: stored, a gate's park committed and told. */
+int orch_chat_finish(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn_result *res,
+                     const orch_chat_state *st, int *parked);
 
 /* Runs t on a worker; call (NULL: nobody listens: the turn goes to the session's history
  * only) gets the relayed events. Stores the turn's end (parking the session on a gate it
