@@ -44,7 +44,7 @@ typedef struct chat {
     char gated_tool[129];
     char question[256]; /* a prompt's question, for the pause's reason */
     const char *requester, *message;
-    int64_t started_ms; /* wall clock: the frozen checkpoint is one stored since */
+    int64_t started_ms;         /* wall clock: the frozen checkpoint is one stored since */
     const orch_chat_step *step; /* an autonomous cycle's hook, or NULL */
     /* a pause asked for while the turn runs (on any replica: read from the session row at
      * most every PAUSE_LOOK_MS, when the worker sends something) is announced once */
@@ -473,7 +473,7 @@ int orch_chat_finish(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn
          * ask_user parks the same way on its prompt); none opened: the turn failed */
         e.error_code = res->outcome == TURN_INTERRUPT ? "APPROVAL_REQUIRED" : "INPUT_REQUIRED";
         e.error_msg = res->outcome == TURN_INTERRUPT ? "a tool call needs approval"
-                                                      : "the agent asked the user";
+                                                     : "the agent asked the user";
         if (!st->approval_id[0]) {
             e.agent_status = 4; /* ERROR */
             break;

@@ -9,6 +9,7 @@
 #include <strings.h>
 #include <time.h>
 
+#include "autonomy.h"
 #include "chat.h"
 #include "fields.h"
 #include "ids.h"
@@ -337,7 +338,12 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
                         .prefer_worker = s.worker,
                         .timeout_ms = timeout};
     int parked = 0;
-    rc = orch_chat_run(o, call, &t, &parked);
+    /* spec EXECUTION_MODE_AUTONOMOUS: the orchestrator-side plan loop drives the turn */
+    int mode = rq->execution_mode ? (int)rq->execution_mode : s.execution_mode;
+    if (mode == UPSQUAD__RUNTIME__V1__EXECUTION_MODE__EXECUTION_MODE_AUTONOMOUS)
+        rc = orch_auto_run(o, call, &t, &parked);
+    else
+        rc = orch_chat_run(o, call, &t, &parked);
     /* parked (its own gate, or a pause asked for during the turn): the stream waits for the
      * resume; a gate's decision resumes the turn on it */
     if (parked) orch_chat_park(o, call, id->org_id, sid);

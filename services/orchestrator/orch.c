@@ -119,6 +119,18 @@ static const cfg_var vars[] = {
      "`none`: this replica consumes no decisions (a stream waiting on it still resumes its "
      "session when another replica stores the decision)",
      &C.approvals_durable},
+    {"UPSQUAD_AUTONOMOUS_MAX_TODOS", CFG_INT, "20",
+     "an autonomous plan keeps at most this many todos of the PLAN step's decomposition (the "
+     "first ones in their ordering)",
+     &C.auto_max_todos, 1, 64},
+    {"UPSQUAD_AUTONOMOUS_STALL_WINDOW", CFG_INT, "3",
+     "an autonomous loop stops as stalled after this many cycles in a row with no new artifacts, "
+     "no completed todo and the same response_delta_hash as the cycle before",
+     &C.auto_stall_window, 1, 50},
+    {"UPSQUAD_AUTONOMOUS_RETRIES", CFG_INT, "2",
+     "an autonomous cycle whose worker was lost (a retryable failure before anything of it "
+     "reached the caller) runs again on another live worker, at most this many times",
+     &C.auto_retries, 0, 5},
     {"UPSQUAD_TURN_LEASE_TTL", CFG_MS, "15s",
      "a chat turn in flight is leased to the replica relaying it, which renews the lease every "
      "third of this; a lease not renewed for this long is reclaimed by any replica (the turn "

@@ -59,6 +59,9 @@ typedef struct orch_config {
     long long no_worker_deliveries; /* a dispatch without a live worker: deliveries, then failed */
     long long paused_streams;       /* SendMessage streams held open on a paused session */
     long long turn_lease_ttl_ms;    /* a chat turn's lease not renewed this long is reclaimed */
+    long long auto_max_todos;       /* UPSQUAD_AUTONOMOUS_MAX_TODOS: a plan's todos at most */
+    long long auto_stall_window;    /* UPSQUAD_AUTONOMOUS_STALL_WINDOW: cycles without progress */
+    long long auto_retries;         /* UPSQUAD_AUTONOMOUS_RETRIES: a lost worker's cycle again */
     char *client_ca, *client_cert, *client_key; /* TLS/mTLS towards workers and model-registry */
 } orch_config;
 

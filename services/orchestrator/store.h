@@ -213,6 +213,25 @@ int orch_store_checkpoint_latest(db_pool *p, const char *org, const char *sessio
                                  int *loop_iteration, unsigned char **state, size_t *len, char *err,
                                  size_t errlen);
 
+/* ---- the autonomous loop's plan (store_plan.c; docs/orchestrator.md, "The autonomous loop") */
+typedef struct orch_plan {
+    char *goal;  /* heap */
+    char *todos; /* JSON array text [{"id", "title", "done"}], heap */
+    int cursor, cycles, stall;
+    char last_hash[65];
+    int ended;
+    char reason[32];
+} orch_plan;
+void orch_plan_clear(orch_plan *pl);
+/* ORCH_ENOTFOUND when the session never ran autonomously. */
+int orch_store_plan_get(db_pool *p, const char *org, const char *session_id, orch_plan *out,
+                        char *err, size_t errlen);
+/* Stores the plan, raises the session's loop_count to loop_count, and appends an audit row
+ * (audit_type NULL: none; detail a JSON object text) in one transaction. */
+int orch_store_plan_save(db_pool *p, const char *org, const char *session_id, const orch_plan *pl,
+                         int loop_count, const char *audit_type, const char *agent,
+                         const char *parent, const char *detail, char *err, size_t errlen);
+
 /* ---- a chat session parked on a human (store_gates.c; docs/orchestrator.md, "Approvals and
  * prompts on the chat path") ---- */
 typedef struct orch_gate_row {

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "../../../services/orchestrator/agentdef.h"
+#include "../../../services/orchestrator/autonomy.h"
 #include "../../../services/orchestrator/keys.h"
 #include "../../../services/orchestrator/relay.h"
 
@@ -233,6 +234,42 @@ static void test_tool_clearance(void **state) {
     cJSON_Delete(d);
 }
 
+/* The PLAN step's decomposition as the plan: trimmed, empty titles dropped, stable-sorted by
+ * ordering, clamped, re-indexed; nothing left: the goal as the one seed todo. */
+static void test_auto_plan(void **state) {
+    (void)state;
+    Upsquad__Runtime__V1__TodoSpec t[5];
+    Upsquad__Runtime__V1__TodoSpec *tp[5];
+    const char *titles[] = {" b ", "", "a", "c", "d"};
+    const uint32_t ord[] = {1, 0, 0, 1, 2};
+    for (int i = 0; i < 5; i++) {
+        upsquad__runtime__v1__todo_spec__init(&t[i]);
+        t[i].id = "worker-id";
+        t[i].title = (char *)titles[i];
+        t[i].ordering = ord[i];
+        tp[i] = &t[i];
+    }
+    Upsquad__Runtime__V1__DecompositionEvent d = UPSQUAD__RUNTIME__V1__DECOMPOSITION_EVENT__INIT;
+    d.todos = tp;
+    d.n_todos = 5;
+    int n = 0;
+    char *j = orch_auto_plan(&d, "the goal", 3, &n);
+    assert_int_equal(n, 3);
+    assert_string_equal(j, "[{\"id\":\"todo-1\",\"title\":\"a\",\"done\":false},"
+                           "{\"id\":\"todo-2\",\"title\":\"b\",\"done\":false},"
+                           "{\"id\":\"todo-3\",\"title\":\"c\",\"done\":false}]");
+    free(j);
+    d.n_todos = 2; /* " b " and "": one left */
+    t[0].title = "  ";
+    j = orch_auto_plan(&d, "the goal", 3, &n);
+    assert_int_equal(n, 1);
+    assert_string_equal(j, "[{\"id\":\"todo-1\",\"title\":\"the goal\",\"done\":false}]");
+    free(j);
+    j = orch_auto_plan(NULL, "only", 20, &n);
+    assert_int_equal(n, 1);
+    free(j);
+}
+
 static void test_answer_budgets(void **state) {
     (void)state;
     StructuredAnswerEvent s = UPSQUAD__RUNTIME__V1__STRUCTURED_ANSWER_EVENT__INIT;
@@ -314,6 +351,7 @@ int main(void) {
         cmocka_unit_test(test_every_other_field),
         cmocka_unit_test(test_validation),
         cmocka_unit_test(test_tool_clearance),
+        cmocka_unit_test(test_auto_plan),
         cmocka_unit_test(test_answer_budgets),
         cmocka_unit_test(test_clamp_utf8),
         cmocka_unit_test(test_keys),

@@ -1,0 +1,397 @@
+/* The autonomous plan loop (autonomy.h). */
+#include "autonomy.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ids.h"
+#include "lease.h"
+#include "log.h"
+#include "pbjson.h"
+#include "store.h"
+#include "util.h"
+
+typedef Upsquad__Runtime__V1__ExecuteStepEvent StepEvent;
+
+/* ---- the plan ---- */
+
+typedef struct todo_in {
+    const char *title; /* borrowed */
+    size_t len;
+    uint32_t ordering;
+    size_t pos;
+} todo_in;
+
+static int by_ordering(const void *a, const void *b) {
+    const todo_in *x = a, *y = b;
+    if (x->ordering != y->ordering) return x->ordering < y->ordering ? -1 : 1;
+    return x->pos < y->pos ? -1 : x->pos > y->pos; /* stable: the worker's order breaks ties */
+}
+
+static void add_todo(cJSON *arr, int n, const char *title, size_t len) {
+    char id[32], *t = strndup(title, len);
+    cJSON *o = cJSON_CreateObject();
+    snprintf(id, sizeof id, "todo-%d", n);
+    cJSON_AddStringToObject(o, "id", id);
+    cJSON_AddStringToObject(o, "title", t ? t : "");
+    cJSON_AddBoolToObject(o, "done", 0);
+    cJSON_AddItemToArray(arr, o);
+    free(t);
+}
+
+char *orch_auto_plan(const Upsquad__Runtime__V1__DecompositionEvent *d, const char *goal,
+                     int max_todos, int *n) {
+    size_t cnt = d ? d->n_todos : 0, k = 0;
+    todo_in *in = calloc(cnt ? cnt : 1, sizeof *in);
+    cJSON *arr = cJSON_CreateArray();
+    char *out = NULL;
+    *n = 0;
+    if (!in || !arr) goto done;
+    for (size_t i = 0; i < cnt; i++) {
+        const char *t = d->todos[i]->title ? d->todos[i]->title : "";
+        size_t len = strlen(t);
+        while (len && (*t == ' ' || *t == '\t' || *t == '\n' || *t == '\r'))
+            t++, len--;
+        while (len && (t[len - 1] == ' ' || t[len - 1] == '\t' || t[len - 1] == '\n' ||
+                       t[len - 1] == '\r'))
+            len--;
+        if (len == 0) continue; /* spec TodoSpec.title: "a todo with an empty title is dropped" */
+        in[k++] = (todo_in){t, util_utf8_cut(t, len < 2000 ? len : 2000), d->todos[i]->ordering, i};
+    }
+    /* spec TodoSpec.ordering: "the orchestrator stable-sorts by it, then re-indexes ids" */
+    qsort(in, k, sizeof *in, by_ordering);
+    for (size_t i = 0; i < k && (int)i < max_todos; i++)
+        add_todo(arr, ++*n, in[i].title, in[i].len);
+    /* spec DecompositionEvent: empty -> "keeps its single seed todo and pursues the goal" */
+    if (*n == 0) add_todo(arr, ++*n, goal, util_utf8_cut(goal, 2000));
+    out = cJSON_PrintUnformatted(arr);
+done:
+    free(in);
+    cJSON_Delete(arr);
+    return out;
+}
+
+/* ---- one cycle's signals (the observer of its step) ---- */
+
+typedef struct signals {
+    const char *goal;
+    int max_todos;
+    char *plan; /* the PLAN step's todos (heap), NULL until a DecompositionEvent came */
+    int n_todos;
+    int progress; /* a StepProgress came */
+    int artifacts, marked_done, errored;
+    char hash[65]; /* hex sha256 of response_delta_hash ("" none) */
+    char *final_text;
+} signals;
+
+static void observe(void *ud, const StepEvent *ev) {
+    signals *g = ud;
+    switch (ev->event_case) {
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_DECOMPOSITION:
+        free(g->plan);
+        g->plan = orch_auto_plan(ev->decomposition, g->goal, g->max_todos, &g->n_todos);
+        break;
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_STEP_PROGRESS: {
+        const Upsquad__Runtime__V1__StepProgress *sp = ev->step_progress;
+        g->progress = 1;
+        g->artifacts |= sp->produced_new_artifacts;
+        g->marked_done |= sp->todo_marked_complete_by_model;
+        g->errored += (int)sp->tool_calls_errored;
+        if (sp->response_delta_hash.len)
+            ids_sha256_hex(sp->response_delta_hash.data, sp->response_delta_hash.len, g->hash);
+        break;
+    }
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_COMPLETION:
+        free(g->final_text);
+        g->final_text =
+            strdup(ev->completion->final_response ? ev->completion->final_response : "");
+        break;
+    default:
+        break;
+    }
+}
+
+static void signals_reset(signals *g) {
+    free(g->final_text);
+    g->final_text = NULL;
+    g->progress = g->artifacts = g->marked_done = g->errored = 0;
+    g->hash[0] = 0;
+}
+
+/* ---- telling the caller ---- */
+
+static void tell(rpc_call *call, const char *detail) {
+    if (!call) return;
+    Upsquad__Runtime__V1__StatusEvent st = UPSQUAD__RUNTIME__V1__STATUS_EVENT__INIT;
+    Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    Upsquad__Runtime__V1__AgentEvent ae;
+    upsquad__runtime__v1__agent_event__init(&ae);
+    pbjson_ts_now(&at);
+    st.status = UPSQUAD__RUNTIME__V1__AGENT_STATUS__AGENT_STATUS_THINKING;
+    st.detail = (char *)detail;
+    st.timestamp = &at;
+    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_STATUS;
+    ae.status = &st;
+    rpc_stream_send(call, &ae.base);
+}
+
+static void tell_completion(rpc_call *call, const char *text, int cycles) {
+    if (!call) return;
+    Upsquad__Runtime__V1__CompletionEvent c = UPSQUAD__RUNTIME__V1__COMPLETION_EVENT__INIT;
+    Upsquad__Runtime__V1__AgentEvent ae;
+    upsquad__runtime__v1__agent_event__init(&ae);
+    c.final_response = (char *)(text ? text : "");
+    c.loop_iterations = cycles;
+    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_COMPLETION;
+    ae.completion = &c;
+    rpc_stream_send(call, &ae.base);
+}
+
+/* ---- the loop ---- */
+
+/* Why a loop's turn ends (spec: stall, max_loops, plan complete, cancel and error are the
+ * termination reasons); gate, paused and error_retryable stop the turn, not the plan. */
+typedef enum {
+    GO_ON = 0,
+    END_PLAN_COMPLETE,
+    END_MAX_LOOPS,
+    END_STALL,
+    END_CANCEL,
+    END_ERROR,
+    STOP_PAUSED,
+    STOP_GATE,
+    STOP_ERROR_RETRYABLE,
+} why;
+
+static const char *why_name(why w) {
+    static const char *names[] = {"",      "plan_complete", "max_loops", "stall",          "cancel",
+                                  "error", "paused",        "gate",      "error_retryable"};
+    return names[w];
+}
+
+typedef struct loop {
+    orch *o;
+    rpc_call *call;
+    const orch_chat_turn *t;
+    orch_plan pl;
+    cJSON *todos; /* pl.todos parsed */
+    int n;
+    int base; /* the session's loop_count when the turn began */
+} loop;
+
+static const char *todo_field(const loop *l, int i, const char *k) {
+    const char *v =
+        cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(l->todos, i), k));
+    return v ? v : "";
+}
+
+/* Stores the plan after a cycle (loop_count follows), with an audit row of type (NULL none). */
+static void save(loop *l, const char *type, cJSON *detail) {
+    char err[256], *d = detail ? cJSON_PrintUnformatted(detail) : NULL;
+    char *todos = cJSON_PrintUnformatted(l->todos);
+    if (todos) {
+        free(l->pl.todos);
+        l->pl.todos = todos;
+    }
+    if (orch_store_plan_save(l->o->pool, l->t->org, l->t->sid, &l->pl, l->base + l->pl.cycles, type,
+                             l->t->s->agent_id, l->t->parent, d, err, sizeof err) != DB_OK)
+        log_error("auto.save", "session %s: %s", l->t->sid, err);
+    free(d);
+    cJSON_Delete(detail);
+}
+
+/* The orchestrator's confirmation that the active todo is done (the model's flag is only a
+ * signal): its step completed, and either the worker reported no progress signals at all (a
+ * worker that cannot tell: the completion is its answer), or the model marked it complete
+ * with no tool call of the step failing. */
+static int confirmed(const signals *g) {
+    return !g->progress || (g->marked_done && g->errored == 0);
+}
+
+/* spec StepProgress: a stall is "no new artifacts AND no completed todos AND a repeating
+ * response_delta_hash" over the window: the cycles counted here in a row. */
+static int stalled(loop *l, const signals *g, int done) {
+    int repeat = g->hash[0] && !strcmp(g->hash, l->pl.last_hash);
+    if (!done && !g->artifacts && repeat)
+        l->pl.stall++;
+    else
+        l->pl.stall = 0;
+    snprintf(l->pl.last_hash, sizeof l->pl.last_hash, "%s", g->hash);
+    return l->pl.stall >= l->o->cfg->auto_stall_window;
+}
+
+/* The PLAN step: its decomposition becomes the plan (a worker that sends none keeps the seed). */
+static int plan(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st) {
+    orch_chat_step step = {
+        .goal = ORCH_PLAN_GOAL, .observe = observe, .ud = g, .hold_completion = 1};
+    orch_chat_turn t = *l->t;
+    t.step = &step;
+    int rc = orch_chat_exec(l->o, l->call, &t, res, st);
+    if (res->outcome != TURN_COMPLETED) return rc;
+    free(l->pl.goal);
+    l->pl.goal = strdup(l->t->message);
+    if (!g->plan)
+        g->plan = orch_auto_plan(NULL, l->t->message, (int)l->o->cfg->auto_max_todos, &g->n_todos);
+    cJSON_Delete(l->todos);
+    l->todos = cJSON_Parse(g->plan ? g->plan : "[]");
+    l->n = cJSON_GetArraySize(l->todos);
+    l->pl.cursor = l->pl.cycles = l->pl.stall = 0;
+    l->pl.last_hash[0] = 0;
+    cJSON *d = cJSON_CreateObject();
+    cJSON_AddNumberToObject(d, "todos", l->n);
+    save(l, "plan_created", d);
+    char msg[96];
+    snprintf(msg, sizeof msg, "plan: %d todo(s)", l->n);
+    tell(l->call, msg);
+    return rc;
+}
+
+/* Ends the loop's turn: the reason stored and audited (loop_terminated, or loop_stopped when
+ * the plan goes on later), told to the caller, and the turn's end stored: a completed plan (or
+ * a pause between cycles) completes the turn with the last cycle's answer; stall and max_loops
+ * are errors the caller is told; a step's own outcome (a gate, an error, a cancel) stands. */
+static int finish(loop *l, why w, orch_turn_result *res, orch_chat_state *st, int *parked) {
+    char msg[256];
+    int done = 0;
+    for (int i = 0; i < l->n; i++)
+        done +=
+            cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(l->todos, i), "done"));
+    l->pl.ended = w != STOP_PAUSED && w != STOP_GATE && w != STOP_ERROR_RETRYABLE;
+    snprintf(l->pl.reason, sizeof l->pl.reason, "%s", why_name(w));
+    cJSON *d = cJSON_CreateObject();
+    cJSON_AddStringToObject(d, "reason", why_name(w));
+    cJSON_AddNumberToObject(d, "cycles", l->pl.cycles);
+    cJSON_AddNumberToObject(d, "todos_done", done);
+    cJSON_AddNumberToObject(d, "todos", l->n);
+    save(l, l->pl.ended ? "loop_terminated" : "loop_stopped", d);
+    snprintf(msg, sizeof msg, "autonomous loop %s: %s after %d cycle(s), %d/%d todo(s) done",
+             l->pl.ended ? "ended" : "stopped", why_name(w), l->pl.cycles, done, l->n);
+    log_info("auto.end", "session %s: %s", l->t->sid, msg);
+    if (w != STOP_GATE && w != END_CANCEL) tell(l->call, msg);
+    switch (w) {
+    case END_PLAN_COMPLETE:
+        res->outcome = TURN_COMPLETED;
+        tell_completion(l->call, res->final_text, l->pl.cycles);
+        break;
+    case STOP_PAUSED:
+        res->outcome = TURN_COMPLETED;
+        break;
+    case END_STALL:
+    case END_MAX_LOOPS:
+        res->outcome = TURN_FAILED;
+        snprintf(res->error_code, sizeof res->error_code, "%s",
+                 w == END_STALL ? "AUTONOMOUS_STALLED" : "AUTONOMOUS_MAX_LOOPS");
+        free(res->error_message);
+        res->error_message = strdup(msg);
+        res->retryable = 0;
+        if (l->call) orch_chat_send_error(l->call, res->error_code, msg, 0);
+        st->error_relayed = 1;
+        break;
+    case END_CANCEL:
+        res->outcome = TURN_CANCELLED;
+        break;
+    default: /* the step's own outcome */
+        break;
+    }
+    return orch_chat_finish(l->o, l->call, l->t, res, st, parked);
+}
+
+/* One cycle on the active todo; GO_ON when the loop goes on, else why it ends. */
+static why cycle(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st, int *rc) {
+    char msg[2200], err[256];
+    int pending = 0;
+    if (l->pl.cursor >= l->n) return END_PLAN_COMPLETE;
+    if (l->pl.cycles >= l->t->s->max_loops) return END_MAX_LOOPS;
+    if (l->call && rpc_cancelled(l->call)) return END_CANCEL;
+    /* spec: a pause commits at the next boundary: between cycles */
+    if (orch_store_pause_pending(l->o->pool, l->t->org, l->t->sid, &pending, err, sizeof err) ==
+            DB_OK &&
+        pending)
+        return STOP_PAUSED;
+    const char *title = todo_field(l, l->pl.cursor, "title");
+    snprintf(msg, sizeof msg, "%s (%d/%d): %s", todo_field(l, l->pl.cursor, "id"), l->pl.cursor + 1,
+             l->n, title);
+    tell(l->call, msg);
+    orch_chat_step step = {.goal = title, .observe = observe, .ud = g, .hold_completion = 1};
+    orch_chat_turn t = *l->t;
+    t.step = &step;
+    signals_reset(g);
+    for (long long attempt = 0;; attempt++) {
+        orch_turn_result_clear(res);
+        *rc = orch_chat_exec(l->o, l->call, &t, res, st);
+        /* a worker lost mid-cycle (crash, unreachable): the same todo again, on a live worker
+         * (the lost one is marked down), from the session's state there */
+        if (res->outcome != TURN_FAILED || !res->retryable || st->error_relayed ||
+            attempt >= l->o->cfg->auto_retries)
+            break;
+        log_warn("auto.retry", "session %s: %s failed (%s); again on another worker", l->t->sid,
+                 todo_field(l, l->pl.cursor, "id"), res->error_code);
+    }
+    l->pl.cycles++;
+    if (res->outcome == TURN_INTERRUPT || res->outcome == TURN_INPUT_REQUIRED) return STOP_GATE;
+    if (res->outcome == TURN_CANCELLED) return END_CANCEL;
+    if (res->outcome != TURN_COMPLETED) return res->retryable ? STOP_ERROR_RETRYABLE : END_ERROR;
+    free(res->final_text);
+    res->final_text = g->final_text ? strdup(g->final_text) : NULL;
+    int done = confirmed(g);
+    cJSON *d = NULL;
+    if (done) {
+        cJSON_ReplaceItemInObjectCaseSensitive(cJSON_GetArrayItem(l->todos, l->pl.cursor), "done",
+                                               cJSON_CreateTrue());
+        d = cJSON_CreateObject();
+        cJSON_AddStringToObject(d, "todo", todo_field(l, l->pl.cursor, "id"));
+        cJSON_AddNumberToObject(d, "cycle", l->pl.cycles);
+        snprintf(msg, sizeof msg, "%s done", todo_field(l, l->pl.cursor, "id"));
+        l->pl.cursor++;
+    }
+    int stall = stalled(l, g, done);
+    save(l, done ? "todo_done" : NULL, d);
+    if (done) tell(l->call, msg);
+    return stall ? END_STALL : GO_ON;
+}
+
+int orch_auto_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked) {
+    orch_turn_result res;
+    orch_chat_state st;
+    orch_lease lease = {.held = 0};
+    char err[256];
+    signals g = {.goal = t->message, .max_todos = (int)o->cfg->auto_max_todos};
+    loop l = {.o = o, .call = call, .t = t, .base = t->s->loop_count};
+    int rc = RPC_OK;
+    why w = GO_ON;
+    *parked = 0;
+    memset(&res, 0, sizeof res);
+    memset(&st, 0, sizeof st);
+    orch_lease_hold(&lease, t->parent);
+    if (orch_store_plan_get(o->pool, t->org, t->sid, &l.pl, err, sizeof err) == DB_OK &&
+        !l.pl.ended) {
+        /* a plan left running (a pause, a gate, a lost worker or replica): it goes on at its
+         * todo; this message is the nudge, not a new goal */
+        l.todos = cJSON_Parse(l.pl.todos);
+        l.n = cJSON_GetArraySize(l.todos);
+        l.base = l.base > l.pl.cycles ? l.base - l.pl.cycles : 0; /* loop_count counts them */
+        g.goal = l.pl.goal;
+        tell(call, "continuing the plan");
+    } else {
+        orch_plan_clear(&l.pl);
+        rc = plan(&l, &g, &res, &st);
+        if (res.outcome != TURN_COMPLETED) {
+            w = res.outcome == TURN_CANCELLED ? END_CANCEL : END_ERROR;
+            if (!l.pl.goal) l.pl.goal = strdup(t->message);
+            if (!l.todos) l.todos = cJSON_CreateArray();
+        }
+    }
+    while (w == GO_ON)
+        w = cycle(&l, &g, &res, &st, &rc);
+    int rc2 = finish(&l, w, &res, &st, parked);
+    rc = rc != RPC_OK ? rc : rc2;
+    orch_lease_drop(&lease);
+    orch_turn_result_clear(&res);
+    cJSON_Delete(l.todos);
+    orch_plan_clear(&l.pl);
+    free(g.plan);
+    free(g.final_text);
+    return rc;
+}
