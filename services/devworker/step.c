@@ -478,10 +478,11 @@ static int run_op(run *r, const dw_op *op) {
     return RUN_OK;
 }
 
-/* The denial of a restored suspension's gated call: an ask_user_resume whose
- * answer_tool_result names that call ({tool_call_id, result}) is the rejected decision, spliced
- * as the call's result instead of running it. The result text (call arena), or NULL. */
-static const char *denial_of(run *r) {
+/* The outcome of a restored suspension's call given by the orchestrator: an ask_user_resume
+ * whose answer_tool_result names that call ({tool_call_id, result}) is spliced as the call's
+ * result instead of running it (a rejected decision, a delegation's child result). The result
+ * text (call arena), or NULL; *is_error: the result says "denied" or "is_error". */
+static const char *denial_of(run *r, int *is_error) {
     const Upsquad__Runtime__V1__AskUserResume *ar = r->rq->ask_user_resume;
     if (ar == NULL || ar->answer_tool_result.len == 0) return NULL;
     cJSON *a = cJSON_ParseWithLength((const char *)ar->answer_tool_result.data,
@@ -489,7 +490,10 @@ static const char *denial_of(run *r) {
     const cJSON *id = cJSON_GetObjectItemCaseSensitive(a, "tool_call_id");
     const cJSON *res = cJSON_GetObjectItemCaseSensitive(a, "result");
     const char *out = NULL;
+    *is_error = 0;
     if (cJSON_IsString(id) && !strcmp(id->valuestring, r->resume_call) && res) {
+        *is_error = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "denied")) ||
+                    cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "is_error"));
         char *t = cJSON_IsString(res) ? NULL : cJSON_PrintUnformatted(res);
         out = rpc_strdup(r->call, t ? t : res->valuestring);
         free(t);
@@ -505,17 +509,18 @@ static int resume_suspended(run *r, size_t n_ops, int *start) {
     const char *call_id = r->resume_call, *tool = r->resume_tool;
     int32_t at = r->resume_at;
     if (at <= 0 || (size_t)at > n_ops) return RUN_OK;
-    const char *denied = denial_of(r);
+    int is_error = 0;
+    const char *denied = denial_of(r, &is_error);
     Upsquad__Runtime__V1__ExecuteStepEvent ev = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__INIT;
     Upsquad__Runtime__V1__ToolResultEvent tr = UPSQUAD__RUNTIME__V1__TOOL_RESULT_EVENT__INIT;
     tr.tool_call_id = (char *)call_id;
     tr.tool_name = (char *)tool;
     tr.result = denied ? (char *)denied : "{\"approved\":true}";
-    tr.is_error = denied != NULL;
+    tr.is_error = is_error;
     ev.event_case = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_RESULT;
     ev.tool_result = &tr;
     log_info("step.resumed", "session %s: resuming after the %s call %s", r->rq->session_id,
-             denied ? "rejected" : "approved", call_id);
+             denied ? "answered" : "approved", call_id);
     if (denied) r->answer = denied;
     int rc = send_event(r, &ev);
     if (rc == RUN_OK) rc = end_iteration(r, NULL, 0);

@@ -228,7 +228,7 @@ static int plan(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st)
         .goal = ORCH_PLAN_GOAL, .observe = observe, .ud = g, .hold_completion = 1};
     orch_chat_turn t = *l->t;
     t.step = &step;
-    int rc = orch_chat_exec(l->o, l->call, &t, res, st);
+    int rc = orch_chat_steps(l->o, l->call, &t, res, st);
     if (res->outcome != TURN_COMPLETED) return rc;
     free(l->pl.goal);
     l->pl.goal = strdup(l->t->message);
@@ -320,7 +320,8 @@ static why cycle(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st
     signals_reset(g);
     for (long long attempt = 0;; attempt++) {
         orch_turn_result_clear(res);
-        *rc = orch_chat_exec(l->o, l->call, &t, res, st);
+        orch_chat_state_clear(st);
+        *rc = orch_chat_steps(l->o, l->call, &t, res, st);
         /* a worker lost mid-cycle (crash, unreachable): the same todo again, on a live worker
          * (the lost one is marked down), from the session's state there */
         if (res->outcome != TURN_FAILED || !res->retryable || st->error_relayed ||
@@ -389,6 +390,7 @@ int orch_auto_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked)
     rc = rc != RPC_OK ? rc : rc2;
     orch_lease_drop(&lease);
     orch_turn_result_clear(&res);
+    orch_chat_state_clear(&st);
     cJSON_Delete(l.todos);
     orch_plan_clear(&l.pl);
     free(g.plan);

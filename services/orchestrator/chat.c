@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "delegate.h"
 #include "gate.h"
 #include "lease.h"
 #include "log.h"
@@ -46,6 +47,10 @@ typedef struct chat {
     const char *requester, *message;
     int64_t started_ms;         /* wall clock: the frozen checkpoint is one stored since */
     const orch_chat_step *step; /* an autonomous cycle's hook, or NULL */
+    const orch_envelope *env;   /* a delegated child's turn: its events go wrapped, or NULL */
+    /* a delegate_to_agent call the worker suspended on (the turn delegates at its end) */
+    char deleg_call[65];
+    char *deleg_intent; /* heap */
     /* a pause asked for while the turn runs (on any replica: read from the session row at
      * most every PAUSE_LOOK_MS, when the worker sends something) is announced once */
     int64_t pause_look_ms;
@@ -53,6 +58,34 @@ typedef struct chat {
 } chat;
 
 #define PAUSE_LOOK_MS 250
+
+/* spec DelegatedEventEnvelope: a child's AgentEvent, verbatim, inside one envelope per level
+ * of delegation between it and the stream's own session (a grandchild's event: the
+ * grandchild's envelope inside the child's). env NULL: sent as it is. */
+int orch_chat_send(rpc_call *call, const orch_envelope *env, AgentEvent *ae) {
+    if (!env) return rpc_stream_send(call, &ae->base);
+    Upsquad__Runtime__V1__DelegatedEventEnvelope d =
+        UPSQUAD__RUNTIME__V1__DELEGATED_EVENT_ENVELOPE__INIT;
+    AgentEvent outer;
+    upsquad__runtime__v1__agent_event__init(&outer);
+    d.inner = ae;
+    d.child_session_id = (char *)env->child_session_id;
+    d.child_agent_id = (char *)env->child_agent_id;
+    d.subagent_invocation_id = (char *)env->invocation_id;
+    outer.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_DELEGATED;
+    outer.delegated = &d;
+    return orch_chat_send(call, env->outer, &outer);
+}
+
+/* A delegate_to_agent call the worker suspended on: kept for the turn's end, which runs the
+ * child (delegate.c); nothing is relayed for it (the SessionPaused(DELEGATION) tells it). */
+static int note_delegation(chat *c, const Upsquad__Runtime__V1__InterruptRequired *ir) {
+    free(c->deleg_intent);
+    c->deleg_intent =
+        strndup((const char *)ir->pending_tool_intent.data, ir->pending_tool_intent.len);
+    snprintf(c->deleg_call, sizeof c->deleg_call, "%s", ir->tool_call_id ? ir->tool_call_id : "");
+    return 0;
+}
 
 /* An interrupt_required / input_required: its approval or prompt opened through ApprovalService
  * and recorded, so the session parks on it at the turn's end (one per turn: the worker suspends
@@ -133,7 +166,7 @@ static int tell_pending_pause(chat *c) {
     st.pending_pause = 1;
     ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_STATUS;
     ae.status = &st;
-    return rpc_stream_send(c->call, &ae.base);
+    return orch_chat_send(c->call, c->env, &ae);
 }
 
 /* The audit row of the turn's tool call id, else the turn's message_received. */
@@ -241,6 +274,12 @@ static int chat_event(void *ud, const ExecuteStepEvent *ev) {
         c->ended = 1; /* the cycle is over; the loop tells its own end */
         return 0;
     }
+    if (ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INTERRUPT_REQUIRED &&
+        ev->interrupt_required->tool_name &&
+        !strcmp(ev->interrupt_required->tool_name, ORCH_DELEGATE_TOOL)) {
+        audit_event(c, ev);
+        return note_delegation(c, ev->interrupt_required);
+    }
     int fwd = relay_project(&c->a, ev, &ae, &why);
     if ((fwd && ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_INTERRUPT_REQUIRED) ||
         ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INPUT_REQUIRED) {
@@ -259,7 +298,7 @@ static int chat_event(void *ud, const ExecuteStepEvent *ev) {
         audit_event(c, ev);
         return 0;
     }
-    int rc = c->call ? rpc_stream_send(c->call, &ae.base) : RPC_OK;
+    int rc = c->call ? orch_chat_send(c->call, c->env, &ae) : RPC_OK;
     orch_arena_free(&c->a);
     if (rc != RPC_OK) {
         c->gone = 1;
@@ -420,6 +459,7 @@ int orch_chat_exec(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn_r
               .message = t->message,
               .started_ms = wall_ms(),
               .step = t->step,
+              .env = t->env,
               .status = 1, /* THINKING: orch_store_turn_begin */
               .pause_look_ms = util_mono_ms() + PAUSE_LOOK_MS};
     orch_sink sink = {chat_event, chat_cancelled, &c};
@@ -433,6 +473,9 @@ int orch_chat_exec(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn_r
     memcpy(st->question, c.question, sizeof st->question);
     st->error_relayed = c.error_relayed;
     st->started_ms = c.started_ms;
+    memcpy(st->deleg_call, c.deleg_call, sizeof st->deleg_call);
+    st->deleg_intent = c.deleg_intent; /* handed over */
+    snprintf(st->worker, sizeof st->worker, "%s", res->worker);
 done:
     if (snap) protobuf_c_message_free_unpacked(&snap->base, NULL);
     orch_arena_free(&a);
@@ -513,6 +556,44 @@ int orch_chat_finish(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn
     return rc;
 }
 
+int orch_chat_steps(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn_result *res,
+                    orch_chat_state *st) {
+    orch_chat_turn cur = *t;
+    Upsquad__Runtime__V1__AskUserResume aur;
+    char *answer = NULL;
+    unsigned char *ck = NULL;
+    int rc = orch_chat_exec(o, call, &cur, res, st);
+    /* a delegation: the child runs, then the same turn goes on with its result (delegate.c) */
+    while (rc == RPC_OK && res->outcome == TURN_INTERRUPT && st->deleg_intent) {
+        size_t cklen = 0;
+        char worker[128] = "";
+        free(answer);
+        free(ck);
+        answer = NULL;
+        ck = NULL;
+        wait_frozen(o, t->org, t->sid, st->started_ms);
+        if (orch_delegate(o, call, t, st, res, &answer, worker, &ck, &cklen) != RPC_OK) break;
+        aur = (Upsquad__Runtime__V1__AskUserResume)UPSQUAD__RUNTIME__V1__ASK_USER_RESUME__INIT;
+        aur.checkpoint.data = ck;
+        aur.checkpoint.len = cklen;
+        aur.answer_tool_result.data = (uint8_t *)answer;
+        aur.answer_tool_result.len = strlen(answer);
+        cur.resume = &aur;
+        cur.prefer_worker = worker;
+        orch_chat_state_clear(st);
+        orch_turn_result_clear(res);
+        rc = orch_chat_exec(o, call, &cur, res, st);
+    }
+    free(answer);
+    free(ck);
+    return rc;
+}
+
+void orch_chat_state_clear(orch_chat_state *st) {
+    free(st->deleg_intent);
+    memset(st, 0, sizeof *st);
+}
+
 int orch_chat_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked) {
     orch_turn_result res;
     orch_chat_state st;
@@ -520,9 +601,10 @@ int orch_chat_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked)
     *parked = 0;
     /* renewed while this relay lives; dropped once the turn's end is stored */
     orch_lease_hold(&lease, t->parent);
-    int rc = orch_chat_exec(o, call, t, &res, &st);
+    int rc = orch_chat_steps(o, call, t, &res, &st);
     int rc2 = orch_chat_finish(o, call, t, &res, &st, parked);
     orch_lease_drop(&lease);
     orch_turn_result_clear(&res);
+    orch_chat_state_clear(&st);
     return rc != RPC_OK ? rc : rc2;
 }

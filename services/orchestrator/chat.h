@@ -26,6 +26,16 @@ typedef struct orch_chat_step {
     int hold_completion;
 } orch_chat_step;
 
+/* A delegated child's identity on its parent's stream (a chain: outer is the parent's own
+ * envelope when the parent is itself a child; NULL at the root). */
+typedef struct orch_envelope {
+    const char *child_session_id, *child_agent_id, *invocation_id;
+    const struct orch_envelope *outer;
+} orch_envelope;
+
+/* The tool a worker calls to delegate (docs/orchestrator.md, "Delegation"). */
+#define ORCH_DELEGATE_TOOL "delegate_to_agent"
+
 typedef struct orch_chat_turn {
     const char *org, *sid;
     const orch_session *s; /* borrowed: the session row with its snapshot */
@@ -43,6 +53,7 @@ typedef struct orch_chat_turn {
     const Upsquad__Runtime__V1__AskUserResume *resume;
     int64_t timeout_ms;
     const orch_chat_step *step; /* NULL: a chat turn */
+    const orch_envelope *env;   /* a delegated child's turn on its parent's stream, or NULL */
 } orch_chat_turn;
 
 /* What a step leaves for its turn's end. */
@@ -52,7 +63,19 @@ typedef struct orch_chat_state {
     char question[256];
     int error_relayed;
     int64_t started_ms;
+    char deleg_call[65]; /* a delegate_to_agent call the worker suspended on */
+    char *deleg_intent;  /* its intent JSON (heap: orch_chat_state_clear) */
+    char worker[128];    /* the worker of the step */
 } orch_chat_state;
+void orch_chat_state_clear(orch_chat_state *st);
+
+/* An AgentEvent on call, wrapped in one DelegatedEventEnvelope per level of env. */
+int orch_chat_send(rpc_call *call, const orch_envelope *env, Upsquad__Runtime__V1__AgentEvent *ae);
+
+/* The steps of a turn: orch_chat_exec, and while a step delegates, the child's turn and the
+ * same turn again with the child's result (delegate.c). res and st as orch_chat_exec's. */
+int orch_chat_steps(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn_result *res,
+                    orch_chat_state *st);
 
 /* One ExecuteStep of a turn already begun (the caller holds its lease), relayed to call; st and
  * res (orch_turn_result_clear) for the turn's end. RPC status for call. */

@@ -280,8 +280,8 @@ done:
 /* Re-initialises a worker from the frozen checkpoint (the newest: nothing ran since the park):
  * the worker re-enters the suspended turn (spec: InitWorkerSession.resume_checkpoint). *ck
  * (heap) is handed back for an AskUserResume of a denial. */
-static int rehydrate(orch *o, const orch_session *s, char worker[128], unsigned char **ck,
-                     size_t *cklen, char *msg, size_t msglen) {
+int orch_gate_rehydrate(orch *o, const orch_session *s, char worker[128], unsigned char **ck,
+                        size_t *cklen, char *msg, size_t msglen) {
     char err[256];
     int loop = 0;
     SessionSnapshot *snap = NULL;
@@ -349,7 +349,7 @@ int orch_gate_resume(orch *o, rpc_call *call, const char *org, const char *appro
         rc = RPC_UNAVAILABLE;
         goto done;
     }
-    if ((rc = rehydrate(o, &s, worker, &ck, &cklen, msg, sizeof msg)) != RPC_OK) {
+    if ((rc = orch_gate_rehydrate(o, &s, worker, &ck, &cklen, msg, sizeof msg)) != RPC_OK) {
         resume_failed(o, call, &t, &s, msg);
         goto done;
     }

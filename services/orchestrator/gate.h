@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "orch.h"
+#include "store.h"
 
 typedef struct orch_gate_ask {
     const char *org, *sid, *agent_id, *requester;
@@ -42,6 +43,12 @@ int orch_gate_open(orch *o, const orch_gate_ask *ask, char approval_id[37], char
  * resume took it (or it is not ready); *parked as orch_chat_run's. */
 int orch_gate_resume(orch *o, rpc_call *call, const char *org, const char *approval_id,
                      int *parked);
+
+/* A worker initialised with the session's newest checkpoint (the frozen turn: nothing ran
+ * since it suspended), its address into worker; *ck (heap) the checkpoint's bytes. RPC
+ * status with msg. s: with its snapshot. */
+int orch_gate_rehydrate(orch *o, const orch_session *s, char worker[128], unsigned char **ck,
+                        size_t *cklen, char *msg, size_t msglen);
 
 /* The decision consumer (needs the bus: UPSQUAD_NATS_URL). */
 int orch_gate_start(orch *o, char *err, size_t errlen);

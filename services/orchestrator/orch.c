@@ -131,6 +131,13 @@ static const cfg_var vars[] = {
      "an autonomous cycle whose worker was lost (a retryable failure before anything of it "
      "reached the caller) runs again on another live worker, at most this many times",
      &C.auto_retries, 0, 5},
+    {"UPSQUAD_DELEGATION_MAX_DEPTH", CFG_INT, "3",
+     "a delegate_to_agent call is refused (an error result, the turn goes on) when the child "
+     "would sit deeper than this below its root session",
+     &C.deleg_max_depth, 1, 10},
+    {"UPSQUAD_DELEGATION_MAX_CHILDREN", CFG_INT, "8",
+     "a session's delegations at most (children it spawned, ever); more are refused as above",
+     &C.deleg_max_children, 1, 50},
     {"UPSQUAD_TURN_LEASE_TTL", CFG_MS, "15s",
      "a chat turn in flight is leased to the replica relaying it, which renews the lease every "
      "third of this; a lease not renewed for this long is reclaimed by any replica (the turn "

@@ -62,6 +62,8 @@ typedef struct orch_config {
     long long auto_max_todos;       /* UPSQUAD_AUTONOMOUS_MAX_TODOS: a plan's todos at most */
     long long auto_stall_window;    /* UPSQUAD_AUTONOMOUS_STALL_WINDOW: cycles without progress */
     long long auto_retries;         /* UPSQUAD_AUTONOMOUS_RETRIES: a lost worker's cycle again */
+    long long deleg_max_depth;      /* UPSQUAD_DELEGATION_MAX_DEPTH */
+    long long deleg_max_children;   /* UPSQUAD_DELEGATION_MAX_CHILDREN */
     char *client_ca, *client_cert, *client_key; /* TLS/mTLS towards workers and model-registry */
 } orch_config;
 

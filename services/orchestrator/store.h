@@ -213,6 +213,19 @@ int orch_store_checkpoint_latest(db_pool *p, const char *org, const char *sessio
                                  int *loop_iteration, unsigned char **state, size_t *len, char *err,
                                  size_t errlen);
 
+/* ---- delegation (store_tree.c; docs/orchestrator.md, "Delegation") ---- */
+/* Links a child session just created to its parent (depth, root, spawn action) and writes its
+ * bridge row (pending); ORCH_ESTATE with err when the depth would exceed max_depth or the
+ * parent already made max_children delegations (nothing changes). child NULL: the check only. */
+int orch_store_delegation_link(db_pool *p, const char *org, const char *parent, const char *child,
+                               const char *role, const char *spawn_action, int max_depth,
+                               int max_children, char invocation_id[37], int *depth, char *err,
+                               size_t errlen);
+/* The bridge row's result: status ok, error, timeout or cancelled (first one stands). */
+int orch_store_delegation_done(db_pool *p, const char *org, const char *invocation_id,
+                               const char *status, const char *error_code, char *err,
+                               size_t errlen);
+
 /* ---- the autonomous loop's plan (store_plan.c; docs/orchestrator.md, "The autonomous loop") */
 typedef struct orch_plan {
     char *goal;  /* heap */

@@ -308,3 +308,71 @@ done:
     PQclear(r);
     return tx_end(tx, rc, err, errlen);
 }
+
+/* ---- delegation (docs/orchestrator.md, "Delegation") ---- */
+
+int orch_store_delegation_link(db_pool *p, const char *org, const char *parent, const char *child,
+                               const char *role, const char *spawn_action, int max_depth,
+                               int max_children, char invocation_id[37], int *depth, char *err,
+                               size_t errlen) {
+    PGresult *r = NULL;
+    invocation_id[0] = 0;
+    *depth = 0;
+    TX_BEGIN(org);
+    /* the parent locked: two delegations of one turn count each other against the fan-out */
+    rc = db_exec(c,
+                 "SELECT s.delegation_depth + 1, coalesce(s.root_session_id, s.session_id),"
+                 " (SELECT count(*) FROM subagent_invocations i"
+                 "   WHERE i.parent_session_id = s.session_id)"
+                 " FROM sessions s WHERE s.session_id = $1::uuid FOR UPDATE",
+                 1, &parent, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
+    char root[37] = "";
+    if (rc == DB_OK) {
+        *depth = atoi(PQgetvalue(r, 0, 0));
+        copy(root, sizeof root, PQgetvalue(r, 0, 1));
+        if (*depth > max_depth)
+            rc = util_errf(err, errlen, ORCH_ESTATE, "delegation depth %d is over the limit %d",
+                           *depth, max_depth);
+        else if (atoi(PQgetvalue(r, 0, 2)) >= max_children)
+            rc = util_errf(err, errlen, ORCH_ESTATE,
+                           "session %s delegated %d times already (the limit)", parent,
+                           max_children);
+    }
+    PQclear(r);
+    r = NULL;
+    if (rc == DB_OK && !child) return tx_end(tx, rc, err, errlen); /* a check only */
+    if (rc == DB_OK) {
+        char dep[16];
+        snprintf(dep, sizeof dep, "%d", *depth);
+        rc =
+            db_exec(c,
+                    "UPDATE sessions SET parent_session_id = $2::uuid, root_session_id = $3::uuid,"
+                    " delegation_depth = $4::int, spawn_action_id = nullif($5, '')::uuid"
+                    " WHERE session_id = $1::uuid",
+                    5, (const char *[]){child, parent, root, dep, spawn_action ? spawn_action : ""},
+                    NULL, err, errlen);
+    }
+    if (rc == DB_OK)
+        rc = db_exec(c,
+                     "INSERT INTO subagent_invocations (org_id, parent_session_id,"
+                     " child_session_id, subagent_role) VALUES (current_org(), $1::uuid, $2::uuid,"
+                     " left($3, 64)) RETURNING id",
+                     3, (const char *[]){parent, child, role}, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 1) copy(invocation_id, 37, PQgetvalue(r, 0, 0));
+    PQclear(r);
+    return tx_end(tx, rc, err, errlen);
+}
+
+int orch_store_delegation_done(db_pool *p, const char *org, const char *invocation_id,
+                               const char *status, const char *error_code, char *err,
+                               size_t errlen) {
+    TX_BEGIN(org);
+    rc = db_exec(
+        c,
+        "UPDATE subagent_invocations SET status = $2, error_code = nullif(left($3, 128), ''),"
+        " finished_at = now() WHERE id = $1::uuid AND status = 'pending'",
+        3, (const char *[]){invocation_id, status, error_code ? error_code : ""}, NULL, err,
+        errlen);
+    return tx_end(tx, rc, err, errlen);
+}
