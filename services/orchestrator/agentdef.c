@@ -111,6 +111,12 @@ static int policies_ok(const cJSON *v, char *err, size_t errlen) {
     return 0;
 }
 
+int agentdef_tool_requires_approval(const cJSON *doc, const char *tool) {
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(doc, "tool_policies"), tool ? tool : "");
+    return cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(p, "requires_approval"));
+}
+
 int agentdef_tool_clearance(const cJSON *doc, const char *tool) {
     const cJSON *p = cJSON_GetObjectItemCaseSensitive(
         cJSON_GetObjectItemCaseSensitive(doc, "tool_policies"), tool ? tool : "");

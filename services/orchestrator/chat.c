@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "agentdef.h"
 #include "delegate.h"
 #include "gate.h"
 #include "lease.h"
@@ -51,6 +52,7 @@ typedef struct chat {
     /* a delegate_to_agent call the worker suspended on (the turn delegates at its end) */
     char deleg_call[65];
     char *deleg_intent; /* heap */
+    int deleg_gate;     /* the delegation waits for its approval (DELEGATION_APPROVAL) */
     /* a pause asked for while the turn runs (on any replica: read from the session row at
      * most every PAUSE_LOOK_MS, when the worker sends something) is announced once */
     int64_t pause_look_ms;
@@ -75,6 +77,20 @@ int orch_chat_send(rpc_call *call, const orch_envelope *env, AgentEvent *ae) {
     outer.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_DELEGATED;
     outer.delegated = &d;
     return orch_chat_send(call, env->outer, &outer);
+}
+
+/* The agent's policy asks an approval for delegate_to_agent (tool_policies). */
+static int delegation_gated(chat *c) {
+    orch_agent_row a = {0};
+    char err[256];
+    int gated = 0;
+    if (orch_store_agent_get(c->o->pool, c->org, c->agent, &a, err, sizeof err) == DB_OK) {
+        cJSON *doc = cJSON_Parse(a.definition ? a.definition : "{}");
+        gated = agentdef_tool_requires_approval(doc, ORCH_DELEGATE_TOOL);
+        cJSON_Delete(doc);
+    }
+    free(a.definition);
+    return gated;
 }
 
 /* A delegate_to_agent call the worker suspended on: kept for the turn's end, which runs the
@@ -277,8 +293,13 @@ static int chat_event(void *ud, const ExecuteStepEvent *ev) {
     if (ev->event_case == UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_INTERRUPT_REQUIRED &&
         ev->interrupt_required->tool_name &&
         !strcmp(ev->interrupt_required->tool_name, ORCH_DELEGATE_TOOL)) {
-        audit_event(c, ev);
-        return note_delegation(c, ev->interrupt_required);
+        if (!delegation_gated(c)) {
+            audit_event(c, ev);
+            return note_delegation(c, ev->interrupt_required);
+        }
+        /* spec PauseSource DELEGATION_APPROVAL: the spawn waits for its approval, opened and
+         * decided as any gated call's; approved, the child runs (gate.c) */
+        c->deleg_gate = 1;
     }
     int fwd = relay_project(&c->a, ev, &ae, &why);
     if ((fwd && ae.event_case == UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_INTERRUPT_REQUIRED) ||
@@ -474,6 +495,7 @@ int orch_chat_exec(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn_r
     st->error_relayed = c.error_relayed;
     st->started_ms = c.started_ms;
     memcpy(st->deleg_call, c.deleg_call, sizeof st->deleg_call);
+    st->deleg_gate = c.deleg_gate;
     st->deleg_intent = c.deleg_intent; /* handed over */
     snprintf(st->worker, sizeof st->worker, "%s", res->worker);
 done:
@@ -522,7 +544,9 @@ int orch_chat_finish(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn
             break;
         }
         wait_frozen(o, t->org, t->sid, st->started_ms);
-        e.park_source = UPSQUAD__RUNTIME__V1__PAUSE_SOURCE__PAUSE_SOURCE_APPROVAL;
+        e.park_source = st->deleg_gate
+                            ? UPSQUAD__RUNTIME__V1__PAUSE_SOURCE__PAUSE_SOURCE_DELEGATION_APPROVAL
+                            : UPSQUAD__RUNTIME__V1__PAUSE_SOURCE__PAUSE_SOURCE_APPROVAL;
         e.park_reason = park_reason;
         e.park_correlation = st->approval_id;
         if (res->outcome == TURN_INTERRUPT)

@@ -65,6 +65,7 @@ typedef struct orch_chat_state {
     int64_t started_ms;
     char deleg_call[65]; /* a delegate_to_agent call the worker suspended on */
     char *deleg_intent;  /* its intent JSON (heap: orch_chat_state_clear) */
+    int deleg_gate;      /* a delegation waiting for its approval: parks DELEGATION_APPROVAL */
     char worker[128];    /* the worker of the step */
 } orch_chat_state;
 void orch_chat_state_clear(orch_chat_state *st);

@@ -12,6 +12,7 @@
 #include "agentdef.h"
 #include "auth_claims.h"
 #include "chat.h"
+#include "delegate.h"
 #include "ids.h"
 #include "log.h"
 #include "pbjson.h"
@@ -148,6 +149,7 @@ int orch_gate_open(orch *o, const orch_gate_ask *ask, char approval_id[37], char
     rpc_status st = {0};
     char name[129] = "", key[201], err[256];
     int clearance = 5, explicit_prompt = 0, prompt = !strcmp(ask->kind, "user_prompt");
+    int deleg = !prompt && ask->tool && !strcmp(ask->tool, ORCH_DELEGATE_TOOL);
     char *bearer = NULL;
     cJSON *q = NULL;
     approval_id[0] = 0;
@@ -212,8 +214,13 @@ int orch_gate_open(orch *o, const orch_gate_ask *ask, char approval_id[37], char
                        .tool = rq.tool,
                        .tool_call_id = rq.tool_call_id,
                        .message = ask->message,
-                       .frozen = prompt ? ask->frozen : NULL,
-                       .frozen_len = prompt ? ask->frozen_len : 0,
+                       /* a prompt's frozen turn; a delegation's intent (run once approved) */
+                       .frozen = prompt  ? ask->frozen
+                                 : deleg ? ask->intent
+                                         : NULL,
+                       .frozen_len = prompt  ? ask->frozen_len
+                                     : deleg ? ask->intent_len
+                                             : 0,
                        .clearance = clearance,
                        .holder = ask->holder};
     if (orch_store_gate_record(o->pool, ask->org, ask->sid, &g, err, sizeof err) != DB_OK) {
@@ -349,14 +356,35 @@ int orch_gate_resume(orch *o, rpc_call *call, const char *org, const char *appro
         rc = RPC_UNAVAILABLE;
         goto done;
     }
-    if ((rc = orch_gate_rehydrate(o, &s, worker, &ck, &cklen, msg, sizeof msg)) != RPC_OK) {
+    answer = answer_of(&t);
+    if (!answer && !strcmp(t.tool, ORCH_DELEGATE_TOOL)) {
+        /* an approved delegation: the child runs now, and its result resumes the turn */
+        orch_chat_turn pt = {.org = org,
+                             .sid = t.session_id,
+                             .s = &s,
+                             .requester = s.user_id,
+                             .message = t.message,
+                             .parent = t.action_id,
+                             .timeout_ms = timeout};
+        orch_chat_state dst = {0};
+        orch_turn_result dres = {0};
+        snprintf(dst.deleg_call, sizeof dst.deleg_call, "%.64s", t.tool_call_id);
+        dst.deleg_intent = strndup((const char *)t.frozen, t.frozen_len);
+        rc = orch_delegate(o, call, &pt, &dst, &dres, &answer, worker, &ck, &cklen);
+        if (rc != RPC_OK)
+            resume_failed(o, call, &t, &s,
+                          dres.error_message ? dres.error_message : "delegation failed");
+        orch_chat_state_clear(&dst);
+        orch_turn_result_clear(&dres);
+        if (rc != RPC_OK) goto done;
+    } else if ((rc = orch_gate_rehydrate(o, &s, worker, &ck, &cklen, msg, sizeof msg)) != RPC_OK) {
         resume_failed(o, call, &t, &s, msg);
         goto done;
     }
-    answer = answer_of(&t);
     Upsquad__Runtime__V1__AskUserResume aur = UPSQUAD__RUNTIME__V1__ASK_USER_RESUME__INIT;
     if (answer) {
-        /* a prompt hands back its frozen turn; a denial the frozen checkpoint it resumes */
+        /* a prompt hands back its frozen turn; a denial (or a delegation's result) the frozen
+         * checkpoint it resumes */
         int prompt = !strcmp(t.kind, "user_prompt");
         aur.checkpoint.data = prompt ? t.frozen : ck;
         aur.checkpoint.len = prompt ? t.frozen_len : cklen;

@@ -143,6 +143,10 @@ class ChatGates(unittest.TestCase):
         cls.org, cls.org2 = str(uuid.uuid4()), str(uuid.uuid4())
         cls.user, cls.member = str(uuid.uuid4()), str(uuid.uuid4())
         cls.agent = apply_agent(cls.org, AGENT)
+        cls.lead = apply_agent(cls.org, {"role": "lead2", "display_name": "Lead", "model": "claude-sonnet-4-6",
+                                         "tool_policies": {"delegate_to_agent": {"requires_approval": True,
+                                                                                 "required_clearance": 2}}})
+        apply_agent(cls.org, {"role": "helper2", "display_name": "Helper", "model": "claude-sonnet-4-6"})
         tok = lambda sub, org, c: T.mint(SECRET, sub=sub, org=org, clearance=c)
         cls.requester = T.WorkflowClient(cls.engine.addr, tok(cls.user, cls.org, 2))
         cls.low = T.WorkflowClient(cls.engine.addr, tok(cls.member, cls.org, 2))
@@ -375,6 +379,45 @@ class ChatGates(unittest.TestCase):
         finally:
             ch.close()
             c.stop()
+
+    # ---- a delegation the policy gates: DELEGATION_APPROVAL, then the child runs ----
+    def test_delegation_needs_approval(self):
+        sid = self.unary("CreateSession", L.CreateSessionRequest(agent_id=self.lead),
+                         L.CreateSessionResponse).session_id
+        child = script([{"tokens": "helping"}, {"complete": "helped"}])
+        sc = script([{"token": "asking"},
+                     {"interrupt": {"tool_name": "delegate_to_agent", "tool_call_id": "dg",
+                                    "pending_tool_intent": {"agent": "helper2", "task": child}}},
+                     {"complete": "got {{answer}}"}])
+        s = Stream(self.open_stream(sc, sid))
+        p = s.until("session_paused").session_paused
+        self.assertEqual(p.pause_source, L.PAUSE_SOURCE_DELEGATION_APPROVAL)
+        ap = self.requester("GetApproval", AP.GetApprovalRequest(approval_id=p.correlation_id)).approval
+        self.assertEqual((ap.tool, ap.required_clearance), ("delegate_to_agent", 2))
+        T.rpc_error(self, C.FAILED_PRECONDITION, self.unary, "ResumeSession",
+                    L.ResumeSessionRequest(session_id=sid), L.ResumeSessionResponse)
+        self.assertEqual(sql(self.org, "SELECT count(*) FROM orchestrator.sessions WHERE parent_session_id = '%s'"
+                             % sid), [["0"]])  # nothing spawned before the decision
+        self.decide(p.correlation_id, AP.DECISION_APPROVED)
+        self.assertTrue(s.until("session_resumed").session_resumed.resumed_by_approval)
+        d = s.until("session_paused").session_paused
+        self.assertEqual(d.pause_source, L.PAUSE_SOURCE_DELEGATION)
+        evs = s.rest()
+        inner = [e.delegated.inner.WhichOneof("event") for e in evs if e.HasField("delegated")]
+        self.assertEqual(inner[-1], "completion")
+        result = json.loads(evs[-1].completion.final_response[len("got "):])
+        self.assertEqual((result["status"], result["final_response"], result["child_session_id"]),
+                         ("completed", "helped", d.correlation_id))
+        # rejected: the call gets the denial, nothing is spawned
+        sid2 = self.unary("CreateSession", L.CreateSessionRequest(agent_id=self.lead),
+                          L.CreateSessionResponse).session_id
+        s2 = Stream(self.open_stream(sc, sid2))
+        p2 = s2.until("session_paused").session_paused
+        self.decide(p2.correlation_id, AP.DECISION_REJECTED)
+        denial = json.loads(s2.rest()[-1].completion.final_response[len("got "):])
+        self.assertEqual((denial["denied"], denial["status"]), (True, "rejected"))
+        self.assertEqual(sql(self.org, "SELECT count(*) FROM orchestrator.sessions WHERE parent_session_id = '%s'"
+                             % sid2), [["0"]])
 
     # ---- another org sees and decides nothing ----
     def test_other_org_cannot_see_or_decide(self):
