@@ -6,7 +6,6 @@ cycles, then a later SendMessage, continues at the same todo). build/bin/devwork
 plans, the stalls and the crash. Fresh org UUIDs per run; processes stopped by pid."""
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -53,9 +52,7 @@ class Autonomy(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        with socket.socket() as so:
-            so.bind(("127.0.0.1", 0))
-            addr = "127.0.0.1:%d" % so.getsockname()[1]
+        addr = "127.0.0.1:%d" % T.free_port()
         wenv = {"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info", "UPSQUAD_ORCHESTRATOR_ADDR": addr,
                 "UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL": "200ms", "UPSQUAD_DEVWORKER_ALLOW_CRASH": "true"}
         cls.wenv = wenv

@@ -6,7 +6,6 @@ result as the call's result. Limits refuse cleanly; TerminateSubagentTree stops 
 worker step. build/bin/devworker scripts every level. Fresh org UUIDs; processes stopped by pid."""
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -55,9 +54,7 @@ class Delegation(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        with socket.socket() as so:
-            so.bind(("127.0.0.1", 0))
-            addr = "127.0.0.1:%d" % so.getsockname()[1]
+        addr = "127.0.0.1:%d" % T.free_port()
         cls.w = drain(T.Server("devworker", env={
             "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info", "UPSQUAD_ORCHESTRATOR_ADDR": addr,
             "UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL": "200ms"}))

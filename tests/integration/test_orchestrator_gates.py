@@ -11,7 +11,6 @@ UUIDs per run; processes are stopped by pid."""
 import json
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -123,9 +122,7 @@ class ChatGates(unittest.TestCase):
                 "UPSQUAD_APPROVALS_DURABLE": "test-gates-" + uuid.uuid4().hex[:12]}
         # the worker checkpoints to replica A, whose port is chosen first (the worker retries
         # until A answers); both replicas run turns on it
-        with socket.socket() as so:
-            so.bind(("127.0.0.1", 0))
-            a_addr = "127.0.0.1:%d" % so.getsockname()[1]
+        a_addr = "127.0.0.1:%d" % T.free_port()
         cls.w = drain(T.Server("devworker", env={"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info",
                                                  "UPSQUAD_ORCHESTRATOR_ADDR": a_addr,
                                                  "UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL": "200ms"}))

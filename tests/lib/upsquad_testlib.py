@@ -315,12 +315,23 @@ def agent_dispatch(nc, run, timeout=15):
 
 
 def free_port():
-    """A loopback port free now (for a process that must be told its address in advance)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    """A loopback port free now (for a process that must be told its address in advance).
+    Taken from 20000-29999, below the kernel's ephemeral range (32768 and up) and the
+    runtimes' PORT_BASE blocks: a port bound to 0 is an ephemeral one, which any outgoing
+    connection made before the process listens (a service dialling Postgres or NATS) may be
+    given, and the listen then fails with "Address already in use"."""
+    import random
+    for _ in range(200):
+        port = random.randrange(20000, 30000)
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+        finally:
+            s.close()
+    raise RuntimeError("no free loopback port in 20000-29999")
 
 
 def http_get(url, timeout=5):
