@@ -6,19 +6,24 @@
  * only once the stream acked it, so nothing is lost while NATS is down (the row stays and the
  * next round publishes it again; the message id makes a re-sent copy a duplicate).
  *
- * Order. Events of a run must reach the bus in seq order (outbox id order). The round's rows
- * are published in waves, each wave one pipelined batch with one wait for all its acks
- * (bus_js_publish_batch): a run's events (wf.status / wf.log, keyed by the run, the subject's
- * last token) go at most one per wave, in id order, so a run's later event is sent only after
- * its earlier one was acked. Every other row (agent dispatches and cancels, approval
- * decisions) is a barrier: it is alone in its wave, after every earlier row was acked and
- * before any later row is sent, which keeps the strict outbox order the relay always had for
- * them. A wave with a failed message ends the round (the rest stays for the next round), so a
- * failure never lets a later event of a run overtake an earlier one.
+ * Batches. A run's events between two other rows go as one message, a RunEventBatch (the rows'
+ * payloads framed as its repeated field: no decode, no re-encode), up to WF_RELAY_BATCH_EVENTS
+ * events and WF_RELAY_BATCH_BYTES; readers de-duplicate by (run, seq), so a batch re-sent with
+ * other rows than its first copy is harmless (docs/workflow-engine.md "Events").
+ *
+ * Order. Events of a run must reach the bus in seq order (outbox id order). The round's
+ * messages are published in waves, each wave one pipelined batch of asynchronous publishes
+ * with one wait for all its acks (bus_js_publish_batch, at most BUS_JS_BATCH_MAX
+ * unacknowledged): a run has at most one message per wave, so a run's later message is sent
+ * only after its earlier one was acked. Every other row (agent dispatches and cancels, approval
+ * decisions) is a barrier: its own message, alone in its wave, after every earlier row was
+ * acked and before any later row is sent, which keeps the strict outbox order the relay always
+ * had for them. A wave with a failed message ends the round (the rest stays for the next
+ * round), so a failure never lets a later event of a run overtake an earlier one.
  *
  * Rounds. A commit wakes the relay (wf_engine_kick_relay); a round starts at most once per
  * UPSQUAD_WF_RELAY_LINGER, so under load the events of several ticks share one round (one
- * transaction, a few waves) instead of a round per tick; an idle relay answers a kick at once. */
+ * transaction, one message per run) instead of a round per tick; an idle relay answers a kick at once. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
