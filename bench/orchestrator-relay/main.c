@@ -8,7 +8,14 @@
  *       the same script as one ExecuteStep read from the devworker directly;
  *   orchestrator-relay --mode first  --target ORCH --token T --agent A --count K
  *       K SendMessage calls without a session (session create + InitWorkerSession + turn),
- *       each timed to its first token.
+ *       each timed to its first token;
+ *   orchestrator-relay --mode bare   --target WORKER
+ *       the relay's limit: a bare relay server on the libcommon rpc layer the orchestrator
+ *       uses (rpc.h server streaming in, rpc_client.h rpc_stream_open/rpc_reader_next out),
+ *       with the server defaults the orchestrator runs with, serving ExecuteStep by opening
+ *       the same call on WORKER and re-sending each event as it is read: no service logic
+ *       (no session, no transaction, no projection). Prints "port=N" and serves until
+ *       SIGTERM; `--mode direct --target` its port reads through it.
  * Prints one JSON line (relay, direct): tokens_per_s = tokens / (request sent -> last token),
  * the rate the caller sees; burst_tokens_per_s = from the first token to the last (inflated
  * when the stream was already buffered when the first token was read: the transport holds
@@ -23,6 +30,7 @@
 #include <time.h>
 
 #include "grpc/health/v1/health.pb-c.h"
+#include "rpc.h"
 #include "rpc_client.h"
 #include "upsquad/runtime/v1/lifecycle.pb-c.h"
 #include "upsquad/runtime/v1/runtime.pb-c.h"
@@ -107,6 +115,67 @@ static int is_token(int relay, ProtobufCMessage *m) {
            UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOKEN;
 }
 
+/* The bare relay's ExecuteStep: the same request upstream, every event re-sent as read. */
+static int bare_execute_step(rpc_call *call, const ProtobufCMessage *req, void *ud) {
+    rpc_channel *up = ud;
+    /* the caller's bearer, passed on (the devworker verifies it) */
+    const char *auth = rpc_metadata(call, "authorization");
+    rpc_call_opts o = {.timeout_ms = 120000,
+                       .bearer = auth && !strncmp(auth, "Bearer ", 7) ? auth + 7 : NULL};
+    rpc_reader *rd = NULL;
+    ProtobufCMessage *m;
+    int rc = RPC_OK;
+    if (rpc_stream_open(up, "/upsquad.runtime.v1.RuntimeService/ExecuteStep", req,
+                        &upsquad__runtime__v1__execute_step_event__descriptor, &o, &rd) != 0)
+        return rpc_error(call, RPC_UNAVAILABLE, "bare relay: upstream open failed");
+    while (rc == RPC_OK && rpc_reader_next(rd, &m) == 1) {
+        rc = rpc_stream_send(call, m);
+        protobuf_c_message_free_unpacked(m, NULL);
+    }
+    rpc_status st = {0};
+    int code = rpc_reader_close(rd, &st);
+    if (rc == RPC_OK && code != 0)
+        rc = rpc_error(call, code, "bare relay: upstream: %s", st.message ? st.message : "");
+    rpc_status_clear(&st);
+    return rc == RPC_OK ? RPC_OK : rc;
+}
+
+static int bare_serve(const char *target) {
+    rpc_block_signals();
+    rpc_channel *up = NULL;
+    rpc_server *s = NULL;
+    char err[256];
+    rpc_channel_opts co = {.target = target};
+    if (rpc_channel_new(&co, &up, err, sizeof err)) goto fail;
+    /* the defaults of the service config table (libcommon/service.c), which the bench's
+     * orchestrator runs with; its message size (UPSQUAD_MESSAGE_MAX=1048576 in bench.sh) is
+     * under both of the server's limits here */
+    rpc_server_opts so = {.addr = "127.0.0.1:0", .unary_threads = 1, .stream_threads = 0,
+                          .stream_workers = 16, .max_streams = 1024, .stream_queue = 256};
+    rpc_method m = {.path = "/upsquad.runtime.v1.RuntimeService/ExecuteStep",
+                    .kind = RPC_SERVER_STREAM,
+                    .auth = RPC_AUTH_NONE,
+                    .req_desc = &upsquad__runtime__v1__execute_step_request__descriptor,
+                    .resp_desc = &upsquad__runtime__v1__execute_step_event__descriptor,
+                    .stream = bare_execute_step,
+                    .ud = up};
+    if (rpc_server_new(&so, &s, err, sizeof err) || rpc_server_add(s, &m, 1) ||
+        rpc_server_start(s, err, sizeof err))
+        goto fail;
+    printf("port=%d\n", rpc_server_port(s));
+    fflush(stdout);
+    rpc_wait_signal();
+    rpc_server_shutdown(s, 1000);
+    rpc_server_free(s);
+    rpc_channel_free(up);
+    return 0;
+fail:
+    fprintf(stderr, "orchestrator-relay: bare relay: %s\n", err);
+    if (s) rpc_server_free(s);
+    if (up) rpc_channel_free(up);
+    return 1;
+}
+
 int main(int argc, char **argv) {
     const char *target = NULL, *mode = NULL, *token = NULL, *agent = "";
     long count = 0;
@@ -122,9 +191,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--count"))
             count = strtol(argv[i + 1], NULL, 10);
     }
+    if (target && mode && !strcmp(mode, "bare")) return bare_serve(target);
     if (!target || !mode || count <= 0 || count > 10000000) {
         fprintf(stderr, "usage: orchestrator-relay --mode relay|direct|first --target HOST:PORT "
-                        "--count N [--token T] [--agent A]\n");
+                        "--count N [--token T] [--agent A]\n"
+                        "       orchestrator-relay --mode bare --target WORKER\n");
         return 2;
     }
     int first = !strcmp(mode, "first"), relay = first || !strcmp(mode, "relay");

@@ -460,31 +460,67 @@ static void run_deliver(hub_topic *t, int64_t seq, int kind_ok_status, int kind_
     }
 }
 
+/* One live event of a run message, decoded (outside topic->mu) for both stream kinds. */
+typedef struct run_ev {
+    rpc_frame *fs, *fl;
+    int64_t seq;
+    int term;
+} run_ev;
+
+/* A message of the run: its events in seq order (a batch's, or one bare RunEvent), decoded
+ * first, then delivered under one hold of topic->mu as one step of the burst (the shape of a
+ * bare event's message), each de-duplicated and checked for holes per subscriber by its own
+ * seq (run_deliver). */
 static void on_run_msg(bus *b, natsMsg *m, void *ud) {
     (void)b;
     hub_topic *t = ud;
-    const uint8_t *data = (const uint8_t *)natsMsg_GetData(m);
-    size_t len = (size_t)natsMsg_GetDataLength(m);
-    rpc_frame *fs = NULL, *fl = NULL;
-    int64_t seq = 0;
-    int term = 0, term2 = 0, more = burst_more(t), fanned = 0;
-    if (run_frame(data, len, HUB_RPC_STATUS, 0, &seq, &term, &fs) != 0 ||
-        run_frame(data, len, HUB_RPC_LOGS, 0, &seq, &term2, &fl) != 0) {
-        log_warn("hub.decode", "undecodable run event on %s", natsMsg_GetSubject(m));
-        goto done;
+    hub_evit it;
+    const uint8_t *data;
+    size_t len, n = 0, cap = 0;
+    run_ev one, *evs = &one;
+    int more = burst_more(t), rc;
+    hub_evit_init(&it, (const uint8_t *)natsMsg_GetData(m), (size_t)natsMsg_GetDataLength(m));
+    while ((rc = hub_evit_next(&it, &data, &len)) == 1) {
+        if (n == cap) { /* one event (a bare RunEvent) needs no allocation */
+            size_t nc = cap ? cap * 2 : 1;
+            run_ev *v = nc == 1 ? &one : malloc(nc * sizeof *v);
+            if (!v) break;
+            if (n) memcpy(v, evs, n * sizeof *v);
+            if (evs != &one) free(evs);
+            evs = v;
+            cap = nc;
+        }
+        run_ev *e = &evs[n];
+        int term2 = 0;
+        memset(e, 0, sizeof *e);
+        if (run_frame(data, len, HUB_RPC_STATUS, 0, &e->seq, &e->term, &e->fs) != 0 ||
+            run_frame(data, len, HUB_RPC_LOGS, 0, &e->seq, &term2, &e->fl) != 0) {
+            log_warn("hub.decode", "undecodable run event on %s", natsMsg_GetSubject(m));
+            rpc_frame_unref(e->fs);
+            rpc_frame_unref(e->fl);
+            continue;
+        }
+        if (e->seq > 0) n++;
     }
-    if (seq <= 0) goto done;
-    pthread_mutex_lock(&t->mu);
-    if (seq > t->max_seq) t->max_seq = seq;
-    batch_begin(t, more);
-    run_deliver(t, seq, fs != NULL, fl != NULL, fs, fl, term);
-    batch_end(t);
-    pthread_mutex_unlock(&t->mu);
-    fanned = 1;
-done:
-    if (!fanned) batch_skip(t, more);
-    rpc_frame_unref(fs);
-    rpc_frame_unref(fl);
+    if (rc < 0) log_warn("hub.decode", "malformed run event batch on %s", natsMsg_GetSubject(m));
+    if (n == 0) {
+        batch_skip(t, more);
+    } else {
+        pthread_mutex_lock(&t->mu);
+        batch_begin(t, more);
+        for (size_t i = 0; i < n; i++) {
+            if (evs[i].seq > t->max_seq) t->max_seq = evs[i].seq;
+            run_deliver(t, evs[i].seq, evs[i].fs != NULL, evs[i].fl != NULL, evs[i].fs,
+                        evs[i].fl, evs[i].term);
+        }
+        batch_end(t);
+        pthread_mutex_unlock(&t->mu);
+    }
+    for (size_t i = 0; i < n; i++) {
+        rpc_frame_unref(evs[i].fs);
+        rpc_frame_unref(evs[i].fl);
+    }
+    if (evs != &one) free(evs);
 }
 
 /* ---- node I/O ---- */
@@ -617,15 +653,14 @@ static void vis_apply(hub_sub *s, const char *run_id, int64_t seq, int match, rp
     }
 }
 
-static void on_org_msg(bus *b, natsMsg *m, void *ud) {
-    (void)b;
-    hub_topic *t = ud;
+/* One event of an org topic's message; more: events wait behind this one. */
+static void org_event(hub_topic *t, const uint8_t *data, size_t len, int more,
+                      const char *subject) {
     rpc_frame *f = NULL, *leave = NULL;
-    int more = burst_more(t), fanned = 0;
-    RunEvent *ev = upsquad__internal__v1__run_event__unpack(NULL, (size_t)natsMsg_GetDataLength(m),
-                                                            (const uint8_t *)natsMsg_GetData(m));
+    int fanned = 0;
+    RunEvent *ev = upsquad__internal__v1__run_event__unpack(NULL, len, data);
     if (!ev || !ev->scope) {
-        log_warn("hub.decode", "undecodable run event on %s", natsMsg_GetSubject(m));
+        log_warn("hub.decode", "undecodable run event on %s", subject);
         goto done;
     }
     const Upsquad__Internal__V1__RunScope *sc = ev->scope;
@@ -683,6 +718,21 @@ done:
     rpc_frame_unref(f);
     rpc_frame_unref(leave);
     if (ev) upsquad__internal__v1__run_event__free_unpacked(ev, NULL);
+}
+
+/* A message of one of the org's runs: its events in seq order (a batch's, or one bare
+ * RunEvent); each subscriber's set de-duplicates by (run, seq) (vis_apply). */
+static void on_org_msg(bus *b, natsMsg *m, void *ud) {
+    (void)b;
+    hub_topic *t = ud;
+    hub_evit it;
+    const uint8_t *ev;
+    size_t len;
+    int more = burst_more(t), rc;
+    hub_evit_init(&it, (const uint8_t *)natsMsg_GetData(m), (size_t)natsMsg_GetDataLength(m));
+    while ((rc = hub_evit_next(&it, &ev, &len)) == 1)
+        org_event(t, ev, len, more, natsMsg_GetSubject(m));
+    if (rc < 0) log_warn("hub.decode", "malformed run event batch on %s", natsMsg_GetSubject(m));
 }
 
 /* ---- topics ---- */

@@ -199,3 +199,42 @@ void hub_stop(hub *h) {
     db_pool_close(h->pool);
     h->pool = NULL;
 }
+
+/* RunEventBatch.events: field 16, length-delimited; RunEvent reserves 16, so a message whose
+ * first tag is this one is a batch (protobuf writes fields in number order, and a RunEvent's
+ * first is scope, 1). */
+#define EVIT_TAG0 0x82
+#define EVIT_TAG1 0x01
+
+void hub_evit_init(hub_evit *it, const uint8_t *data, size_t len) {
+    it->p = data;
+    it->end = data + len;
+    it->batch = len >= 2 && data[0] == EVIT_TAG0 && data[1] == EVIT_TAG1;
+}
+
+int hub_evit_next(hub_evit *it, const uint8_t **ev, size_t *len) {
+    if (it->p >= it->end) return 0;
+    if (!it->batch) { /* a bare RunEvent: itself, once */
+        *ev = it->p;
+        *len = (size_t)(it->end - it->p);
+        it->p = it->end;
+        return 1;
+    }
+    if (it->end - it->p < 3 || it->p[0] != EVIT_TAG0 || it->p[1] != EVIT_TAG1) goto bad;
+    const uint8_t *q = it->p + 2;
+    uint64_t n = 0;
+    for (int shift = 0;; shift += 7) {
+        if (q >= it->end || shift > 28) goto bad; /* a length over 2^35: not ours */
+        n |= (uint64_t)(*q & 0x7f) << shift;
+        if (!(*q++ & 0x80)) break;
+    }
+    if (n > (uint64_t)(it->end - q)) goto bad;
+    *ev = q;
+    *len = (size_t)n;
+    it->p = q + n;
+    return 1;
+bad:
+    it->p = it->end;
+    return -1;
+}
+

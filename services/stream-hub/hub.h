@@ -100,6 +100,18 @@ typedef struct hub_sub_opts {
 int hub_status_bit(const char *status);
 int hub_status_terminal(const char *status);
 
+/* The events of a WF_EVENTS message (proto/upsquad/internal/v1/run_events.proto): a
+ * RunEventBatch's events in order, or the message itself when it is a bare RunEvent (the
+ * earlier one-event shape). Spans borrow the message. */
+typedef struct hub_evit {
+    const uint8_t *p, *end;
+    int batch;
+} hub_evit;
+void hub_evit_init(hub_evit *it, const uint8_t *data, size_t len);
+/* 1 with the next event's RunEvent bytes, 0 at the end, -1 when the batch is malformed (the
+ * events before it were returned). */
+int hub_evit_next(hub_evit *it, const uint8_t **ev, size_t *len);
+
 /* Serves one stream from subscription to detachment: subscribes first, sends the snapshot,
  * then hands the stream to the fan-out. Returns the handler's status (RPC_EDETACHED once the
  * stream is live). The run must exist in the caller's org (checked by the caller). */

@@ -3,7 +3,8 @@
  * Two pull consumers (names from the configuration, defaults in libcommon/subjects.h), bound
  * by every replica, which share the work: run events (WF_EVENTS, wf.>) and node I/O (WFIO,
  * wfio.>; only events that complete a transcript entry are stored, and the engine's
- * user_prompt frames). A message is acked after its row is committed; a failed write is not
+ * user_prompt frames). A run events message is a batch of one run's events (or, from earlier
+ * engines, one event); each is projected on its own. A message is acked after its row is committed; a failed write is not
  * acked and comes back after the ack wait, so a crash or a Postgres outage loses nothing. Writes
  * are idempotent by sequence (store.c), so a redelivery, or two replicas racing, change nothing. An
  * undecodable message is terminated (never redelivered) and counted. */
@@ -93,6 +94,33 @@ static int project_run_event(hub *h, const uint8_t *data, size_t len) {
         metric_inc(h->m_projected[which]);
     upsquad__internal__v1__run_event__free_unpacked(ev, NULL);
     return rc == DB_OK ? 0 : (rc == DB_EPRIVILEGE || rc == DB_ECHECK ? 1 : -1);
+}
+
+/* A WF_EVENTS message: each of its events (a batch's, or a bare RunEvent) projected on its own,
+ * idempotent by (run, seq). 0 when every event was stored or dropped as undecodable (counted),
+ * 1 when none was decodable (terminate), -1 retry later: the message comes back whole and the
+ * events already stored change nothing then. */
+static int project_run_msg(hub *h, const uint8_t *data, size_t len) {
+    hub_evit it;
+    const uint8_t *ev;
+    size_t n;
+    int rc, stored = 0, dropped = 0;
+    hub_evit_init(&it, data, len);
+    while ((rc = hub_evit_next(&it, &ev, &n)) == 1) {
+        int r = project_run_event(h, ev, n);
+        if (r < 0) return -1;
+        if (r == 0)
+            stored++;
+        else
+            dropped++;
+    }
+    if (rc < 0) dropped++;
+    if (stored == 0) return 1;
+    if (dropped) {
+        log_warn("hub.project", "run events: %d undecodable event(s) in a batch dropped", dropped);
+        metric_add(h->m_proj_errors, dropped);
+    }
+    return 0;
 }
 
 /* A user_prompt frame (the engine's, one per prompt it opens) is kept for the StreamNodeIO
@@ -198,7 +226,7 @@ static void consume(hub *h, bus_pull *p, int (*fn)(hub *, const uint8_t *, size_
 
 void *hub_proj_events_main(void *arg) {
     hub *h = arg;
-    consume(h, h->pull_events, project_run_event, "run events");
+    consume(h, h->pull_events, project_run_msg, "run events");
     return NULL;
 }
 

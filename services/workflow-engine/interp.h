@@ -13,11 +13,15 @@ void *wf_interp_thread(void *arg);
 void *wf_results_thread(void *arg);
 /* Outbox relay thread body (relay.c). */
 void *wf_relay_thread(void *arg);
-/* The relay's publishing plan for outbox rows in id order: wave[i] for each row, the number of
- * waves returned (-1 out of memory). A run's events (wf.status / wf.log) get strictly
- * increasing waves in row order; any other row is alone in its wave, after every earlier row's
- * and before every later row's. */
-int wf_relay_waves(const char *const *subjects, int n, int *wave);
+/* The relay's publishing plan for outbox rows in id order (subjects, payload lengths): msg[i]
+ * the message row i goes in, wave[m] the wave of message m (both arrays of n); returns the
+ * number of messages (-1 out of memory). A run's events (wf.status / wf.log) between two
+ * other rows go in one RunEventBatch message, up to WF_RELAY_BATCH_EVENTS events and
+ * WF_RELAY_BATCH_BYTES bytes, a fuller run's next message in a later wave; any other row is
+ * its own message, alone in its wave, after every earlier row's and before every later row's. */
+#define WF_RELAY_BATCH_EVENTS 256
+#define WF_RELAY_BATCH_BYTES (256 * 1024) /* well under NATS' default max_payload, 1 MiB */
+int wf_relay_plan(const char *const *subjects, const int *lens, int n, int *msg, int *wave);
 /* Schedule firing thread body. */
 void *wf_scheduler_thread(void *arg);
 

@@ -484,6 +484,39 @@ class StreamHub(unittest.TestCase):
         r2.cancel()
         self.assertEqual([m.line.message for m in r2.msgs], ["line %d" % s for s in range(16, 23)])
 
+    def test_batched_events_are_served_once_per_seq_whatever_the_messages(self):
+        # the engine publishes a run's events many per message (RunEventBatch); a batch re-sent
+        # after a failure may overlap one already delivered: every subscriber and the
+        # projection see each (run, seq) once, in order, and a bare RunEvent still works
+        org = uid()
+        run = self.new_run(org)  # seq 1: a bare RunEvent
+        self.projected(run, 1)
+        logs = self.read(self.a, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org)
+        status = self.read(self.b, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
+        time.sleep(0.3)  # both live
+        self.pub("log", org=org, run=run, seq=2, repeat=8, batch=4, message="line")  # 2-5, 6-9
+        self.pub("log", org=org, run=run, seq=4, repeat=8, batch=8, message="line")  # 4-11 again
+        self.pub("node", org=org, run=run, seq=12, repeat=3, batch=3, node_id="a",
+                 status="running", run_status="running")
+        self.projected(run, 14)
+        end = time.time() + 15  # the lists are compared below, whatever came
+        while time.time() < end and (len(logs.msgs) < 10 or len(status.msgs) < 3):
+            time.sleep(0.05)
+        time.sleep(0.3)
+        logs.cancel()
+        status.cancel()
+        self.assertEqual([m.run_seq for m in logs.msgs], list(range(2, 12)))
+        self.assertEqual([m.run_seq for m in status.msgs], [12, 13, 14])
+        self.assertEqual(psql(self.admin, "SELECT count(*), min(seq), max(seq) FROM "
+                              "stream_hub.run_events WHERE run_id = '%s'" % run), "14|1|14")
+        # from the store (the snapshot's replay) and resumed mid-batch on the other replica
+        r = self.read(self.b, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org,
+                      extra=(("x-upsquad-resume-seq", "6"),))
+        wait_until(lambda: len(r.msgs) >= 5, 10, "resumed lines")
+        time.sleep(0.2)
+        r.cancel()
+        self.assertEqual([m.run_seq for m in r.msgs], list(range(7, 12)))
+
     def test_resume_from_the_seq_read_on_the_stream_after_a_replica_dies(self):
         # Every StreamRunStatus/StreamRunLogs frame carries the run seq (run_seq, an Upsquad
         # extension of the response wrapper). A client reads some frames from replica C, C is

@@ -234,9 +234,9 @@ class GatesTest(unittest.TestCase):
                 subj, _, _, data = q.get(timeout=0.5)
             except Exception:
                 continue
-            ev = RE.RunEvent.FromString(data)
-            if subj.endswith(run) and ev.WhichOneof("event") == "node" and ev.node.step_name == "g":
-                nodes[ev.node.raw_status] = ev.node
+            for ev in T.run_events(data, RE):
+                if subj.endswith(run) and ev.WhichOneof("event") == "node" and ev.node.step_name == "g":
+                    nodes[ev.node.raw_status] = ev.node
         self.nc.unsubscribe(sid)
         esc = nodes["escalated"]
         self.assertEqual((esc.update.status, esc.update.blocked_by), ("blocked", a.approval_id))
@@ -459,10 +459,10 @@ class GatesTest(unittest.TestCase):
                 subj, _, _, data = q.get(timeout=0.5)
             except Exception:
                 continue
-            ev = RE.RunEvent.FromString(data)
-            if subj.endswith(run) and ev.WhichOneof("event") == "node" and ev.node.step_name == "ask" \
-                    and ev.node.raw_status == "awaiting_approval":
-                seen = ev.node
+            for ev in T.run_events(data, RE):
+                if subj.endswith(run) and ev.WhichOneof("event") == "node" and ev.node.step_name == "ask" \
+                        and ev.node.raw_status == "awaiting_approval":
+                    seen = ev.node
         self.nc.unsubscribe(sid)
         self.assertIsNotNone(seen, "no parked transition for the prompt on wf.status")
         self.assertEqual((seen.asked_by_role, seen.prompt_id, seen.needs_input), ("reviewer", a.approval_id, True))

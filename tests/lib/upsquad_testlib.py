@@ -35,6 +35,15 @@ def load_generated(relpath, name):
     return mod
 
 
+def run_events(data, E):
+    """The RunEvents of one WF_EVENTS message (E: the run_events_pb2 module): a RunEventBatch's
+    (the engine's shape; its first field is events, 16: bytes 0x82 0x01), or one bare RunEvent
+    (the earlier shape, still accepted by readers)."""
+    if data[:2] == b"\x82\x01":
+        return list(E.RunEventBatch.FromString(data).events)
+    return [E.RunEvent.FromString(data)]
+
+
 def b64url(data):
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 

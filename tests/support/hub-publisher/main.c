@@ -12,7 +12,9 @@
  *          elapsed_ms, cost_usd, at_ms_ago (the transition's `at` that long before now),
  *          raw_status, needs_input, needs_approval, prompt_id, is_waiting} -> wf.status (JS)
  *   log   {... scope, seq, node_id, level, message}           -> wf.log.<org>.<run> (JetStream)
- *         run, node and log take "repeat": N (N events, seq, seq+1, ...)
+ *         run, node and log take "repeat": N (N events, seq, seq+1, ...) and "batch": K (those
+ *         events K per message, a RunEventBatch, as the engine's outbox relay sends them: on
+ *         wf.status, or wf.log when all are log lines; message id "<run>:<first seq>+<count>")
  *   io    {org, run, node, session, seq, iteration, token | status | tool_call {name, id, args} |
  *          tool_result {name, id, summary, is_error, duration_ms},
  *          transcript {event_type, content}}                  -> wfio.<org>.<run> (core: the
@@ -56,6 +58,43 @@ static int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* The batch being built ("batch": K): the events' packed bytes, unpacked again into the
+ * RunEventBatch, so the framing is protobuf-c's, not the engine's. */
+typedef struct pending_batch {
+    Upsquad__Internal__V1__RunEvent *ev[1024];
+    int n, status; /* events; one of them is a node or run transition */
+    char run[64];
+    long long seq0;
+} pending_batch;
+
+static pending_batch PB;
+
+static int batch_flush(char *err, size_t errlen) {
+    if (PB.n == 0) return 0;
+    Upsquad__Internal__V1__RunEventBatch b = UPSQUAD__INTERNAL__V1__RUN_EVENT_BATCH__INIT;
+    b.n_events = (size_t)PB.n;
+    b.events = PB.ev;
+    char subj[256], msgid[160];
+    const Upsquad__Internal__V1__RunScope *sc = PB.ev[0]->scope;
+    int rc = bus_subject(subj, sizeof subj, "wf", PB.status ? "status" : "log", sc->org_id,
+                         sc->run_id, NULL);
+    size_t n = protobuf_c_message_get_packed_size(&b.base);
+    uint8_t *buf = rc == BUS_OK ? malloc(n ? n : 1) : NULL;
+    if (buf) {
+        protobuf_c_message_pack(&b.base, buf);
+        snprintf(msgid, sizeof msgid, "%s:%lld+%d", sc->run_id, PB.seq0, PB.n);
+        rc = bus_js_publish(B, subj, buf, (int)n, msgid, NULL, err, errlen);
+    } else {
+        snprintf(err, errlen, "bad org or run, or out of memory");
+        rc = -1;
+    }
+    free(buf);
+    for (int i = 0; i < PB.n; i++)
+        upsquad__internal__v1__run_event__free_unpacked(PB.ev[i], NULL);
+    PB.n = PB.status = 0;
+    return rc == BUS_OK ? 0 : -1;
 }
 
 static int publish_run_event(const cJSON *c, const char *op, char *err, size_t errlen) {
@@ -127,6 +166,15 @@ static int publish_run_event(const cJSON *c, const char *op, char *err, size_t e
     uint8_t *buf = malloc(n ? n : 1);
     if (!buf) return -1;
     protobuf_c_message_pack(&ev.base, buf);
+    if (num(c, "batch", 0) >= 1) { /* into the batch; batch_flush publishes it */
+        if (PB.n == 0) PB.seq0 = (long long)ev.seq;
+        PB.ev[PB.n] = upsquad__internal__v1__run_event__unpack(NULL, n, buf);
+        free(buf);
+        if (!PB.ev[PB.n]) return snprintf(err, errlen, "out of memory"), -1;
+        PB.status |= strcmp(kind, "log") != 0;
+        PB.n++;
+        return 0;
+    }
     snprintf(msgid, sizeof msgid, "%s:%lld", sc.run_id, (long long)ev.seq);
     int rc = bus_js_publish(B, subj, buf, (int)n, msgid, NULL, err, errlen);
     free(buf);
@@ -289,10 +337,13 @@ int main(int argc, char **argv) {
         } else if (!strcmp(op, "run") || !strcmp(op, "node") || !strcmp(op, "log")) {
             /* "repeat": N events with seq, seq+1, ... (bursts without a round trip each) */
             long n = (long)num(c, "repeat", 1), seq0 = (long)num(c, "seq", 0);
+            long k = (long)num(c, "batch", 0);
+            if (k > 1024) k = 1024;
             for (long i = 0; i < n && rc == 0; i++) {
                 cJSON_DeleteItemFromObjectCaseSensitive(c, "seq");
                 cJSON_AddNumberToObject(c, "seq", (double)(seq0 + i));
                 rc = publish_run_event(c, op, err, sizeof err);
+                if (rc == 0 && k >= 1 && (PB.n == k || i + 1 == n)) rc = batch_flush(err, sizeof err);
             }
         } else if (!strcmp(op, "io")) {
             rc = publish_io(c, NULL, err, sizeof err);

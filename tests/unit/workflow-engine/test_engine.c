@@ -135,54 +135,71 @@ static void test_projection(void **ctx) {
     assert_true(wf_run_terminal("cancelled") && !wf_run_terminal("paused"));
 }
 
-/* The relay's waves: a run's events one per wave in order, other runs' alongside, and every
- * other row (dispatch, cancel, decision) alone between what came before and after it. */
-static void test_relay_waves(void **ctx) {
+/* The relay's plan: a run's events between two other rows in one message (both subjects),
+ * other runs' alongside in the same wave, every other row alone in its message and its wave,
+ * and a run's events past a message's bound in a new message of a later wave. */
+static void test_relay_plan(void **ctx) {
     (void)ctx;
     const char *rows[] = {
-        "wf.status.o.r1",         /* 0: r1 first */
-        "wf.status.o.r2",         /* 0: r2 first */
-        "wf.log.o.r1",            /* 1: r1 second (both subjects are r1) */
-        "wf.status.o.r1",         /* 2 */
-        "wf.status.o.r3",         /* 0 */
-        "agent.step.dispatch",    /* 3: a barrier after everything above */
-        "wf.status.o.r2",         /* 4: after the barrier */
-        "wf.status.o.r4",         /* 4 */
-        "agent.step.cancel.o.r4", /* 5: a barrier */
-        "approval.decided.o",     /* 6: a barrier */
-        "wf.status.o.r4",         /* 7 */
-        "wf.log.o.r4",            /* 8 */
+        "wf.status.o.r1",         /* m0 w0 */
+        "wf.status.o.r2",         /* m1 w0 */
+        "wf.log.o.r1",            /* m0: r1's second event, the same message */
+        "wf.status.o.r1",         /* m0 */
+        "wf.status.o.r3",         /* m2 w0 */
+        "agent.step.dispatch",    /* m3 w1: a barrier after everything above */
+        "wf.status.o.r2",         /* m4 w2: after the barrier, a new message */
+        "wf.status.o.r4",         /* m5 w2 */
+        "agent.step.cancel.o.r4", /* m6 w3: a barrier */
+        "approval.decided.o",     /* m7 w4: a barrier */
+        "wf.status.o.r4",         /* m8 w5 */
+        "wf.log.o.r4",            /* m8 */
     };
-    int want[] = {0, 0, 1, 2, 0, 3, 4, 4, 5, 6, 7, 8};
-    int n = (int)(sizeof rows / sizeof rows[0]), wave[16];
-    assert_int_equal(wf_relay_waves(rows, n, wave), 9);
+    int n = (int)(sizeof rows / sizeof rows[0]), lens[16], msg[16], wave[16];
+    int want_msg[] = {0, 1, 0, 0, 2, 3, 4, 5, 6, 7, 8, 8};
+    int want_wave[] = {0, 0, 0, 1, 2, 2, 3, 4, 5};
     for (int i = 0; i < n; i++)
-        assert_int_equal(wave[i], want[i]);
-    assert_int_equal(wf_relay_waves(rows, 0, wave), 0);
-    /* many runs, one event each: a single wave */
-    static char subj[300][64];
-    const char *many[300];
-    int w[300];
-    for (int i = 0; i < 300; i++) {
+        lens[i] = 100;
+    assert_int_equal(wf_relay_plan(rows, lens, n, msg, wave), 9);
+    for (int i = 0; i < n; i++)
+        assert_int_equal(msg[i], want_msg[i]);
+    for (int m = 0; m < 9; m++)
+        assert_int_equal(wave[m], want_wave[m]);
+    assert_int_equal(wf_relay_plan(rows, lens, 0, msg, wave), 0);
+    /* many runs, one event each: a message each, a single wave */
+    static char subj[600][64];
+    static const char *many[600];
+    static int l[600], ms[600], w[600];
+    for (int i = 0; i < 600; i++) {
         snprintf(subj[i], sizeof subj[i], "wf.status.o.run%d", i);
         many[i] = subj[i];
+        l[i] = 100;
     }
-    assert_int_equal(wf_relay_waves(many, 300, w), 1);
+    assert_int_equal(wf_relay_plan(many, l, 300, ms, w), 300);
     for (int i = 0; i < 300; i++)
-        assert_int_equal(w[i], 0);
-    /* one run, many events: one per wave */
-    for (int i = 0; i < 300; i++)
+        assert_int_equal(w[ms[i]], 0);
+    /* one run, many events: messages of WF_RELAY_BATCH_EVENTS, one per wave */
+    for (int i = 0; i < 600; i++)
         many[i] = subj[7];
-    assert_int_equal(wf_relay_waves(many, 300, w), 300);
-    for (int i = 0; i < 300; i++)
-        assert_int_equal(w[i], i);
+    int nm = (600 + WF_RELAY_BATCH_EVENTS - 1) / WF_RELAY_BATCH_EVENTS;
+    assert_int_equal(wf_relay_plan(many, l, 600, ms, w), nm);
+    for (int i = 0; i < 600; i++) {
+        assert_int_equal(ms[i], i / WF_RELAY_BATCH_EVENTS);
+        assert_int_equal(w[ms[i]], i / WF_RELAY_BATCH_EVENTS);
+    }
+    /* and by bytes: events of a third of the bound, three per message at most */
+    for (int i = 0; i < 7; i++)
+        l[i] = WF_RELAY_BATCH_BYTES / 3 - 8;
+    assert_int_equal(wf_relay_plan(many, l, 7, ms, w), 3);
+    assert_int_equal(ms[2], 0);
+    assert_int_equal(ms[3], 1);
+    assert_int_equal(ms[6], 2);
 }
 
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_templates),   cmocka_unit_test(test_conditions),
         cmocka_unit_test(test_field_specs), cmocka_unit_test(test_page_tokens),
-        cmocka_unit_test(test_projection),  cmocka_unit_test(test_relay_waves),
+        cmocka_unit_test(test_projection),  cmocka_unit_test(test_relay_plan),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
