@@ -493,29 +493,35 @@ class StreamHub(unittest.TestCase):
         self.projected(run, 1)
         logs = self.read(self.a, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org)
         status = self.read(self.b, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
-        time.sleep(0.3)  # both live
-        self.pub("log", org=org, run=run, seq=2, repeat=8, batch=4, message="line")  # 2-5, 6-9
-        self.pub("log", org=org, run=run, seq=4, repeat=8, batch=8, message="line")  # 4-11 again
-        self.pub("node", org=org, run=run, seq=12, repeat=3, batch=3, node_id="a",
+        # both replicas' run topics live before the batches: a node event (seq 2) reaches a
+        # status stream on each (the logs stream's topic on A is the probe's)
+        probe = self.read(self.a, "StreamRunStatus", W.StreamRunStatusRequest(run_id=run), org)
+        self.pub("node", org=org, run=run, seq=2, node_id="p", status="running", run_status="running")
+        wait_until(lambda: any(m.run_seq == 2 for m in probe.msgs) and
+                   any(m.run_seq == 2 for m in status.msgs), 15, "both topics live")
+        probe.cancel()
+        self.pub("log", org=org, run=run, seq=3, repeat=8, batch=4, message="line")  # 3-6, 7-10
+        self.pub("log", org=org, run=run, seq=5, repeat=8, batch=8, message="line")  # 5-12 again
+        self.pub("node", org=org, run=run, seq=13, repeat=3, batch=3, node_id="a",
                  status="running", run_status="running")
-        self.projected(run, 14)
+        self.projected(run, 15)
         end = time.time() + 15  # the lists are compared below, whatever came
-        while time.time() < end and (len(logs.msgs) < 10 or len(status.msgs) < 3):
+        while time.time() < end and (len(logs.msgs) < 10 or len([m for m in status.msgs if m.run_seq > 2]) < 3):
             time.sleep(0.05)
         time.sleep(0.3)
         logs.cancel()
         status.cancel()
-        self.assertEqual([m.run_seq for m in logs.msgs], list(range(2, 12)))
-        self.assertEqual([m.run_seq for m in status.msgs], [12, 13, 14])
+        self.assertEqual([m.run_seq for m in logs.msgs], list(range(3, 13)), (logs.code, getattr(logs, "details", None)))
+        self.assertEqual([m.run_seq for m in status.msgs if m.run_seq > 2], [13, 14, 15])
         self.assertEqual(psql(self.admin, "SELECT count(*), min(seq), max(seq) FROM "
-                              "stream_hub.run_events WHERE run_id = '%s'" % run), "14|1|14")
+                              "stream_hub.run_events WHERE run_id = '%s'" % run), "15|1|15")
         # from the store (the snapshot's replay) and resumed mid-batch on the other replica
         r = self.read(self.b, "StreamRunLogs", W.StreamRunLogsRequest(run_id=run), org,
-                      extra=(("x-upsquad-resume-seq", "6"),))
+                      extra=(("x-upsquad-resume-seq", "7"),))
         wait_until(lambda: len(r.msgs) >= 5, 10, "resumed lines")
         time.sleep(0.2)
         r.cancel()
-        self.assertEqual([m.run_seq for m in r.msgs], list(range(7, 12)))
+        self.assertEqual([m.run_seq for m in r.msgs], list(range(8, 13)))
 
     def test_resume_from_the_seq_read_on_the_stream_after_a_replica_dies(self):
         # Every StreamRunStatus/StreamRunLogs frame carries the run seq (run_seq, an Upsquad
