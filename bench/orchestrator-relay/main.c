@@ -150,8 +150,12 @@ static int bare_serve(const char *target) {
     /* the defaults of the service config table (libcommon/service.c), which the bench's
      * orchestrator runs with; its message size (UPSQUAD_MESSAGE_MAX=1048576 in bench.sh) is
      * under both of the server's limits here */
-    rpc_server_opts so = {.addr = "127.0.0.1:0", .unary_threads = 1, .stream_threads = 0,
-                          .stream_workers = 16, .max_streams = 1024, .stream_queue = 256};
+    rpc_server_opts so = {.addr = "127.0.0.1:0",
+                          .unary_threads = 1,
+                          .stream_threads = 0,
+                          .stream_workers = 16,
+                          .max_streams = 1024,
+                          .stream_queue = 256};
     rpc_method m = {.path = "/upsquad.runtime.v1.RuntimeService/ExecuteStep",
                     .kind = RPC_SERVER_STREAM,
                     .auth = RPC_AUTH_NONE,

@@ -510,8 +510,8 @@ static void on_run_msg(bus *b, natsMsg *m, void *ud) {
         batch_begin(t, more);
         for (size_t i = 0; i < n; i++) {
             if (evs[i].seq > t->max_seq) t->max_seq = evs[i].seq;
-            run_deliver(t, evs[i].seq, evs[i].fs != NULL, evs[i].fl != NULL, evs[i].fs,
-                        evs[i].fl, evs[i].term);
+            run_deliver(t, evs[i].seq, evs[i].fs != NULL, evs[i].fl != NULL, evs[i].fs, evs[i].fl,
+                        evs[i].term);
         }
         batch_end(t);
         pthread_mutex_unlock(&t->mu);

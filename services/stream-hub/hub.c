@@ -237,4 +237,3 @@ bad:
     it->p = it->end;
     return -1;
 }
-

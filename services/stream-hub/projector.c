@@ -4,10 +4,10 @@
  * by every replica, which share the work: run events (WF_EVENTS, wf.>) and node I/O (WFIO,
  * wfio.>; only events that complete a transcript entry are stored, and the engine's
  * user_prompt frames). A run events message is a batch of one run's events (or, from earlier
- * engines, one event); each is projected on its own. A message is acked after its row is committed; a failed write is not
- * acked and comes back after the ack wait, so a crash or a Postgres outage loses nothing. Writes
- * are idempotent by sequence (store.c), so a redelivery, or two replicas racing, change nothing. An
- * undecodable message is terminated (never redelivered) and counted. */
+ * engines, one event); each is projected on its own. A message is acked after its row is committed;
+ * a failed write is not acked and comes back after the ack wait, so a crash or a Postgres outage
+ * loses nothing. Writes are idempotent by sequence (store.c), so a redelivery, or two replicas
+ * racing, change nothing. An undecodable message is terminated (never redelivered) and counted. */
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>

@@ -23,7 +23,8 @@
  *
  * Rounds. A commit wakes the relay (wf_engine_kick_relay); a round starts at most once per
  * UPSQUAD_WF_RELAY_LINGER, so under load the events of several ticks share one round (one
- * transaction, one message per run) instead of a round per tick; an idle relay answers a kick at once. */
+ * transaction, one message per run) instead of a round per tick; an idle relay answers a kick at
+ * once. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -160,7 +161,7 @@ static int build_msg(PGresult *r, const int *rows, int k, relay_msg *out) {
         size_t len = (size_t)PQgetlength(r, rows[j], 3);
         *p++ = BATCH_TAG0;
         *p++ = BATCH_TAG1;
-        for (size_t v = len; ; v >>= 7) {
+        for (size_t v = len;; v >>= 7) {
             *p++ = (unsigned char)(v >= 0x80 ? (v & 0x7f) | 0x80 : v);
             if (v < 0x80) break;
         }

@@ -343,7 +343,8 @@ int main(int argc, char **argv) {
                 cJSON_DeleteItemFromObjectCaseSensitive(c, "seq");
                 cJSON_AddNumberToObject(c, "seq", (double)(seq0 + i));
                 rc = publish_run_event(c, op, err, sizeof err);
-                if (rc == 0 && k >= 1 && (PB.n == k || i + 1 == n)) rc = batch_flush(err, sizeof err);
+                if (rc == 0 && k >= 1 && (PB.n == k || i + 1 == n))
+                    rc = batch_flush(err, sizeof err);
             }
         } else if (!strcmp(op, "io")) {
             rc = publish_io(c, NULL, err, sizeof err);
