@@ -317,6 +317,9 @@ static why cycle(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st
     orch_chat_step step = {.goal = title, .observe = observe, .ud = g, .hold_completion = 1};
     orch_chat_turn t = *l->t;
     t.step = &step;
+    /* the cycle's user_message is the plan's goal, also when a later message (a nudge)
+     * continues the plan */
+    if (l->pl.goal) t.message = l->pl.goal;
     signals_reset(g);
     for (long long attempt = 0;; attempt++) {
         orch_turn_result_clear(res);
