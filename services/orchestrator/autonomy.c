@@ -5,15 +5,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "fields.h"
 #include "ids.h"
 #include "lease.h"
 #include "log.h"
 #include "pbjson.h"
 #include "store.h"
 #include "util.h"
+#include "workers.h"
 
 typedef Upsquad__Runtime__V1__ExecuteStepEvent StepEvent;
+
+#define RETRY_WAIT_MS 5000 /* a lost worker's cycle waits this long for a live one */
 
 /* ---- the plan ---- */
 
@@ -326,12 +331,15 @@ static why cycle(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st
         orch_chat_state_clear(st);
         *rc = orch_chat_steps(l->o, l->call, &t, res, st);
         /* a worker lost mid-cycle (crash, unreachable): the same todo again, on a live worker
-         * (the lost one is marked down), from the session's state there */
-        if (res->outcome != TURN_FAILED || !res->retryable || st->error_relayed ||
-            attempt >= l->o->cfg->auto_retries)
+         * (the lost one is marked down), from the session's state there; the pool may need a
+         * probe round to see the other one live (up to RETRY_WAIT_MS) */
+        if ((res->outcome != TURN_FAILED && res->outcome != TURN_NO_WORKER) || !res->retryable ||
+            st->error_relayed || attempt >= l->o->cfg->auto_retries)
             break;
         log_warn("auto.retry", "session %s: %s failed (%s); again on another worker", l->t->sid,
                  todo_field(l, l->pl.cursor, "id"), res->error_code);
+        for (int w = 0; w < RETRY_WAIT_MS / 100 && orch_workers_live(l->o->workers) == 0; w++)
+            usleep(100 * 1000);
     }
     l->pl.cycles++;
     if (res->outcome == TURN_INTERRUPT || res->outcome == TURN_INPUT_REQUIRED) return STOP_GATE;
@@ -354,6 +362,22 @@ static why cycle(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st
     save(l, done ? "todo_done" : NULL, d);
     if (done) tell(l->call, msg);
     return stall ? END_STALL : GO_ON;
+}
+
+int orch_auto_busy(orch *o, rpc_call *call, const char *org, const char *sid) {
+    char err[256];
+    int busy = 0;
+    /* one loop per session: a second autonomous message while a turn of the session runs
+     * would drive the same plan twice; refused before anything changes */
+    if (orch_store_plan_busy(o->pool, org, sid, "00000000-0000-0000-0000-000000000000",
+                             o->cfg->turn_lease_ttl_ms, &busy, err, sizeof err) != DB_OK)
+        return orch_store_failed(call, "reading the session's turns", err);
+    if (busy)
+        return rpc_error(call, RPC_FAILED_PRECONDITION,
+                         "session %s is running a turn: one autonomous loop runs at a time; send "
+                         "again when it ended",
+                         sid);
+    return RPC_OK;
 }
 
 int orch_auto_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked) {

@@ -21,6 +21,10 @@
  * *parked as orch_chat_run's. */
 int orch_auto_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked);
 
+/* RPC_OK when no turn of the session runs; else FAILED_PRECONDITION on call (one autonomous
+ * loop per session: checked before the turn begins, so a refusal changes nothing). */
+int orch_auto_busy(orch *o, rpc_call *call, const char *org, const char *sid);
+
 /* The plan from a DecompositionEvent (unit-tested): titles trimmed, empty ones dropped, stable
  * sorted by ordering, at most max_todos, ids re-indexed todo-<n>; no todo left: one seed todo,
  * the goal. Returns the JSON array text [{"id", "title", "done": false}] (heap) and *n. */

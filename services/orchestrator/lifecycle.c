@@ -304,6 +304,10 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
                        s.agent_id);
         goto done;
     }
+    /* spec EXECUTION_MODE_AUTONOMOUS: the orchestrator-side plan loop drives the turn */
+    int mode = rq->execution_mode ? (int)rq->execution_mode : s.execution_mode;
+    int autonomous = mode == UPSQUAD__RUNTIME__V1__EXECUTION_MODE__EXECUTION_MODE_AUTONOMOUS;
+    if (autonomous && (rc = orch_auto_busy(o, call, id->org_id, sid)) != RPC_OK) goto done;
     int64_t left = rpc_deadline_ms(call);
     int64_t timeout = o->cfg->step_timeout_ms;
     if (left < timeout) timeout = left > 0 ? left : 1;
@@ -338,9 +342,7 @@ static int send_message(rpc_call *call, const ProtobufCMessage *req, void *ud) {
                         .prefer_worker = s.worker,
                         .timeout_ms = timeout};
     int parked = 0;
-    /* spec EXECUTION_MODE_AUTONOMOUS: the orchestrator-side plan loop drives the turn */
-    int mode = rq->execution_mode ? (int)rq->execution_mode : s.execution_mode;
-    if (mode == UPSQUAD__RUNTIME__V1__EXECUTION_MODE__EXECUTION_MODE_AUTONOMOUS)
+    if (autonomous)
         rc = orch_auto_run(o, call, &t, &parked);
     else
         rc = orch_chat_run(o, call, &t, &parked);

@@ -245,6 +245,11 @@ int orch_store_plan_save(db_pool *p, const char *org, const char *session_id, co
                          int loop_count, const char *audit_type, const char *agent,
                          const char *parent, const char *detail, char *err, size_t errlen);
 
+/* *busy 1 when another turn of the session holds a live lease (not mine, the caller's turn):
+ * an autonomous loop runs alone on its session. */
+int orch_store_plan_busy(db_pool *p, const char *org, const char *session_id, const char *mine,
+                         int64_t ttl_ms, int *busy, char *err, size_t errlen);
+
 /* ---- a chat session parked on a human (store_gates.c; docs/orchestrator.md, "Approvals and
  * prompts on the chat path") ---- */
 typedef struct orch_gate_row {

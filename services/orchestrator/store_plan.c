@@ -68,3 +68,21 @@ int orch_store_plan_save(db_pool *p, const char *org, const char *session_id, co
                                   errlen);
     return tx_end(tx, rc, err, errlen);
 }
+
+int orch_store_plan_busy(db_pool *p, const char *org, const char *session_id, const char *mine,
+                         int64_t ttl_ms, int *busy, char *err, size_t errlen) {
+    PGresult *r = NULL;
+    char ttl[32];
+    *busy = 0;
+    snprintf(ttl, sizeof ttl, "%lld", (long long)ttl_ms);
+    TX_BEGIN(org);
+    /* another turn of the session whose lease is alive (a stale one is being reclaimed) */
+    rc = db_exec(c,
+                 "SELECT count(*) FROM turn_leases WHERE session_id = $1::uuid"
+                 " AND action_id <> $3::uuid"
+                 " AND renewed_at >= now() - $2::bigint * interval '1 millisecond'",
+                 3, (const char *[]){session_id, ttl, mine}, &r, err, errlen);
+    if (rc == DB_OK && PQntuples(r) == 1) *busy = atoi(PQgetvalue(r, 0, 0)) > 0;
+    PQclear(r);
+    return tx_end(tx, rc, err, errlen);
+}

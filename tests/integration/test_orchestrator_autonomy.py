@@ -219,6 +219,25 @@ class Autonomy(unittest.TestCase):
         else:
             type(self).w2 = fresh
 
+    # ---- one loop per session: a second autonomous message meanwhile is refused ----
+    def test_one_loop_per_session(self):
+        sid = self.create()
+        slow = script([{"tokens": "slow"}, {"sleep_ms": 2000}, {"complete": "slow done"}])
+        it = self.stream(planned([slow, "second"]), sid)
+        evs = []
+        th = threading.Thread(target=lambda: [evs.append(e) for e in it])
+        th.start()
+        deadline = time.time() + 10
+        while time.time() < deadline and not any("todo-1 (1/2)" in d for d in self.details(evs)):
+            time.sleep(0.05)
+        with self.assertRaises(grpc.RpcError) as cm:
+            list(self.stream("again", sid))
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("one autonomous loop runs at a time", cm.exception.details())
+        th.join(20)
+        cursor, cycles, state, reason, _ = self.plan_row(sid)
+        self.assertEqual((cursor, cycles, state, reason), (2, 2, "ended", "plan_complete"))
+
     # ---- a pause between cycles, then a later SendMessage continues at the same todo ----
     def test_pause_between_cycles_then_continue(self):
         sid = self.create()
