@@ -482,7 +482,7 @@ static int run_op(run *r, const dw_op *op) {
  * whose answer_tool_result names that call ({tool_call_id, result}) is spliced as the call's
  * result instead of running it (a rejected decision, a delegation's child result). The result
  * text (call arena), or NULL; *is_error: the result says "denied" or "is_error". */
-static const char *denial_of(run *r, int *is_error) {
+static const char *given_result(run *r, int *is_error) {
     const Upsquad__Runtime__V1__AskUserResume *ar = r->rq->ask_user_resume;
     if (ar == NULL || ar->answer_tool_result.len == 0) return NULL;
     cJSON *a = cJSON_ParseWithLength((const char *)ar->answer_tool_result.data,
@@ -503,25 +503,25 @@ static const char *denial_of(run *r, int *is_error) {
 }
 
 /* A suspension restored by InitWorkerSession: the approved gated call runs now (its
- * tool_result), or a rejected one gets the denial as an error result; either way the script
- * goes on after the interrupt. */
+ * tool_result), or the call gets the result the orchestrator gave (a denial, a delegation's
+ * outcome); either way the script goes on after the interrupt. */
 static int resume_suspended(run *r, size_t n_ops, int *start) {
     const char *call_id = r->resume_call, *tool = r->resume_tool;
     int32_t at = r->resume_at;
     if (at <= 0 || (size_t)at > n_ops) return RUN_OK;
     int is_error = 0;
-    const char *denied = denial_of(r, &is_error);
+    const char *given = given_result(r, &is_error);
     Upsquad__Runtime__V1__ExecuteStepEvent ev = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__INIT;
     Upsquad__Runtime__V1__ToolResultEvent tr = UPSQUAD__RUNTIME__V1__TOOL_RESULT_EVENT__INIT;
     tr.tool_call_id = (char *)call_id;
     tr.tool_name = (char *)tool;
-    tr.result = denied ? (char *)denied : "{\"approved\":true}";
+    tr.result = given ? (char *)given : "{\"approved\":true}";
     tr.is_error = is_error;
     ev.event_case = UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_TOOL_RESULT;
     ev.tool_result = &tr;
     log_info("step.resumed", "session %s: resuming after the %s call %s", r->rq->session_id,
-             denied ? "answered" : "approved", call_id);
-    if (denied) r->answer = denied;
+             given ? "answered" : "approved", call_id);
+    if (given) r->answer = given;
     int rc = send_event(r, &ev);
     if (rc == RUN_OK) rc = end_iteration(r, NULL, 0);
     *start = at;

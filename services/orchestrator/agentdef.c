@@ -111,12 +111,6 @@ static int policies_ok(const cJSON *v, char *err, size_t errlen) {
     return 0;
 }
 
-int agentdef_tool_requires_approval(const cJSON *doc, const char *tool) {
-    const cJSON *p = cJSON_GetObjectItemCaseSensitive(
-        cJSON_GetObjectItemCaseSensitive(doc, "tool_policies"), tool ? tool : "");
-    return cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(p, "requires_approval"));
-}
-
 int agentdef_tool_clearance(const cJSON *doc, const char *tool) {
     const cJSON *p = cJSON_GetObjectItemCaseSensitive(
         cJSON_GetObjectItemCaseSensitive(doc, "tool_policies"), tool ? tool : "");
@@ -125,6 +119,17 @@ int agentdef_tool_clearance(const cJSON *doc, const char *tool) {
     c = cJSON_GetObjectItemCaseSensitive(doc, "approval_clearance");
     if (cJSON_IsNumber(c) && c->valueint >= 1 && c->valueint <= 5) return c->valueint;
     return AGENTDEF_CLEARANCE_DEFAULT;
+}
+
+void agentdef_tool_policy(const char *definition, const char *tool, agentdef_policy *out) {
+    cJSON *doc = cJSON_Parse(definition ? definition : "{}");
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(doc, "tool_policies"), tool ? tool : "");
+    out->clearance = agentdef_tool_clearance(doc, tool);
+    out->names_clearance =
+        cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(p, "required_clearance"));
+    out->requires_approval = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(p, "requires_approval"));
+    cJSON_Delete(doc);
 }
 
 static int security_ok(const cJSON *v, char *err, size_t errlen) {

@@ -51,10 +51,16 @@ SessionSnapshot *agentdef_freeze(orch_arena *a, const cJSON *doc, const char *se
  * policy names no clearance fails closed to the highest tier. doc: a validated document. */
 #define AGENTDEF_CLEARANCE_DEFAULT 5
 int agentdef_tool_clearance(const cJSON *doc, const char *tool);
-/* 1 when the agent's policy says calls of tool need an approval (tool_policies.<tool>
- * .requires_approval): the orchestrator asks for one itself before a call it serves
- * (delegate_to_agent); the worker gates the tools it runs. */
-int agentdef_tool_requires_approval(const cJSON *doc, const char *tool);
+/* A tool's policy read from a stored definition (JSON text; unreadable: the defaults):
+ * clearance as agentdef_tool_clearance, whether the policy names one itself, and whether it
+ * asks an approval (tool_policies.<tool>.requires_approval: the orchestrator asks one itself
+ * before a call it serves, delegate_to_agent; the worker gates the tools it runs). */
+typedef struct agentdef_policy {
+    int clearance;
+    int names_clearance;
+    int requires_approval;
+} agentdef_policy;
+void agentdef_tool_policy(const char *definition, const char *tool, agentdef_policy *out);
 
 /* Canonical encoding (heap, caller frees) and hash of a snapshot. */
 int agentdef_canonical(const SessionSnapshot *s, unsigned char **out, size_t *len);

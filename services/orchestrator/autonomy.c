@@ -127,22 +127,13 @@ static void signals_reset(signals *g) {
 
 /* ---- telling the caller ---- */
 
-static void tell(rpc_call *call, const char *detail) {
-    if (!call) return;
-    Upsquad__Runtime__V1__StatusEvent st = UPSQUAD__RUNTIME__V1__STATUS_EVENT__INIT;
-    Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
-    Upsquad__Runtime__V1__AgentEvent ae;
-    upsquad__runtime__v1__agent_event__init(&ae);
-    pbjson_ts_now(&at);
-    st.status = UPSQUAD__RUNTIME__V1__AGENT_STATUS__AGENT_STATUS_THINKING;
-    st.detail = (char *)detail;
-    st.timestamp = &at;
-    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_STATUS;
-    ae.status = &st;
-    rpc_stream_send(call, &ae.base);
+/* The loop's progress on the caller's stream (within a delegated child's turn, wrapped). */
+static void tell(rpc_call *call, const orch_envelope *env, const char *detail) {
+    if (call) orch_chat_send_status(call, env, detail, 0);
 }
 
-static void tell_completion(rpc_call *call, const char *text, int cycles) {
+static void tell_completion(rpc_call *call, const orch_envelope *env, const char *text,
+                            int cycles) {
     if (!call) return;
     Upsquad__Runtime__V1__CompletionEvent c = UPSQUAD__RUNTIME__V1__COMPLETION_EVENT__INIT;
     Upsquad__Runtime__V1__AgentEvent ae;
@@ -151,7 +142,7 @@ static void tell_completion(rpc_call *call, const char *text, int cycles) {
     c.loop_iterations = cycles;
     ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_COMPLETION;
     ae.completion = &c;
-    rpc_stream_send(call, &ae.base);
+    orch_chat_send(call, env, &ae);
 }
 
 /* ---- the loop ---- */
@@ -249,7 +240,7 @@ static int plan(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st)
     save(l, "plan_created", d);
     char msg[96];
     snprintf(msg, sizeof msg, "plan: %d todo(s)", l->n);
-    tell(l->call, msg);
+    tell(l->call, l->t->env, msg);
     return rc;
 }
 
@@ -274,11 +265,11 @@ static int finish(loop *l, why w, orch_turn_result *res, orch_chat_state *st, in
     snprintf(msg, sizeof msg, "autonomous loop %s: %s after %d cycle(s), %d/%d todo(s) done",
              l->pl.ended ? "ended" : "stopped", why_name(w), l->pl.cycles, done, l->n);
     log_info("auto.end", "session %s: %s", l->t->sid, msg);
-    if (w != STOP_GATE && w != END_CANCEL) tell(l->call, msg);
+    if (w != STOP_GATE && w != END_CANCEL) tell(l->call, l->t->env, msg);
     switch (w) {
     case END_PLAN_COMPLETE:
         res->outcome = TURN_COMPLETED;
-        tell_completion(l->call, res->final_text, l->pl.cycles);
+        tell_completion(l->call, l->t->env, res->final_text, l->pl.cycles);
         break;
     case STOP_PAUSED:
         res->outcome = TURN_COMPLETED;
@@ -318,7 +309,7 @@ static why cycle(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st
     const char *title = todo_field(l, l->pl.cursor, "title");
     snprintf(msg, sizeof msg, "%s (%d/%d): %s", todo_field(l, l->pl.cursor, "id"), l->pl.cursor + 1,
              l->n, title);
-    tell(l->call, msg);
+    tell(l->call, l->t->env, msg);
     orch_chat_step step = {.goal = title, .observe = observe, .ud = g, .hold_completion = 1};
     orch_chat_turn t = *l->t;
     t.step = &step;
@@ -360,7 +351,7 @@ static why cycle(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st
     }
     int stall = stalled(l, g, done);
     save(l, done ? "todo_done" : NULL, d);
-    if (done) tell(l->call, msg);
+    if (done) tell(l->call, l->t->env, msg);
     return stall ? END_STALL : GO_ON;
 }
 
@@ -401,7 +392,7 @@ int orch_auto_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked)
         l.n = cJSON_GetArraySize(l.todos);
         l.base = l.base > l.pl.cycles ? l.base - l.pl.cycles : 0; /* loop_count counts them */
         g.goal = l.pl.goal;
-        tell(call, "continuing the plan");
+        tell(call, t->env, "continuing the plan");
     } else {
         orch_plan_clear(&l.pl);
         rc = plan(&l, &g, &res, &st);

@@ -85,9 +85,9 @@ static int delegation_gated(chat *c) {
     char err[256];
     int gated = 0;
     if (orch_store_agent_get(c->o->pool, c->org, c->agent, &a, err, sizeof err) == DB_OK) {
-        cJSON *doc = cJSON_Parse(a.definition ? a.definition : "{}");
-        gated = agentdef_tool_requires_approval(doc, ORCH_DELEGATE_TOOL);
-        cJSON_Delete(doc);
+        agentdef_policy pol;
+        agentdef_tool_policy(a.definition, ORCH_DELEGATE_TOOL, &pol);
+        gated = pol.requires_approval;
     }
     free(a.definition);
     return gated;
@@ -171,18 +171,24 @@ static int tell_pending_pause(chat *c) {
         !pending)
         return RPC_OK;
     c->pause_told = 1;
+    return orch_chat_send_status(
+        c->call, c->env, "a pause is pending: the session is suspended when this turn ends", 1);
+}
+
+int orch_chat_send_status(rpc_call *call, const orch_envelope *env, const char *detail,
+                          int pending_pause) {
     Upsquad__Runtime__V1__StatusEvent st = UPSQUAD__RUNTIME__V1__STATUS_EVENT__INIT;
     Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
     AgentEvent ae;
     upsquad__runtime__v1__agent_event__init(&ae);
     pbjson_ts_now(&at);
     st.status = UPSQUAD__RUNTIME__V1__AGENT_STATUS__AGENT_STATUS_THINKING;
-    st.detail = (char *)"a pause is pending: the session is suspended when this turn ends";
+    st.detail = (char *)detail;
     st.timestamp = &at;
-    st.pending_pause = 1;
+    st.pending_pause = pending_pause;
     ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_STATUS;
     ae.status = &st;
-    return orch_chat_send(c->call, c->env, &ae);
+    return orch_chat_send(call, env, &ae);
 }
 
 /* The audit row of the turn's tool call id, else the turn's message_received. */
@@ -362,13 +368,35 @@ void orch_chat_send_error(rpc_call *call, const char *code, const char *message,
 
 #define PARK_POLL_MS 250
 
-void orch_chat_send_resumed(rpc_call *call, int64_t resumed_ms, int resumed_loop,
-                            const char *approval_id) {
+int orch_chat_send_paused(rpc_call *call, const orch_envelope *env, const orch_pause *pz) {
+    Upsquad__Runtime__V1__SessionPausedEvent e = UPSQUAD__RUNTIME__V1__SESSION_PAUSED_EVENT__INIT;
+    Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    AgentEvent ae;
+    upsquad__runtime__v1__agent_event__init(&ae);
+    if (pz->paused_ms > 0)
+        pbjson_ts_from_ms(&at, pz->paused_ms);
+    else
+        pbjson_ts_now(&at);
+    e.reason = (char *)pz->reason;
+    e.pause_source = (Upsquad__Runtime__V1__PauseSource)pz->source;
+    e.correlation_id = (char *)pz->correlation_id;
+    e.checkpoint_key = (char *)pz->checkpoint_key;
+    e.paused_at = &at;
+    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_SESSION_PAUSED;
+    ae.session_paused = &e;
+    return orch_chat_send(call, env, &ae);
+}
+
+void orch_chat_send_resumed(rpc_call *call, const orch_envelope *env, int64_t resumed_ms,
+                            int resumed_loop, const char *approval_id) {
     Upsquad__Runtime__V1__SessionResumedEvent e = UPSQUAD__RUNTIME__V1__SESSION_RESUMED_EVENT__INIT;
     Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
     AgentEvent ae;
     upsquad__runtime__v1__agent_event__init(&ae);
-    pbjson_ts_from_ms(&at, resumed_ms);
+    if (resumed_ms > 0)
+        pbjson_ts_from_ms(&at, resumed_ms);
+    else
+        pbjson_ts_now(&at);
     e.resumed_at_loop = resumed_loop;
     e.resumed_at = &at;
     /* spec: "Populated when resumed_by_approval is true" */
@@ -378,7 +406,7 @@ void orch_chat_send_resumed(rpc_call *call, int64_t resumed_ms, int resumed_loop
     }
     ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_SESSION_RESUMED;
     ae.session_resumed = &e;
-    rpc_stream_send(call, &ae.base);
+    orch_chat_send(call, env, &ae);
 }
 
 /* The stream waits for the session to leave SUSPENDED, reading its row every PARK_POLL_MS (the
@@ -412,7 +440,7 @@ void orch_chat_park(orch *o, rpc_call *call, const char *org, const char *sid) {
         }
         if (!strcmp(pl.state, "suspended")) continue;
         if (!strcmp(pl.state, "active"))
-            orch_chat_send_resumed(call, pl.resumed_ms, pl.resumed_loop, pl.resumed_by);
+            orch_chat_send_resumed(call, NULL, pl.resumed_ms, pl.resumed_loop, pl.resumed_by);
         break;
     }
 done:
@@ -571,7 +599,7 @@ int orch_chat_finish(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn
     /* a pause committed at the turn's end (its own gate, or one asked for meanwhile): the
      * stream says so; the caller waits for the resume (orch_chat_park) */
     if (paused.committed && res->outcome != TURN_CANCELLED &&
-        (!call || orch_pause_send_event(call, &paused) == RPC_OK))
+        (!call || orch_chat_send_paused(call, t->env, &paused) == RPC_OK))
         *parked = 1;
     else if (st->approval_id[0] && call &&
              orch_store_gate_unhold(o->pool, t->org, t->sid, o->instance, err, sizeof err) !=

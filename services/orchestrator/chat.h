@@ -98,9 +98,16 @@ int orch_chat_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked)
  * follows its SessionResumedEvent, and it may park again). */
 void orch_chat_park(orch *o, rpc_call *call, const char *org, const char *sid);
 
-/* A SessionResumedEvent on call; approval_id non-empty: resumed by that approval's decision. */
-void orch_chat_send_resumed(rpc_call *call, int64_t resumed_ms, int resumed_loop,
-                            const char *approval_id);
+/* A StatusEvent (THINKING, detail, pending_pause) on call, wrapped per env. */
+int orch_chat_send_status(rpc_call *call, const orch_envelope *env, const char *detail,
+                          int pending_pause);
+/* A SessionPausedEvent for a pause (committed, or a delegation's wait) on call, wrapped per
+ * env; paused_ms 0: now. */
+int orch_chat_send_paused(rpc_call *call, const orch_envelope *env, const orch_pause *pz);
+/* A SessionResumedEvent on call, wrapped per env; resumed_ms 0: now; approval_id non-empty:
+ * resumed by that approval's decision. */
+void orch_chat_send_resumed(rpc_call *call, const orch_envelope *env, int64_t resumed_ms,
+                            int resumed_loop, const char *approval_id);
 /* An ErrorEvent on call. */
 void orch_chat_send_error(rpc_call *call, const char *code, const char *message, int retryable);
 

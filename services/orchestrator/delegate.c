@@ -49,37 +49,15 @@ static char *answer_of(const char *call_id, const child_run *ch, const char *ref
     return s;
 }
 
+/* spec: the parent waits with SessionPaused(DELEGATION) whose correlation id is the child */
 static void tell_paused(rpc_call *call, const orch_envelope *env, const child_run *ch,
                         const char *task) {
     if (!call) return;
-    char reason[320];
-    snprintf(reason, sizeof reason, "delegated to %s: %.*s", ch->role,
+    orch_pause pz = {.source = UPSQUAD__RUNTIME__V1__PAUSE_SOURCE__PAUSE_SOURCE_DELEGATION};
+    snprintf(pz.reason, sizeof pz.reason, "delegated to %s: %.*s", ch->role,
              (int)util_utf8_cut(task, 200), task);
-    Upsquad__Runtime__V1__SessionPausedEvent e = UPSQUAD__RUNTIME__V1__SESSION_PAUSED_EVENT__INIT;
-    Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
-    Upsquad__Runtime__V1__AgentEvent ae;
-    upsquad__runtime__v1__agent_event__init(&ae);
-    pbjson_ts_now(&at);
-    e.reason = reason;
-    e.pause_source = UPSQUAD__RUNTIME__V1__PAUSE_SOURCE__PAUSE_SOURCE_DELEGATION;
-    e.correlation_id = (char *)ch->sid; /* spec: the child id */
-    e.paused_at = &at;
-    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_SESSION_PAUSED;
-    ae.session_paused = &e;
-    orch_chat_send(call, env, &ae);
-}
-
-static void tell_resumed(rpc_call *call, const orch_envelope *env) {
-    if (!call) return;
-    Upsquad__Runtime__V1__SessionResumedEvent e = UPSQUAD__RUNTIME__V1__SESSION_RESUMED_EVENT__INIT;
-    Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
-    Upsquad__Runtime__V1__AgentEvent ae;
-    upsquad__runtime__v1__agent_event__init(&ae);
-    pbjson_ts_now(&at);
-    e.resumed_at = &at;
-    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_SESSION_RESUMED;
-    ae.session_resumed = &e;
-    orch_chat_send(call, env, &ae);
+    snprintf(pz.correlation_id, sizeof pz.correlation_id, "%s", ch->sid);
+    orch_chat_send_paused(call, env, &pz);
 }
 
 /* The named agent of the org: an agent id, else a role. */
@@ -224,7 +202,7 @@ int orch_delegate(orch *o, rpc_call *call, const orch_chat_turn *t, const orch_c
         rc = RPC_FAILED_PRECONDITION;
         goto done;
     }
-    if (!refused[0]) tell_resumed(call, t->env);
+    if (!refused[0] && call) orch_chat_send_resumed(call, t->env, 0, 0, NULL);
     rc = orch_gate_rehydrate(o, &s, worker, ck, cklen, msg, sizeof msg);
     if (rc != RPC_OK) {
         res->outcome = TURN_FAILED;

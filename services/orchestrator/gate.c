@@ -60,19 +60,16 @@ static int gate_policy(orch *o, const orch_gate_ask *ask, int *clearance, int *e
         snprintf(msg, msglen, "the agent's definition is not readable: %s", err);
         return RPC_UNAVAILABLE;
     }
-    cJSON *doc = cJSON_Parse(a.definition ? a.definition : "{}");
+    agentdef_policy pol;
+    agentdef_tool_policy(a.definition, ask->tool, &pol);
     snprintf(name, 129, "%s", a.display_name);
     *explicit_prompt = 0;
     if (!strcmp(ask->kind, "user_prompt")) {
-        const cJSON *p = cJSON_GetObjectItemCaseSensitive(
-            cJSON_GetObjectItemCaseSensitive(doc, "tool_policies"), ask->tool);
-        *explicit_prompt =
-            cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(p, "required_clearance"));
-        *clearance = *explicit_prompt ? agentdef_tool_clearance(doc, ask->tool) : 1;
+        *explicit_prompt = pol.names_clearance;
+        *clearance = *explicit_prompt ? pol.clearance : 1;
     } else {
-        *clearance = agentdef_tool_clearance(doc, ask->tool);
+        *clearance = pol.clearance;
     }
-    cJSON_Delete(doc);
     free(a.definition);
     return RPC_OK;
 }
@@ -349,7 +346,7 @@ int orch_gate_resume(orch *o, rpc_call *call, const char *org, const char *appro
     }
     log_info("gate.resumed", "session %s: %s %s decided; resuming the turn%s", t.session_id, t.kind,
              approval_id, call ? " on the waiting stream" : " (nobody listens)");
-    if (call) orch_chat_send_resumed(call, t.resumed_ms, t.resumed_loop, approval_id);
+    if (call) orch_chat_send_resumed(call, NULL, t.resumed_ms, t.resumed_loop, approval_id);
     rc = orch_store_session_get(o->pool, org, t.session_id, 1, &s, err, sizeof err);
     if (rc != DB_OK) {
         log_error("gate.resume", "session %s: %s", t.session_id, err);

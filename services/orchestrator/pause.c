@@ -41,22 +41,6 @@ typedef Upsquad__Runtime__V1__ProvenanceChainLink ChainLink;
 
 static atomic_int waiters;
 
-int orch_pause_send_event(rpc_call *call, const orch_pause *pz) {
-    Upsquad__Runtime__V1__SessionPausedEvent e = UPSQUAD__RUNTIME__V1__SESSION_PAUSED_EVENT__INIT;
-    Google__Protobuf__Timestamp at = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
-    AgentEvent ae;
-    upsquad__runtime__v1__agent_event__init(&ae);
-    pbjson_ts_from_ms(&at, pz->paused_ms);
-    e.reason = (char *)pz->reason;
-    e.pause_source = (Upsquad__Runtime__V1__PauseSource)pz->source;
-    e.correlation_id = (char *)pz->correlation_id;
-    e.checkpoint_key = (char *)pz->checkpoint_key;
-    e.paused_at = &at;
-    ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_SESSION_PAUSED;
-    ae.session_paused = &e;
-    return rpc_stream_send(call, &ae.base);
-}
-
 /* ---- PauseSession ---- */
 
 static void pause_reply(rpc_call *call, const orch_pause *pz, int was_already, PauseResponse *out) {

@@ -450,14 +450,6 @@ static void fail(StepResult *r, Upsquad__Internal__V1__StepFailed *f, const char
 /* the AgentStepResult carrying it must fit one NATS message (max_payload, 1 MiB by default) */
 #define FROZEN_MAX_BYTES (768 * 1024)
 
-/* The clearance the gated tool's approval needs, from the agent's definition (never 0). */
-static int tool_clearance(const orch_agent_row *agent, const char *tool) {
-    cJSON *doc = cJSON_Parse(agent->definition ? agent->definition : "{}");
-    int c = doc ? agentdef_tool_clearance(doc, tool) : AGENTDEF_CLEARANCE_DEFAULT;
-    cJSON_Delete(doc);
-    return c;
-}
-
 /* The worker-side Checkpoint poll ("serialise and return state", spec CheckpointRequest) on
  * the worker that ran the turn. 0 with *ck (heap) when it answered a well-formed state. */
 static int poll_frozen(orch *o, const char *org, const char *sid, const char *addr, uint8_t **ck,
@@ -699,7 +691,9 @@ static int run_step(orch *o, const Dispatch *d, natsMsg *msg, step_slot *sl) {
     case TURN_INTERRUPT:
         r.outcome_case = UPSQUAD__INTERNAL__V1__AGENT_STEP_RESULT__OUTCOME_INTERRUPT_REQUIRED;
         r.interrupt_required = res.stop->interrupt_required;
-        gate.required_clearance = tool_clearance(&agent, r.interrupt_required->tool_name);
+        agentdef_policy pol;
+        agentdef_tool_policy(agent.definition, r.interrupt_required->tool_name, &pol);
+        gate.required_clearance = pol.clearance; /* never 0 */
         frozen_checkpoint(o, d->org_id, sid, res.worker, &gate.checkpoint.data,
                           &gate.checkpoint.len);
         r.interrupt_gate = &gate;
