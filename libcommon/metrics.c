@@ -622,9 +622,45 @@ static enum MHD_Result metrics__handle(void *cls, struct MHD_Connection *c, cons
         MHD_create_response_from_buffer(10, (void *)"not found\n", MHD_RESPMEM_PERSISTENT), text);
 }
 
+/* MHD logs one line per connection it refuses (over the connection or per-address limit), so a
+ * client opening sockets in a loop would write the log at its own pace: at most
+ * METRICS_LOG_BURST lines a second pass, and the next line that passes says how many did not. */
+#define METRICS_LOG_BURST 5
+static pthread_mutex_t metrics__log_mu = PTHREAD_MUTEX_INITIALIZER;
+static int64_t metrics__log_window;
+static unsigned metrics__log_lines, metrics__log_dropped;
+
 static void metrics__mhd_log(void *cls, const char *fmt, va_list ap) {
     (void)cls;
-    log_vwrite(LOG_WARN, "metrics.http", fmt, ap);
+    int64_t now = util_mono_ms() / 1000;
+    unsigned dropped = 0;
+    int pass;
+    pthread_mutex_lock(&metrics__log_mu);
+    if (now != metrics__log_window) {
+        metrics__log_window = now;
+        metrics__log_lines = 0;
+    }
+    pass = metrics__log_lines < METRICS_LOG_BURST;
+    if (pass) {
+        metrics__log_lines++;
+        dropped = metrics__log_dropped;
+        metrics__log_dropped = 0;
+    } else {
+        metrics__log_dropped++;
+    }
+    pthread_mutex_unlock(&metrics__log_mu);
+    if (!pass) return;
+    if (dropped)
+        log_write(LOG_WARN, "metrics.http",
+                  "%u more metrics-server messages suppressed (at most %d a second are logged)",
+                  dropped, METRICS_LOG_BURST);
+    char msg[256];
+    int n = vsnprintf(msg, sizeof msg, fmt, ap);
+    if (n < 0) return;
+    size_t len = strlen(msg);
+    while (len && (msg[len - 1] == '\n' || msg[len - 1] == ' '))
+        msg[--len] = '\0'; /* MHD's own */
+    log_write(LOG_WARN, "metrics.http", "%s", msg);
 }
 
 #define metrics__fail(err, errlen, ...) util_errf((err), (errlen), -1, __VA_ARGS__)

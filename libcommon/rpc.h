@@ -290,6 +290,10 @@ void rpc_stream_kick(rpc_call *call);
 int rpc_stream_push_wait(rpc_call *call, rpc_frame *f, int64_t wait_ms);
 /* Queue depth now (frames not yet written), for gap accounting. */
 size_t rpc_stream_queued(rpc_call *call);
+/* Free queue slots now: pushes that would succeed. Only grows meanwhile (the writer drains), so
+ * a stream's one producer can push that many without RPC_EFULL (two frames that must go
+ * together: a StreamGap and the frame it names). */
+size_t rpc_stream_room(rpc_call *call);
 /* Sends the final status after the queued frames. Idempotent. */
 int rpc_stream_finish(rpc_call *call, int code, const char *message);
 /* Ends the stream at once with `code`, dropping the queued frames (a subscriber that stopped

@@ -131,8 +131,13 @@ static int pump_locked(rpc_call *c, send_batch *b) {
         /* more frames wait behind this one: let the transport hold its bytes for the next
          * write (one write syscall for several messages, each still its own message); the
          * last frame of a run, or of a bounded run of hinted frames (rpc__stream_hint), goes
-         * without the hint and flushes them all */
-        if (rpc__stream_hint(c, flen)) b->ops[b->n].flags = GRPC_WRITE_BUFFER_HINT;
+         * without the hint and flushes them all. Never the frame that carries the response
+         * headers: chttp2 starts no write for a server's initial metadata whose batch holds a
+         * hinted message, and that batch completes only once the headers are written, so the
+         * stream's next frame (picked on that completion) would wait for another stream's
+         * write on the connection, forever on a connection of its own: a stream whose first
+         * frames were queued together received nothing */
+        if (c->md_sent && rpc__stream_hint(c, flen)) b->ops[b->n].flags = GRPC_WRITE_BUFFER_HINT;
         b->ops[b->n++].data.send_message.send_message = c->inflight;
     }
     if (c->q_len == 0 && c->finishing) {
@@ -305,6 +310,13 @@ void rpc_stream_kick(rpc_call *c) {
 size_t rpc_stream_queued(rpc_call *c) {
     pthread_mutex_lock(&c->mu);
     size_t n = c->q_len;
+    pthread_mutex_unlock(&c->mu);
+    return n;
+}
+
+size_t rpc_stream_room(rpc_call *c) {
+    pthread_mutex_lock(&c->mu);
+    size_t n = c->closed || c->finishing ? 0 : c->q_cap - c->q_len;
     pthread_mutex_unlock(&c->mu);
     return n;
 }

@@ -6,6 +6,7 @@
  *   workflow-engine-load --target HOST:PORT --token JWT --fairness VICTIM_JWT [--runs N]
  *   workflow-engine-load --target HOST:PORT --token JWT --sequential [--runs N]
  *                        [--steps N | --laps N]
+ *   workflow-engine-load --target HOST:PORT --token JWT --rate RUNS_PER_S [--runs N] [--steps N]
  *
  * Creates one workflow of `steps` chained github.get_issue steps, triggers `runs` runs as fast
  * as it can, polls each until it ends, and prints one JSON line: runs, steps, seconds (first
@@ -16,7 +17,11 @@
  * instead (fairness(): another org's one-step latency under this org's flood vs idle). With
  * --sequential it runs `runs` runs one after another (each to its end before the next starts)
  * of `steps` chained steps, or of one loop of `laps` laps of one tool step, and prints the
- * wall time per transition: what one more step costs a run as the run grows (sequential()). */
+ * wall time per transition: what one more step costs a run as the run grows (sequential()).
+ * With --rate R it triggers `runs` runs open-loop, one every 1/R s whatever the engine does,
+ * waits for them all, and prints their trigger-to-first-step p50/p99 (server clock, every run
+ * a sample, after a second of the same load not counted): the latency a steady load of R
+ * runs/s sees (at_rate()). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -293,9 +298,58 @@ static int sequential(int runs, int steps, int laps) {
     return left || failed ? 1 : 0;
 }
 
+/* --rate: `runs` runs of `steps` steps triggered one every 1/rate s (open loop: a late trigger
+ * does not delay the next one's schedule beyond it); every run's first-step delay. The load
+ * starts one second (at least 10 runs) earlier, those runs not counted: the first runs after an
+ * engine's start pay for its cold Postgres backends (25-50 ms for the first, measured), which
+ * would otherwise be the p99 of a few hundred samples; their worst is printed apart. */
+static int at_rate(double rate, int runs, int steps) {
+    char *dj = definition(steps);
+    char *wf = create_as(&opts, dj);
+    free(dj);
+    int warm = rate < 10 ? 10 : (int)rate, all = warm + runs;
+    char **ids = calloc((size_t)all, sizeof *ids);
+    double *lat = calloc((size_t)all, sizeof *lat);
+    double t0 = now_s(), sent = 0, cold = 0;
+    for (int i = 0; i < all; i++) {
+        double due = t0 + i / rate, now = now_s();
+        if (due > now) usleep((useconds_t)((due - now) * 1e6));
+        if (i == warm) sent = now_s();
+        ids[i] = trigger(wf);
+    }
+    sent = now_s() - sent;
+    int failed = 0, left = all;
+    for (int i = 0; i < all && now_s() - t0 < 300;) {
+        int f = 0;
+        if (finished(ids[i], &f, &lat[i])) {
+            failed += f;
+            left--;
+            i++;
+        } else {
+            usleep(10000);
+        }
+    }
+    for (int i = 0; i < warm; i++)
+        cold = lat[i] > cold ? lat[i] : cold;
+    double *m = lat + warm;
+    qsort(m, (size_t)runs, sizeof *m, cmp_d);
+    printf("{\"runs\":%d,\"rate\":%.1f,\"achieved_rate\":%.1f,\"first_step_p50_ms\":%.1f,"
+           "\"first_step_p99_ms\":%.1f,\"first_step_max_ms\":%.1f,\"warmup_runs\":%d,"
+           "\"warmup_first_step_max_ms\":%.1f,\"failed\":%d,\"unfinished\":%d}\n",
+           runs, rate, sent > 0 ? (runs - 1) / sent : 0, m[runs / 2], m[(runs * 99) / 100],
+           m[runs - 1], warm, cold, failed, left);
+    for (int i = 0; i < all; i++)
+        free(ids[i]);
+    free(ids);
+    free(lat);
+    free(wf);
+    return left || failed ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     const char *target = NULL, *token = NULL, *victim = NULL;
     int runs = 100, steps = 10, laps = 0, seq = 0;
+    double rate = 0;
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--sequential")) seq = 1;
     for (int i = 1; i + 1 < argc; i += 1 + (strcmp(argv[i], "--sequential") != 0)) {
@@ -311,11 +365,13 @@ int main(int argc, char **argv) {
             laps = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--fairness"))
             victim = argv[i + 1];
+        else if (!strcmp(argv[i], "--rate"))
+            rate = atof(argv[i + 1]);
     }
-    if (!target || !token || runs <= 0 || steps <= 0 || laps < 0) {
+    if (!target || !token || runs <= 0 || steps <= 0 || laps < 0 || rate < 0) {
         fprintf(stderr,
                 "usage: %s --target HOST:PORT --token JWT [--runs N] [--steps N | --laps N] "
-                "[--sequential] [--fairness VICTIM_JWT]\n",
+                "[--sequential] [--fairness VICTIM_JWT] [--rate RUNS_PER_S]\n",
                 argv[0]);
         return 2;
     }
@@ -329,6 +385,7 @@ int main(int argc, char **argv) {
     opts.bearer = token;
     if (victim) return fairness(victim, runs);
     if (seq) return sequential(runs, steps, laps);
+    if (rate > 0) return at_rate(rate, runs, steps);
     char *dj = definition(steps);
     char *wf = create_as(&opts, dj);
     free(dj);

@@ -2,6 +2,7 @@
 #include "autonomy.h"
 
 #include <cjson/cJSON.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -89,6 +90,11 @@ typedef struct signals {
     int artifacts, marked_done, errored;
     char hash[65]; /* hex sha256 of response_delta_hash ("" none) */
     char *final_text;
+    /* the turn's steps' token usage summed (spec CompletionEvent.token_usage: "aggregated
+     * token counts and cost"): the PLAN step and every cycle, not reset between cycles */
+    long long in_tokens, out_tokens;
+    double cost_usd;
+    char model[128];
 } signals;
 
 static void observe(void *ud, const StepEvent *ev) {
@@ -108,11 +114,19 @@ static void observe(void *ud, const StepEvent *ev) {
             ids_sha256_hex(sp->response_delta_hash.data, sp->response_delta_hash.len, g->hash);
         break;
     }
-    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_COMPLETION:
+    case UPSQUAD__RUNTIME__V1__EXECUTE_STEP_EVENT__EVENT_COMPLETION: {
+        const Upsquad__Runtime__V1__TokenUsage *u = ev->completion->token_usage;
         free(g->final_text);
         g->final_text =
             strdup(ev->completion->final_response ? ev->completion->final_response : "");
+        if (u) {
+            g->in_tokens += u->input_tokens;
+            g->out_tokens += u->output_tokens;
+            g->cost_usd += u->cost_usd;
+            if (u->model && *u->model) snprintf(g->model, sizeof g->model, "%s", u->model);
+        }
         break;
+    }
     default:
         break;
     }
@@ -132,14 +146,24 @@ static void tell(rpc_call *call, const orch_envelope *env, const char *detail) {
     if (call) orch_chat_send_status(call, env, detail, 0);
 }
 
-static void tell_completion(rpc_call *call, const orch_envelope *env, const char *text,
-                            int cycles) {
+/* The loop's one CompletionEvent: the last cycle's answer, the cycles, the turn's steps' usage
+ * summed and its wall-clock time since started_ms (spec CompletionEvent). */
+static void tell_completion(rpc_call *call, const orch_envelope *env, const char *text, int cycles,
+                            const signals *g, int64_t started_ms) {
     if (!call) return;
     Upsquad__Runtime__V1__CompletionEvent c = UPSQUAD__RUNTIME__V1__COMPLETION_EVENT__INIT;
+    Upsquad__Runtime__V1__TokenUsage u = UPSQUAD__RUNTIME__V1__TOKEN_USAGE__INIT;
     Upsquad__Runtime__V1__AgentEvent ae;
     upsquad__runtime__v1__agent_event__init(&ae);
     c.final_response = (char *)(text ? text : "");
     c.loop_iterations = cycles;
+    u.input_tokens = (int32_t)(g->in_tokens < INT32_MAX ? g->in_tokens : INT32_MAX);
+    u.output_tokens = (int32_t)(g->out_tokens < INT32_MAX ? g->out_tokens : INT32_MAX);
+    u.cost_usd = g->cost_usd;
+    u.model = (char *)g->model;
+    c.token_usage = &u;
+    int64_t ms = util_mono_ms() - started_ms;
+    c.duration_ms = (int32_t)(ms < INT32_MAX ? ms : INT32_MAX);
     ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_COMPLETION;
     ae.completion = &c;
     orch_chat_send(call, env, &ae);
@@ -148,7 +172,8 @@ static void tell_completion(rpc_call *call, const orch_envelope *env, const char
 /* ---- the loop ---- */
 
 /* Why a loop's turn ends (spec: stall, max_loops, plan complete, cancel and error are the
- * termination reasons); gate, paused and error_retryable stop the turn, not the plan. */
+ * termination reasons); gate, paused, error_retryable and unattended (a gate's decision
+ * resumed its cycle with nobody listening) stop the turn, not the plan. */
 typedef enum {
     GO_ON = 0,
     END_PLAN_COMPLETE,
@@ -159,11 +184,13 @@ typedef enum {
     STOP_PAUSED,
     STOP_GATE,
     STOP_ERROR_RETRYABLE,
+    STOP_UNATTENDED,
 } why;
 
 static const char *why_name(why w) {
-    static const char *names[] = {"",      "plan_complete", "max_loops", "stall",          "cancel",
-                                  "error", "paused",        "gate",      "error_retryable"};
+    static const char *names[] = {
+        "",      "plan_complete", "max_loops", "stall",           "cancel",
+        "error", "paused",        "gate",      "error_retryable", "unattended"};
     return names[w];
 }
 
@@ -174,7 +201,9 @@ typedef struct loop {
     orch_plan pl;
     cJSON *todos; /* pl.todos parsed */
     int n;
-    int base; /* the session's loop_count when the turn began */
+    int base;           /* the session's loop_count when the turn began */
+    const signals *g;   /* its steps' signals (the usage summed) */
+    int64_t started_ms; /* monotonic: the turn's start */
 } loop;
 
 static const char *todo_field(const loop *l, int i, const char *k) {
@@ -254,10 +283,14 @@ static int finish(loop *l, why w, orch_turn_result *res, orch_chat_state *st, in
     for (int i = 0; i < l->n; i++)
         done +=
             cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(l->todos, i), "done"));
-    l->pl.ended = w != STOP_PAUSED && w != STOP_GATE && w != STOP_ERROR_RETRYABLE;
+    l->pl.ended =
+        w != STOP_PAUSED && w != STOP_GATE && w != STOP_ERROR_RETRYABLE && w != STOP_UNATTENDED;
     snprintf(l->pl.reason, sizeof l->pl.reason, "%s", why_name(w));
+    /* the gate the cycle parked on: its decision re-enters this cycle (orch_auto_resume) */
+    snprintf(l->pl.gate, sizeof l->pl.gate, "%s", w == STOP_GATE ? st->approval_id : "");
     cJSON *d = cJSON_CreateObject();
     cJSON_AddStringToObject(d, "reason", why_name(w));
+    if (l->pl.gate[0]) cJSON_AddStringToObject(d, "approval_id", l->pl.gate);
     cJSON_AddNumberToObject(d, "cycles", l->pl.cycles);
     cJSON_AddNumberToObject(d, "todos_done", done);
     cJSON_AddNumberToObject(d, "todos", l->n);
@@ -269,7 +302,7 @@ static int finish(loop *l, why w, orch_turn_result *res, orch_chat_state *st, in
     switch (w) {
     case END_PLAN_COMPLETE:
         res->outcome = TURN_COMPLETED;
-        tell_completion(l->call, l->t->env, res->final_text, l->pl.cycles);
+        tell_completion(l->call, l->t->env, res->final_text, l->pl.cycles, l->g, l->started_ms);
         break;
     case STOP_PAUSED:
         res->outcome = TURN_COMPLETED;
@@ -282,7 +315,7 @@ static int finish(loop *l, why w, orch_turn_result *res, orch_chat_state *st, in
         free(res->error_message);
         res->error_message = strdup(msg);
         res->retryable = 0;
-        if (l->call) orch_chat_send_error(l->call, res->error_code, msg, 0);
+        if (l->call) orch_chat_send_error(l->call, l->t->env, res->error_code, msg, 0);
         st->error_relayed = 1;
         break;
     case END_CANCEL:
@@ -294,25 +327,40 @@ static int finish(loop *l, why w, orch_turn_result *res, orch_chat_state *st, in
     return orch_chat_finish(l->o, l->call, l->t, res, st, parked);
 }
 
-/* One cycle on the active todo; GO_ON when the loop goes on, else why it ends. */
-static why cycle(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st, int *rc) {
-    char msg[2200], err[256];
-    int pending = 0;
-    if (l->pl.cursor >= l->n) return END_PLAN_COMPLETE;
-    if (l->pl.cycles >= l->t->s->max_loops) return END_MAX_LOOPS;
-    if (l->call && rpc_cancelled(l->call)) return END_CANCEL;
-    /* spec: a pause commits at the next boundary: between cycles */
-    if (orch_store_pause_pending(l->o->pool, l->t->org, l->t->sid, &pending, err, sizeof err) ==
-            DB_OK &&
-        pending)
-        return STOP_PAUSED;
+/* spec TerminateSession "ends an active session and releases its resources": 1 when the
+ * session is over (told on the stream), so the loop runs no cycle after it and a cycle the
+ * terminate cut short ends the loop as cancelled, not as the step's error. *pending: a pause
+ * waits (may be NULL). A failed read is neither. */
+static int session_over(loop *l, int *pending) {
+    char err[256];
+    int p = 0, ended = 0;
+    if (orch_store_pause_pending(l->o->pool, l->t->org, l->t->sid, &p, &ended, err, sizeof err) !=
+        DB_OK)
+        p = ended = 0;
+    if (pending) *pending = p;
+    if (ended) tell(l->call, l->t->env, "the session was terminated: the autonomous loop stops");
+    return ended;
+}
+
+/* The step of the cycle on the active todo, and what the orchestrator makes of it. resumed: the
+ * cycle that parked on a gate, re-entered from its frozen checkpoint after the decision (the
+ * resume as t carries it: its worker, and the ask_user_resume of a denial or an answer); it
+ * was counted when it began, and a lost worker does not run it again from scratch (its gated
+ * call may have run). */
+static why step(loop *l, const orch_chat_turn *base, int resumed, signals *g, orch_turn_result *res,
+                orch_chat_state *st, int *rc) {
+    char msg[2200];
+    int ended = 0; /* session_over said so (and told the caller): read and told once */
     const char *title = todo_field(l, l->pl.cursor, "title");
-    snprintf(msg, sizeof msg, "%s (%d/%d): %s", todo_field(l, l->pl.cursor, "id"), l->pl.cursor + 1,
-             l->n, title);
+    snprintf(msg, sizeof msg, "%s (%d/%d)%s: %s", todo_field(l, l->pl.cursor, "id"),
+             l->pl.cursor + 1, l->n, resumed ? " resumed" : "", title);
     tell(l->call, l->t->env, msg);
-    orch_chat_step step = {.goal = title, .observe = observe, .ud = g, .hold_completion = 1};
-    orch_chat_turn t = *l->t;
-    t.step = &step;
+    orch_chat_step cs = {.goal = title, .observe = observe, .ud = g, .hold_completion = 1};
+    orch_chat_turn t = *base;
+    t.step = &cs;
+    /* a cycle is an autonomous step, also when a gate's resume (which knows only the session's
+     * mode) re-enters it */
+    t.mode = UPSQUAD__RUNTIME__V1__EXECUTION_MODE__EXECUTION_MODE_AUTONOMOUS;
     /* the cycle's user_message is the plan's goal, also when a later message (a nudge)
      * continues the plan */
     if (l->pl.goal) t.message = l->pl.goal;
@@ -325,17 +373,21 @@ static why cycle(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st
          * (the lost one is marked down), from the session's state there; the pool may need a
          * probe round to see the other one live (up to RETRY_WAIT_MS) */
         if ((res->outcome != TURN_FAILED && res->outcome != TURN_NO_WORKER) || !res->retryable ||
-            st->error_relayed || attempt >= l->o->cfg->auto_retries)
+            st->error_relayed || resumed || attempt >= l->o->cfg->auto_retries ||
+            (ended = session_over(l, NULL)))
             break;
         log_warn("auto.retry", "session %s: %s failed (%s); again on another worker", l->t->sid,
                  todo_field(l, l->pl.cursor, "id"), res->error_code);
         for (int w = 0; w < RETRY_WAIT_MS / 100 && orch_workers_live(l->o->workers) == 0; w++)
             usleep(100 * 1000);
     }
-    l->pl.cycles++;
+    if (!resumed) l->pl.cycles++;
     if (res->outcome == TURN_INTERRUPT || res->outcome == TURN_INPUT_REQUIRED) return STOP_GATE;
     if (res->outcome == TURN_CANCELLED) return END_CANCEL;
-    if (res->outcome != TURN_COMPLETED) return res->retryable ? STOP_ERROR_RETRYABLE : END_ERROR;
+    if (res->outcome != TURN_COMPLETED)
+        return ended || session_over(l, NULL) ? END_CANCEL
+               : res->retryable               ? STOP_ERROR_RETRYABLE
+                                              : END_ERROR;
     free(res->final_text);
     res->final_text = g->final_text ? strdup(g->final_text) : NULL;
     int done = confirmed(g);
@@ -355,6 +407,18 @@ static why cycle(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st
     return stall ? END_STALL : GO_ON;
 }
 
+/* One cycle on the active todo; GO_ON when the loop goes on, else why it ends. */
+static why cycle(loop *l, signals *g, orch_turn_result *res, orch_chat_state *st, int *rc) {
+    int pending = 0;
+    if (l->pl.cursor >= l->n) return END_PLAN_COMPLETE;
+    if (l->pl.cycles >= l->t->s->max_loops) return END_MAX_LOOPS;
+    if (l->call && rpc_cancelled(l->call)) return END_CANCEL;
+    if (session_over(l, &pending)) return END_CANCEL;
+    /* spec: a pause commits at the next boundary: between cycles */
+    if (pending) return STOP_PAUSED;
+    return step(l, l->t, 0, g, res, st, rc);
+}
+
 int orch_auto_busy(orch *o, rpc_call *call, const char *org, const char *sid) {
     char err[256];
     int busy = 0;
@@ -371,30 +435,56 @@ int orch_auto_busy(orch *o, rpc_call *call, const char *org, const char *sid) {
     return RPC_OK;
 }
 
-int orch_auto_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked) {
+/* A plan left running (a pause, a gate, a lost worker or replica) goes on at its todo: pl
+ * (taken over) becomes the loop's; the turn's message is a nudge or a gate's resume, not a new
+ * goal. */
+static void go_on(loop *l, signals *g, orch_plan *pl) {
+    l->pl = *pl;
+    memset(pl, 0, sizeof *pl);
+    l->pl.gate[0] = 0; /* a running loop waits on no gate (a resumed one was taken) */
+    l->todos = cJSON_Parse(l->pl.todos ? l->pl.todos : "[]");
+    l->n = cJSON_GetArraySize(l->todos);
+    l->base = l->base > l->pl.cycles ? l->base - l->pl.cycles : 0; /* loop_count counts them */
+    g->goal = l->pl.goal;
+}
+
+/* The loop's turn: t's message plans a new goal or nudges the stored plan on; gated (non-NULL,
+ * taken over): the plan whose cycle parked on the gate t resumes, re-entered first. */
+static int drive(orch *o, rpc_call *call, const orch_chat_turn *t, orch_plan *gated, int *parked) {
     orch_turn_result res;
     orch_chat_state st;
     orch_lease lease = {.held = 0};
+    orch_plan pl = {0};
     char err[256];
+    /* the cycles after a resumed one are fresh steps (on the worker it ran on: the session's
+     * state is there) */
+    orch_chat_turn fresh = *t;
+    fresh.resume = NULL;
     signals g = {.goal = t->message, .max_todos = (int)o->cfg->auto_max_todos};
-    loop l = {.o = o, .call = call, .t = t, .base = t->s->loop_count};
+    loop l = {.o = o,
+              .call = call,
+              .t = &fresh,
+              .base = t->s->loop_count,
+              .g = &g,
+              .started_ms = util_mono_ms()};
     int rc = RPC_OK;
     why w = GO_ON;
     *parked = 0;
     memset(&res, 0, sizeof res);
     memset(&st, 0, sizeof st);
     orch_lease_hold(&lease, t->parent);
-    if (orch_store_plan_get(o->pool, t->org, t->sid, &l.pl, err, sizeof err) == DB_OK &&
-        !l.pl.ended) {
-        /* a plan left running (a pause, a gate, a lost worker or replica): it goes on at its
-         * todo; this message is the nudge, not a new goal */
-        l.todos = cJSON_Parse(l.pl.todos);
-        l.n = cJSON_GetArraySize(l.todos);
-        l.base = l.base > l.pl.cycles ? l.base - l.pl.cycles : 0; /* loop_count counts them */
-        g.goal = l.pl.goal;
+    if (gated) {
+        go_on(&l, &g, gated);
+        w = step(&l, t, 1, &g, &res, &st, &rc);
+        /* with nobody listening the resumed cycle ends the turn: the plan is not run on for a
+         * caller who is not there; the next autonomous SendMessage goes on at the next todo */
+        if (w == GO_ON && !call && l.pl.cursor < l.n) w = STOP_UNATTENDED;
+    } else if (orch_store_plan_get(o->pool, t->org, t->sid, &pl, err, sizeof err) == DB_OK &&
+               !pl.ended) {
+        go_on(&l, &g, &pl);
         tell(call, t->env, "continuing the plan");
     } else {
-        orch_plan_clear(&l.pl);
+        orch_plan_clear(&pl);
         rc = plan(&l, &g, &res, &st);
         if (res.outcome != TURN_COMPLETED) {
             w = res.outcome == TURN_CANCELLED ? END_CANCEL : END_ERROR;
@@ -411,7 +501,30 @@ int orch_auto_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked)
     orch_chat_state_clear(&st);
     cJSON_Delete(l.todos);
     orch_plan_clear(&l.pl);
+    orch_plan_clear(&pl);
     free(g.plan);
     free(g.final_text);
+    return rc;
+}
+
+int orch_auto_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked) {
+    return drive(o, call, t, NULL, parked);
+}
+
+int orch_auto_resume(orch *o, rpc_call *call, const orch_chat_turn *t, const char *approval_id,
+                     int *parked) {
+    orch_plan pl;
+    char err[256];
+    int rc = orch_store_plan_get(o->pool, t->org, t->sid, &pl, err, sizeof err);
+    if (rc != DB_OK && rc != ORCH_ENOTFOUND)
+        log_warn("auto.resume", "session %s: reading the plan: %s", t->sid, err);
+    /* the plan names the gate its cycle parked on; any other gate was a chat turn's */
+    if (rc != DB_OK || pl.ended || strcmp(pl.gate, approval_id)) {
+        orch_plan_clear(&pl);
+        return orch_chat_run(o, call, t, parked);
+    }
+    log_info("auto.resume", "session %s: the gate %s re-enters its cycle", t->sid, approval_id);
+    rc = drive(o, call, t, &pl, parked);
+    orch_plan_clear(&pl);
     return rc;
 }

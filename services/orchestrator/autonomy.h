@@ -21,6 +21,15 @@
  * *parked as orch_chat_run's. */
 int orch_auto_run(orch *o, rpc_call *call, const orch_chat_turn *t, int *parked);
 
+/* The resume of the gate approval_id (gate.c: t is the turn it re-enters: its worker
+ * rehydrated, the ask_user_resume of a denial or an answer). A gate a cycle parked on (the plan
+ * names it) re-enters that cycle: its step carries the cycle's step_goal, the orchestrator
+ * confirms its todo as any cycle's, and the plan goes on in this turn while call listens (with
+ * nobody listening it stops after the cycle, reason "unattended"). Any other gate: the chat
+ * turn again (orch_chat_run). RPC status for call; *parked as orch_chat_run's. */
+int orch_auto_resume(orch *o, rpc_call *call, const orch_chat_turn *t, const char *approval_id,
+                     int *parked);
+
 /* RPC_OK when no turn of the session runs; else FAILED_PRECONDITION on call (one autonomous
  * loop per session: checked before the turn begins, so a refusal changes nothing). */
 int orch_auto_busy(orch *o, rpc_call *call, const char *org, const char *sid);

@@ -153,7 +153,7 @@ static int open_gate(chat *c, const ExecuteStepEvent *ev) {
         char text[640];
         snprintf(text, sizeof text, "the %s could not be opened (%s); the gated call did not run",
                  ask.kind[0] == 'a' ? "approval" : "prompt", msg);
-        orch_chat_send_error(c->call, "APPROVAL_UNAVAILABLE", text, 1);
+        orch_chat_send_error(c->call, c->env, "APPROVAL_UNAVAILABLE", text, 1);
         if (rpc_cancelled(c->call)) return c->gone = 1, -1;
     }
     return 0;
@@ -167,7 +167,8 @@ static int tell_pending_pause(chat *c) {
     int64_t now = util_mono_ms();
     if (c->pause_told || now < c->pause_look_ms || !c->call) return RPC_OK;
     c->pause_look_ms = now + PAUSE_LOOK_MS;
-    if (orch_store_pause_pending(c->o->pool, c->org, c->sid, &pending, err, sizeof err) != DB_OK ||
+    if (orch_store_pause_pending(c->o->pool, c->org, c->sid, &pending, NULL, err, sizeof err) !=
+            DB_OK ||
         !pending)
         return RPC_OK;
     c->pause_told = 1;
@@ -354,7 +355,8 @@ static int chat_cancelled(void *ud) {
     return c->gone || (c->call && rpc_cancelled(c->call));
 }
 
-void orch_chat_send_error(rpc_call *call, const char *code, const char *message, int retryable) {
+void orch_chat_send_error(rpc_call *call, const orch_envelope *env, const char *code,
+                          const char *message, int retryable) {
     Upsquad__Runtime__V1__ErrorEvent e = UPSQUAD__RUNTIME__V1__ERROR_EVENT__INIT;
     AgentEvent ae;
     upsquad__runtime__v1__agent_event__init(&ae);
@@ -363,7 +365,7 @@ void orch_chat_send_error(rpc_call *call, const char *code, const char *message,
     e.retryable = retryable;
     ae.event_case = UPSQUAD__RUNTIME__V1__AGENT_EVENT__EVENT_ERROR;
     ae.error = &e;
-    rpc_stream_send(call, &ae.base);
+    orch_chat_send(call, env, &ae);
 }
 
 #define PARK_POLL_MS 250
@@ -587,7 +589,7 @@ int orch_chat_finish(orch *o, rpc_call *call, const orch_chat_turn *t, orch_turn
         e.error_code = res->error_code;
         e.error_msg = res->error_message;
         if (!st->error_relayed && call)
-            orch_chat_send_error(call, res->error_code, res->error_message, res->retryable);
+            orch_chat_send_error(call, t->env, res->error_code, res->error_message, res->retryable);
         break;
     }
     if (res->outcome != TURN_COMPLETED) metric_inc(o->m_turns_failed);

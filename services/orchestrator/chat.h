@@ -108,7 +108,9 @@ int orch_chat_send_paused(rpc_call *call, const orch_envelope *env, const orch_p
  * resumed by that approval's decision. */
 void orch_chat_send_resumed(rpc_call *call, const orch_envelope *env, int64_t resumed_ms,
                             int resumed_loop, const char *approval_id);
-/* An ErrorEvent on call. */
-void orch_chat_send_error(rpc_call *call, const char *code, const char *message, int retryable);
+/* An ErrorEvent on call (within a delegated child's turn, wrapped in env like its other
+ * events: spec, a child's events reach the parent only inside a DelegatedEventEnvelope). */
+void orch_chat_send_error(rpc_call *call, const orch_envelope *env, const char *code,
+                          const char *message, int retryable);
 
 #endif

@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "agentdef.h"
+#include "autonomy.h"
 #include "auth_claims.h"
 #include "chat.h"
 #include "delegate.h"
@@ -322,7 +323,7 @@ static void resume_failed(orch *o, rpc_call *call, const orch_gate_take *t, cons
     if (orch_store_turn_end(o->pool, s->org_id, t->session_id, t->action_id, &e, err, sizeof err) !=
         DB_OK)
         log_error("store.turn_end", "session %s: %s", t->session_id, err);
-    if (call) orch_chat_send_error(call, "RESUME_FAILED", why, 1);
+    if (call) orch_chat_send_error(call, NULL, "RESUME_FAILED", why, 1);
 }
 
 int orch_gate_resume(orch *o, rpc_call *call, const char *org, const char *approval_id,
@@ -399,7 +400,8 @@ int orch_gate_resume(orch *o, rpc_call *call, const char *org, const char *appro
                          .prefer_worker = worker,
                          .resume = answer ? &aur : NULL,
                          .timeout_ms = timeout};
-    rc = orch_chat_run(o, call, &ct, parked);
+    /* a cycle's gate re-enters its cycle, the plan going on after it; a chat turn's the turn */
+    rc = orch_auto_resume(o, call, &ct, approval_id, parked);
 done:
     free(answer);
     free(ck);

@@ -206,14 +206,19 @@ int orch_request_build(orch *o, orch_arena *a, const orch_session *s, const char
     *snap = (SessionSnapshot *)protobuf_c_message_unpack(
         &upsquad__runtime__v1__session_snapshot__descriptor, NULL, s->snapshot_len, s->snapshot);
     if (!*snap) return -1;
-    if (mode) (*snap)->execution_mode = (Upsquad__Runtime__V1__ExecutionMode)mode;
     r->session_id = orch_arena_strdup(a, s->session_id);
     r->tenant_id = orch_arena_strdup(a, s->org_id);
     r->agent_id = orch_arena_strdup(a, s->agent_id);
     r->user_message = orch_arena_strdup(a, message);
-    r->execution_mode = (*snap)->execution_mode;
+    /* spec: the snapshot is "the immutable session configuration snapshot" (its hash detects
+     * drift): a turn's own mode goes on the request, never into the snapshot */
+    r->execution_mode = mode ? (Upsquad__Runtime__V1__ExecutionMode)mode : (*snap)->execution_mode;
     r->snapshot = *snap;
-    /* prior turns: final user/assistant texts, oldest first, current turn excluded */
+    /* prior turns: final user/assistant texts, oldest first, current turn excluded; spec:
+     * "Empty on the autonomous / temporalwf path (that path keeps its in-memory step
+     * carryover)": the plan step and every cycle send none */
+    if (r->execution_mode == UPSQUAD__RUNTIME__V1__EXECUTION_MODE__EXECUTION_MODE_AUTONOMOUS)
+        nturns = 0;
     r->prior_turns = orch_arena_alloc(a, (nturns ? nturns : 1) * sizeof *r->prior_turns);
     for (size_t i = 0; i < nturns && r->prior_turns; i++) {
         Upsquad__Runtime__V1__PriorTurn *t = orch_arena_alloc(a, sizeof *t);

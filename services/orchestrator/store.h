@@ -234,6 +234,7 @@ typedef struct orch_plan {
     char last_hash[65];
     int ended;
     char reason[32];
+    char gate[37]; /* the approval a cycle parked on (reason "gate"), "" none */
 } orch_plan;
 void orch_plan_clear(orch_plan *pl);
 /* ORCH_ENOTFOUND when the session never ran autonomously. */
@@ -340,8 +341,10 @@ int orch_store_pause(db_pool *p, const char *org, const char *session_id, const 
  * the last resume's resumed_at (ms) and resumed_at_loop. ORCH_ENOTFOUND when absent. */
 int orch_store_park_state(db_pool *p, const char *org, const char *session_id, char *state,
                           int64_t *resumed_ms, int *resumed_loop, char *err, size_t errlen);
+/* ended (may be NULL): 1 when the session is over (terminated, error, crashed): an autonomous
+ * loop stops at its next boundary. */
 int orch_store_pause_pending(db_pool *p, const char *org, const char *session_id, int *pending,
-                             char *err, size_t errlen);
+                             int *ended, char *err, size_t errlen);
 
 typedef struct orch_resume {
     int agent_status;    /* the status given back (the one the session had when paused) */

@@ -194,13 +194,17 @@ int orch_store_park_state(db_pool *p, const char *org, const char *session_id, c
 }
 
 int orch_store_pause_pending(db_pool *p, const char *org, const char *session_id, int *pending,
-                             char *err, size_t errlen) {
+                             int *ended, char *err, size_t errlen) {
     PGresult *r = NULL;
     *pending = 0;
+    if (ended) *ended = 0;
     TX_BEGIN(org);
-    rc = db_exec(c, "SELECT pause_pending FROM sessions WHERE session_id = $1::uuid", 1,
+    rc = db_exec(c, "SELECT pause_pending, state FROM sessions WHERE session_id = $1::uuid", 1,
                  &session_id, &r, err, errlen);
-    if (rc == DB_OK && PQntuples(r) == 1) *pending = PQgetvalue(r, 0, 0)[0] == 't';
+    if (rc == DB_OK && PQntuples(r) == 1) {
+        *pending = PQgetvalue(r, 0, 0)[0] == 't';
+        if (ended) *ended = terminal(PQgetvalue(r, 0, 1));
+    }
     PQclear(r);
     return tx_end(tx, rc, err, errlen);
 }

@@ -13,7 +13,8 @@ int orch_store_plan_get(db_pool *p, const char *org, const char *session_id, orc
     memset(out, 0, sizeof *out);
     TX_BEGIN(org);
     rc = db_exec(c,
-                 "SELECT goal, todos::text, cursor, cycles, stall, last_hash, state, reason"
+                 "SELECT goal, todos::text, cursor, cycles, stall, last_hash, state, reason,"
+                 " coalesce(gate_id::text, '')"
                  " FROM session_plans WHERE session_id = $1::uuid",
                  1, &session_id, &r, err, errlen);
     if (rc == DB_OK && PQntuples(r) == 0) rc = ORCH_ENOTFOUND;
@@ -26,6 +27,7 @@ int orch_store_plan_get(db_pool *p, const char *org, const char *session_id, orc
         copy(out->last_hash, sizeof out->last_hash, PQgetvalue(r, 0, 5));
         out->ended = !strcmp(PQgetvalue(r, 0, 6), "ended");
         copy(out->reason, sizeof out->reason, PQgetvalue(r, 0, 7));
+        copy(out->gate, sizeof out->gate, PQgetvalue(r, 0, 8));
         if (!out->goal || !out->todos) rc = DB_ENOMEM;
     }
     PQclear(r);
@@ -45,17 +47,17 @@ int orch_store_plan_save(db_pool *p, const char *org, const char *session_id, co
     TX_BEGIN(org);
     const char *v[] = {session_id, pl->goal, pl->todos,     cur,
                        cyc,        st,       pl->last_hash, pl->ended ? "ended" : "running",
-                       pl->reason};
+                       pl->reason, pl->gate};
     rc =
         db_exec(c,
                 "INSERT INTO session_plans (session_id, org_id, goal, todos, cursor, cycles, stall,"
-                " last_hash, state, reason)"
+                " last_hash, state, reason, gate_id)"
                 " VALUES ($1::uuid, current_org(), $2, $3::jsonb, $4::int, $5::int, $6::int, $7,"
-                "  $8, $9)"
+                "  $8, $9, nullif($10, '')::uuid)"
                 " ON CONFLICT (session_id) DO UPDATE SET goal = $2, todos = $3::jsonb,"
                 "  cursor = $4::int, cycles = $5::int, stall = $6::int, last_hash = $7,"
-                "  state = $8, reason = $9, updated_at = now()",
-                9, v, NULL, err, errlen);
+                "  state = $8, reason = $9, gate_id = nullif($10, '')::uuid, updated_at = now()",
+                10, v, NULL, err, errlen);
     /* GetSession's loop_count follows the cycles as they run (spec: "the number of
      * think-act-observe iterations completed") */
     if (rc == DB_OK)

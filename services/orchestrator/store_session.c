@@ -652,6 +652,16 @@ int orch_store_turn_reclaim(db_pool *p, const orch_turn_lease *l, int64_t ttl_ms
         free(b);
         free(detail);
     }
+    /* the turn's delegations still pending ran inside its call on the dead replica: their
+     * bridge rows end as errors with the turn (the children's own turns are reclaimed alike) */
+    if (rc == DB_OK)
+        rc = db_exec(c,
+                     "UPDATE subagent_invocations i SET status = 'error',"
+                     " error_code = 'parent_turn_reclaimed', finished_at = now()"
+                     " FROM sessions s WHERE s.session_id = i.child_session_id"
+                     " AND s.spawn_action_id = $2::uuid AND i.parent_session_id = $1::uuid"
+                     " AND i.status = 'pending'",
+                     2, (const char *[]){l->session_id, l->action_id}, NULL, err, errlen);
     if (rc == DB_OK) rc = turn_boundary_tx(c, l->session_id, agent, 1, paused, err, errlen);
     return tx_end(tx, rc, err, errlen);
 }

@@ -49,6 +49,11 @@ static const cfg_var vars[] = {
      "an unknown run is looked up again for this long before NOT_FOUND: a client may subscribe "
      "the moment TriggerWorkflow returns, before the run's first event is projected",
      &C.new_run_grace_ms, 0, 60000},
+    {"UPSQUAD_HUB_HOLE_WAIT", CFG_MS, "45s",
+     "a run seq missing below one already stored is waited for until the event above it has "
+     "been stored this long, then skipped (logged hub.hole); keep it above the projection's "
+     "ack wait (30 s), after which a message a dead replica held is projected by another",
+     &C.hole_wait_ms, 1000, 600000},
     {"UPSQUAD_HUB_PENDING_MAX", CFG_INT, "1024",
      "live frames held per subscriber while its snapshot is being sent (beyond: a gap, or a "
      "re-snapshot of visible runs)",
@@ -155,11 +160,13 @@ int hub_start(hub *h, const hub_config *cfg, char *err, size_t errlen) {
         fail(err, errlen, "UPSQUAD_HUB_PROJECTION_FROM must be all or new");
         goto fail;
     }
-    if (bus_js_pull_subscribe_ex(h->bus, STREAM_WF_EVENTS, cfg->projection_durable, "wf.>", 30000,
-                                 -1, from_new, &h->pull_events, err, errlen) != BUS_OK)
+    if (bus_js_pull_subscribe_ex(h->bus, STREAM_WF_EVENTS, cfg->projection_durable, "wf.>",
+                                 HUB_PROJECTION_ACK_WAIT_MS, -1, from_new, &h->pull_events, err,
+                                 errlen) != BUS_OK)
         goto fail;
-    if (bus_js_pull_subscribe_ex(h->bus, STREAM_WFIO, cfg->transcript_durable, "wfio.>", 30000, -1,
-                                 from_new, &h->pull_io, err, errlen) != BUS_OK)
+    if (bus_js_pull_subscribe_ex(h->bus, STREAM_WFIO, cfg->transcript_durable, "wfio.>",
+                                 HUB_PROJECTION_ACK_WAIT_MS, -1, from_new, &h->pull_io, err,
+                                 errlen) != BUS_OK)
         goto fail;
     if (pthread_create(&h->proj_events, NULL, hub_proj_events_main, h) != 0) goto threads;
     if (pthread_create(&h->proj_io, NULL, hub_proj_io_main, h) != 0) {

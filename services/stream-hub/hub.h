@@ -31,6 +31,11 @@
 #define HUB_RESUME_KEY "x-upsquad-resume-seq"
 #define HUB_TOPIC_BUCKETS 1024
 
+/* How long a message the projection fetched stays with the replica that fetched it before
+ * JetStream hands it to another (a replica that died holding it): the bound a hole in a run's
+ * stored seqs may last without an event being lost (UPSQUAD_HUB_HOLE_WAIT is above it). */
+#define HUB_PROJECTION_ACK_WAIT_MS 30000
+
 typedef struct hub_config {
     char *pg_dsn;
     long long pg_pool_size;
@@ -42,6 +47,7 @@ typedef struct hub_config {
     char *projection_from;
     long long stall_ms;
     long long new_run_grace_ms;
+    long long hole_wait_ms;
     long long pending_max;
     long long log_tail;
     long long transcript_max;

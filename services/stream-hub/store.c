@@ -427,6 +427,29 @@ int hs_events_after(db_pool *p, const char *org, const char *run_id, int64_t aft
     return read_blobs(p, org, sql, 3, v, out, NULL, NULL, err, errlen);
 }
 
+int hs_event_age_ms(db_pool *p, const char *org, const char *run_id, int64_t seq, int64_t *age_ms,
+                    char *err, size_t errlen) {
+    static const char sql[] =
+        "SELECT greatest(0, (extract(epoch FROM clock_timestamp() - projected_at) * 1000)::bigint) "
+        "FROM run_events WHERE run_id = $1 AND seq = $2";
+    db_tx *tx = NULL;
+    PGresult *res = NULL;
+    char s[24];
+    *age_ms = 0;
+    snprintf(s, sizeof s, "%lld", (long long)seq);
+    int rc = db_tx_begin_ex(p, org, DB_TX_READ_ONLY, &tx, err, errlen);
+    if (rc != DB_OK) return rc;
+    const char *v[2] = {run_id, s};
+    rc = db_exec(db_tx_conn(tx), sql, 2, v, &res, err, errlen);
+    if (rc == DB_OK && PQntuples(res) == 1) *age_ms = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+    PQclear(res);
+    if (rc != DB_OK) {
+        db_tx_rollback(tx);
+        return rc;
+    }
+    return db_tx_commit(tx, err, errlen);
+}
+
 int hs_log_tail(db_pool *p, const char *org, const char *run_id, int tail, hs_blobs *out,
                 hs_run *run, int *found, char *err, size_t errlen) {
     static const char sql[] =

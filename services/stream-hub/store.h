@@ -98,6 +98,10 @@ int hs_node_fold(db_pool *p, const char *org, const char *run_id, hs_blobs *out,
 /* Events of any kind with seq > after, in seq order, at most limit. */
 int hs_events_after(db_pool *p, const char *org, const char *run_id, int64_t after, int limit,
                     hs_blobs *out, char *err, size_t errlen);
+/* How long ago (ms, the database's clock) event `seq` of the run was projected; 0 when it is
+ * not stored. */
+int hs_event_age_ms(db_pool *p, const char *org, const char *run_id, int64_t seq, int64_t *age_ms,
+                    char *err, size_t errlen);
 /* The last `tail` log events without a hole below them, in seq order, then the 'u' row as
  * above, and the run row of the same snapshot. */
 int hs_log_tail(db_pool *p, const char *org, const char *run_id, int tail, hs_blobs *out,

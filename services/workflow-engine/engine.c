@@ -48,8 +48,13 @@ static const cfg_var vars[] = {
      "derived from UPSQUAD_JWT_SECRET, else random per process (tokens then only work on the "
      "replica that issued them)",
      &C.page_key, 0, 0, CFG_SECRET},
-    {"UPSQUAD_WF_WORKERS", CFG_INT, "2", "interpreter threads (each advances one run at a time)",
-     &C.workers, 1, 64},
+    {"UPSQUAD_WF_WORKERS", CFG_INT, "2",
+     "interpreter threads (each advances one group of runs at a time)", &C.workers, 1, 64},
+    {"UPSQUAD_WF_GROUP_MAX", CFG_INT, "16",
+     "group commit: due runs one interpreter thread claims at once and ticks in one "
+     "transaction (each under its own org scope and lease); an idle engine claims what is due, "
+     "one run; 1 ticks every run in its own transaction",
+     &C.group_max, 1, 256},
     {"UPSQUAD_WF_MAX_RENDERED", CFG_INT, "1048576",
      "bytes one template render may produce (a step's prompt, summary or whole `with` block); "
      "a step whose templates expand past it fails with an error naming this variable",
@@ -282,6 +287,26 @@ static void metrics(wf_engine *e) {
         NULL);
     e->m_oldest_gate = metrics_gauge("workflow_engine_oldest_pending_approval_seconds",
                                      "age of the oldest of those gates (0 when none)", NULL);
+    static const double group_buckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+    e->m_group_runs =
+        metrics_histogram("workflow_engine_tick_group_runs",
+                          "runs ticked by one committed interpreter transaction (group commit)",
+                          NULL, group_buckets, sizeof group_buckets / sizeof group_buckets[0]);
+    static const double round_buckets[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                           0.1,   0.25,   0.5,   1,    5};
+    const size_t n_round = sizeof round_buckets / sizeof round_buckets[0];
+    e->m_tick_seconds =
+        metrics_histogram("workflow_engine_tick_seconds",
+                          "one interpreter transaction (a group's ticks), begin to commit", NULL,
+                          round_buckets, n_round);
+    e->m_tool_round_seconds =
+        metrics_histogram("workflow_engine_tool_round_seconds",
+                          "a group's tool requests between two of its ticks, first sent to last "
+                          "answered (what a run triggered meanwhile waits for, with the tick)",
+                          NULL, round_buckets, n_round);
+    e->m_group_fallbacks = metrics_counter(
+        "workflow_engine_tick_group_fallbacks_total",
+        "group transactions that failed and were ticked again one run at a time", NULL);
     /* seconds to a day: a run is a tool call or two, or waits on people for hours */
     static const double run_buckets[] = {0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400, 86400};
     for (int i = 0; i < 3; i++) {

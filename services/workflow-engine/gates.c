@@ -1,7 +1,9 @@
 /* Human gates (gates.h; docs/workflow-engine.md "Governance"): WorkflowService's ApproveAction,
- * RejectAction, EscalateAction, ListPendingApprovals, GetRunPrompt, AnswerRunPrompt and
- * upsquad.approval.v1.ApprovalService (RecordDecision, GetApproval), over the governance rows
- * the interpreter opens when a run parks on approval_gate / user_input / question.
+ * RejectAction, EscalateAction, ListPendingApprovals here, GetRunPrompt and AnswerRunPrompt in
+ * gates_prompts.c, upsquad.approval.v1.ApprovalService (RecordDecision, GetApproval) in
+ * gates_approval.c, over the governance rows the interpreter opens when a run parks on
+ * approval_gate / user_input / question. Every door loads its gate and decides through what
+ * is defined here (gates_int.h).
  *
  * Rules decided here:
  *   - A gate is read in the caller's org (RLS) and through its run's visibility: another org's
@@ -37,23 +39,15 @@
 
 #define P(x) Upsquad__Workflow__V1__##x
 #define INIT(x, m) upsquad__workflow__v1__##x##__init(m)
-#define A(x) Upsquad__Approval__V1__##x
 
-#define COMMENT_MAX 1000
-#define TEXT_MAX 4000
 #define PENDING_DEFAULT 50
 #define PENDING_MAX 100
 #define CLEARANCE_CAP WF_CLEARANCE_MAX
 #define ESCALATE_STEP WF_ESCALATE_STEP
 
-static const char *jstr(const cJSON *o, const char *k) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
-    return cJSON_IsString(v) ? v->valuestring : NULL;
-}
-
 /* ---- one gate, loaded for a call ---- */
 
-static void gate_free(gate *g) {
+void gates__free(gate *g) {
     db_tx_rollback(g->tx);
     if (g->have_run) wf_run_free(&g->run);
     PQclear(g->r);
@@ -107,10 +101,8 @@ static int session_lock(rpc_call *call, gate *g, const char *gid, int by_action,
     return RPC_OK;
 }
 
-/* Loads the gate named by id (by_action: an action id) in a transaction of the caller's org;
- * lock: the run row FOR UPDATE, then the row re-read under it (what a decision needs). */
-static int gate_open(rpc_call *call, wf_engine *e, const auth_identity *id, const char *field,
-                     const char *gid, int by_action, int lock, gate *g) {
+int gates__open(rpc_call *call, wf_engine *e, const auth_identity *id, const char *field,
+                const char *gid, int by_action, int lock, gate *g) {
     char err[512];
     int found = 0;
     memset(g, 0, sizeof *g);
@@ -147,44 +139,7 @@ static int gate_open(rpc_call *call, wf_engine *e, const auth_identity *id, cons
     return RPC_OK;
 }
 
-static const char *g_kind(const gate *g) {
-    return st_s(g->r, 0, GT_KIND);
-}
-static int g_floor(const gate *g) {
-    return (int)st_i(g->r, 0, GT_CLEARANCE);
-}
-static int g_pending(const gate *g) {
-    const char *as = st_s(g->r, 0, GT_ACT_STATUS);
-    if (g->session) /* no action: the row's status, until its expiry */
-        return !strcmp(st_s(g->r, 0, GT_STATUS), "pending") && !st_b(g->r, 0, GT_LAPSED);
-    return !strcmp(st_s(g->r, 0, GT_STATUS), "pending") &&
-           (!strcmp(as, "awaiting_approval") || !strcmp(as, "escalated"));
-}
-static const char *g_scope(const gate *g) {
-    const char *a = jstr(g->spec, "answerable_by");
-    return a ? a : "";
-}
-
-/* A prompt allows free text when its step says so; an agent's ask (the row's spec is the agent's
- * result, outcome "input_required", with its question_spec projected) unless it said
- * allow_text false. */
-static int g_allow_text(const gate *g) {
-    const char *outcome = jstr(g->spec, "outcome");
-    const cJSON *at = cJSON_GetObjectItemCaseSensitive(g->spec, "allow_text");
-    /* an agent's ask: free text unless its question_spec said allow_text false */
-    if (outcome && !strcmp(outcome, "input_required")) return !cJSON_IsFalse(at);
-    return cJSON_IsTrue(at);
-}
-
-/* The floor and the answer scope, for this caller (not the row's state). */
-static int g_allowed(const gate *g, const auth_identity *id) {
-    if (id->clearance < g_floor(g)) return 0;
-    if (!strcmp(g_scope(g), "requester") && strcmp(st_s(g->r, 0, GT_TRIGGERED_BY), id->sub))
-        return 0;
-    return 1;
-}
-
-static int g_deny(rpc_call *call, const gate *g, const auth_identity *id) {
+int gates__deny(rpc_call *call, const gate *g, const auth_identity *id) {
     if (id->clearance < g_floor(g))
         return rpc_error(call, RPC_PERMISSION_DENIED,
                          "deciding this %s needs clearance %d; the caller has %d", g_kind(g),
@@ -195,11 +150,9 @@ static int g_deny(rpc_call *call, const gate *g, const auth_identity *id) {
                      g_kind(g));
 }
 
-/* Records the decision: first write wins on the governance row, then the action and the run
- * walk on. *won 0: another decision was first (nothing written). */
-static int g_record(rpc_call *call, wf_engine *e, gate *g, const auth_identity *id,
-                    const char *gov_status, const char *act_status, cJSON *output,
-                    const char *comment, int *won, char **new_ids) {
+int gates__record(rpc_call *call, wf_engine *e, gate *g, const auth_identity *id,
+                  const char *gov_status, const char *act_status, cJSON *output,
+                  const char *comment, int *won, char **new_ids) {
     char err[512];
     const char *gid = st_s(g->r, 0, GT_ID), *aid = st_s(g->r, 0, GT_ACTION);
     char *answer = cJSON_PrintUnformatted(output);
@@ -230,8 +183,16 @@ done:
     return rc ? wfr_db_fail(call, rc, err) : RPC_OK;
 }
 
-/* Commits and wakes the interpreter and the relay here (any replica's tick may take it). */
-static int g_commit(rpc_call *call, wf_engine *e, gate *g) {
+int gates__reread(rpc_call *call, gate *g) {
+    char err[512], gid[37];
+    snprintf(gid, sizeof gid, "%s", st_s(g->r, 0, GT_ID));
+    PQclear(g->r);
+    g->r = NULL;
+    int rc = st_gate_get(g->tx, gid, 0, 0, &g->r, err, sizeof err);
+    return rc ? wfr_db_fail(call, rc, err) : RPC_OK;
+}
+
+int gates__commit(rpc_call *call, wf_engine *e, gate *g) {
     char err[512];
     int rc = db_tx_commit(g->tx, err, sizeof err);
     g->tx = NULL;
@@ -277,16 +238,7 @@ static int g_actions(rpc_call *call, gate *g, const char *ids, P(WorkflowAction)
 
 /* ---- approving: no self-approval, N of M ---- */
 
-static int g_min_approvals(const gate *g) {
-    const cJSON *n = cJSON_GetObjectItemCaseSensitive(g->spec, "min_approvals");
-    return cJSON_IsNumber(n) && n->valueint > 1 ? n->valueint : 1;
-}
-
-/* Before an approval gate is approved: allow_self_approval=false refuses the run's triggerer
- * (PERMISSION_DENIED); with min_approvals N > 1 each distinct member's approval is a vote, and
- * only the Nth resolves the gate. *resolved 0: this call's vote was counted (written in the
- * gate's transaction) and the gate still waits. On resolve, o gets the approvers. */
-static int approve_rules(rpc_call *call, gate *g, const auth_identity *id, const char *comment,
+int gates__approve_rules(rpc_call *call, gate *g, const auth_identity *id, const char *comment,
                          cJSON *o, int *resolved) {
     char err[512];
     *resolved = 1;
@@ -336,8 +288,7 @@ static int approve_rules(rpc_call *call, gate *g, const auth_identity *id, const
 
 enum { OP_APPROVE, OP_REJECT, OP_ESCALATE };
 
-/* The kinds a door does not answer, named with the door that does. */
-static int wrong_door(rpc_call *call, const char *field, const char *kind, const char *here) {
+int gates__wrong_door(rpc_call *call, const char *field, const char *kind, const char *here) {
     if (!strcmp(kind, "question_gate") && strcmp(here, "question_gate"))
         return rpc_error(call, RPC_INVALID_ARGUMENT,
                          "%s names a question gate: answer it with ApprovalService.RecordDecision "
@@ -369,8 +320,9 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
     if (wfr_utf8_chars(comment) > COMMENT_MAX)
         return rpc_error(call, RPC_INVALID_ARGUMENT, "comment must be at most %d characters",
                          COMMENT_MAX);
-    if ((rc = gate_open(call, e, id, "action_id", action_id, 1, 1, &g))) goto done;
-    if (op != OP_ESCALATE && (rc = wrong_door(call, "action_id", g_kind(&g), "approval_gate")))
+    if ((rc = gates__open(call, e, id, "action_id", action_id, 1, 1, &g))) goto done;
+    if (op != OP_ESCALATE &&
+        (rc = gates__wrong_door(call, "action_id", g_kind(&g), "approval_gate")))
         goto done;
     if (!g_pending(&g)) {
         rc = rpc_error(call, RPC_FAILED_PRECONDITION,
@@ -379,7 +331,7 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
         goto done;
     }
     if (!g_allowed(&g, id)) {
-        rc = g_deny(call, &g, id);
+        rc = gates__deny(call, &g, id);
         goto done;
     }
     if (op == OP_ESCALATE) {
@@ -416,10 +368,10 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
         cJSON_AddStringToObject(o, "decision", approve ? "approved" : "rejected");
         cJSON_AddStringToObject(o, "decided_by", id->sub);
         cJSON_AddStringToObject(o, "comment", comment);
-        if (approve) rc = approve_rules(call, &g, id, comment, o, &resolved);
+        if (approve) rc = gates__approve_rules(call, &g, id, comment, o, &resolved);
         if (!rc && resolved)
-            rc = g_record(call, e, &g, id, approve ? "approved" : "rejected",
-                          approve ? "approved" : "rejected", o, comment, &won, &ids);
+            rc = gates__record(call, e, &g, id, approve ? "approved" : "rejected",
+                               approve ? "approved" : "rejected", o, comment, &won, &ids);
         cJSON_Delete(o);
         if (rc) goto done;
         if (resolved && !won) { /* cannot happen under the run lock; said plainly if it ever does */
@@ -429,12 +381,12 @@ static int gate_action(rpc_call *call, wf_engine *e, int op, const char *action_
         }
     }
     if ((rc = g_actions(call, &g, ids, action, next, n_next))) goto done;
-    if ((rc = g_commit(call, e, &g))) goto done;
+    if ((rc = gates__commit(call, e, &g))) goto done;
     log_info("gate.decided", "%s action=%s org=%s by=%s", verbs[op], action_id, id->org_id,
              id->sub);
 done:
     free(ids);
-    gate_free(&g);
+    gates__free(&g);
     return rc;
 }
 
@@ -551,426 +503,6 @@ done:
     return rc;
 }
 
-/* ---- GetRunPrompt / AnswerRunPrompt ---- */
-
-/* "pending", "answered" (a person's answer, or on_timeout "default" applied by the run's
- * timer: answered_by "timeout"), or "closed" (expired without an answer, run ended). */
-static const char *prompt_status(const gate *g, const cJSON *out) {
-    const char *st = st_s(g->r, 0, GT_STATUS);
-    if (!strcmp(st, "pending")) return "pending";
-    if (!strcmp(st, "answered") || !strcmp(st, "approved")) return "answered";
-    const char *c = jstr(out, "choice") ? jstr(out, "choice") : jstr(out, "option_key");
-    if (!strcmp(st, "expired") && c && c[0]) return "answered";
-    return "closed";
-}
-
-static int cmp_name(const void *a, const void *b) {
-    return strcmp((*(P(RunPromptAnswerField) *const *)a)->name,
-                  (*(P(RunPromptAnswerField) *const *)b)->name);
-}
-
-static P(GetRunPromptResponse) *
-    prompt_msg(rpc_call *call, const gate *g, const auth_identity *id) {
-    P(GetRunPromptResponse) *m = rpc_alloc(call, sizeof *m);
-    upsquad__workflow__v1__get_run_prompt_response__init(m);
-    int question = !strcmp(g_kind(g), "question_gate");
-    const cJSON *sp = g->spec, *o;
-    cJSON *out = cJSON_Parse(st_s(g->r, 0, GT_ACT_OUTPUT));
-    m->prompt_id = wfr_s(call, g->r, 0, GT_ID);
-    m->kind = wfr_s(call, g->r, 0, GT_KIND);
-    const char *q = jstr(sp, question ? "prompt" : "question");
-    m->question = rpc_strdup(call, q ? q : "");
-    const cJSON *opts = cJSON_GetObjectItemCaseSensitive(sp, "options");
-    int no = cJSON_GetArraySize(opts);
-    m->options = rpc_alloc(call, (size_t)(no ? no : 1) * sizeof *m->options);
-    cJSON_ArrayForEach(o, opts) {
-        P(RunPromptOption) *op = rpc_alloc(call, sizeof *op);
-        upsquad__workflow__v1__run_prompt_option__init(op);
-        const char *v = jstr(o, question ? "key" : "value"), *l = jstr(o, "label"),
-                   *d = question ? NULL : jstr(o, "description");
-        op->value = rpc_strdup(call, v ? v : "");
-        op->label = rpc_strdup(call, l ? l : "");
-        op->description = rpc_strdup(call, d ? d : "");
-        m->options[m->n_options++] = op;
-    }
-    m->allow_text = !question && g_allow_text(g);
-    const char *ph = question ? NULL : jstr(sp, "text_placeholder");
-    m->text_placeholder = rpc_strdup(call, ph ? ph : "");
-    const char *dc = jstr(sp, question ? "default_option_key" : "default_choice");
-    m->default_choice = rpc_strdup(call, dc ? dc : "");
-    m->required_clearance = g_floor(g);
-    m->governance_expires_at = wfr_ts(call, g->r, 0, GT_EXPIRES);
-    /* the run's own window when the step declared one (requested_at + timeout_minutes, what
-     * the interpreter's timer honours), else the row's expiry */
-    const cJSON *tm = cJSON_GetObjectItemCaseSensitive(sp, "timeout_minutes");
-    if (cJSON_IsNumber(tm) && tm->valueint > 0 && !st_null(g->r, 0, GT_CREATED)) {
-        m->expires_at = rpc_alloc(call, sizeof *m->expires_at);
-        pbjson_ts_from_ms(m->expires_at, st_i(g->r, 0, GT_CREATED) + (int64_t)tm->valueint * 60000);
-    } else {
-        m->expires_at = m->governance_expires_at;
-    }
-    const char *status = prompt_status(g, out);
-    m->status = rpc_strdup(call, status);
-    m->can_answer = !strcmp(status, "pending") && g_pending(g) && g_allowed(g, id);
-    if (!strcmp(status, "answered")) {
-        cJSON *ans = cJSON_Parse(st_s(g->r, 0, GT_ANSWER));
-        const cJSON *src = ans ? ans : out;
-        const char *by = st_s(g->r, 0, GT_DECIDED_BY)[0] ? st_s(g->r, 0, GT_DECIDED_BY)
-                                                         : jstr(src, "answered_by");
-        const char *c = jstr(src, question ? "option_key" : "choice");
-        const char *t = jstr(src, "text");
-        m->answered_by = rpc_strdup(call, by ? by : "timeout");
-        m->answered_choice = rpc_strdup(call, c ? c : "");
-        m->answered_text = rpc_strdup(call, t ? t : "");
-        const cJSON *f = cJSON_GetObjectItemCaseSensitive(src, "fields");
-        char *fj = question && cJSON_IsObject(f) && f->child ? cJSON_PrintUnformatted(f) : NULL;
-        m->answered_fields = rpc_strdup(call, fj ? fj : "");
-        free(fj);
-        cJSON_Delete(ans);
-    }
-    const char *ab = jstr(sp, "asked_by");
-    m->asked_by_step = rpc_strdup(call, ab ? ab : "");
-    m->asked_by_role = wfr_s(call, g->r, 0, GT_ASKED_ROLE);
-    m->asked_by_agent_id = wfr_s(call, g->r, 0, GT_ASKED_AGENT);
-    m->answerable_by = rpc_strdup(call, g_scope(g));
-    const cJSON *fields = question ? cJSON_GetObjectItemCaseSensitive(sp, "answer") : NULL;
-    int nf = cJSON_GetArraySize(fields);
-    m->answer_fields = rpc_alloc(call, (size_t)(nf ? nf : 1) * sizeof *m->answer_fields);
-    cJSON_ArrayForEach(o, fields) {
-        P(RunPromptAnswerField) *f = rpc_alloc(call, sizeof *f);
-        upsquad__workflow__v1__run_prompt_answer_field__init(f);
-        const char *ty = jstr(o, "type"), *d = jstr(o, "description");
-        f->name = rpc_strdup(call, o->string);
-        f->type = rpc_strdup(call, ty ? ty : "");
-        f->required = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "required"));
-        f->description = rpc_strdup(call, d ? d : "");
-        m->answer_fields[m->n_answer_fields++] = f;
-    }
-    /* a server-defined stable order: by field name */
-    qsort(m->answer_fields, m->n_answer_fields, sizeof *m->answer_fields, cmp_name);
-    cJSON_Delete(out);
-    return m;
-}
-
-static int get_run_prompt(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
-                          void *ud) {
-    const P(GetRunPromptRequest) *rq = (const void *)req;
-    const auth_identity *id;
-    gate g = {0};
-    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
-    if (rc || (rc = wfr_need_gate_id(call, "prompt_id", rq->prompt_id))) return rc;
-    if ((rc = gate_open(call, ud, id, "prompt_id", rq->prompt_id, 0, 0, &g))) goto done;
-    if (!strcmp(g_kind(&g), "approval_gate")) {
-        rc = rpc_error(call, RPC_INVALID_ARGUMENT,
-                       "prompt_id names an approval gate, not a prompt: read it with "
-                       "ApprovalService.GetApproval");
-        goto done;
-    }
-    P(GetRunPromptResponse) *m = prompt_msg(call, &g, id);
-    /* the response is the projection itself: copy it into resp (same message type) */
-    *(P(GetRunPromptResponse) *)resp = *m;
-done:
-    gate_free(&g);
-    return rc;
-}
-
-/* choice / text against the prompt (INVALID_ARGUMENT naming the field). */
-static int check_prompt_answer(rpc_call *call, const gate *g, const char *choice,
-                               const char *text) {
-    const cJSON *opts = cJSON_GetObjectItemCaseSensitive(g->spec, "options"), *o;
-    int allow_text = g_allow_text(g);
-    int n = cJSON_GetArraySize(opts);
-    if (text[0] && !allow_text)
-        return rpc_error(call, RPC_INVALID_ARGUMENT,
-                         "text is not permitted: this prompt does not allow free text");
-    if (wfr_utf8_chars(text) > TEXT_MAX)
-        return rpc_error(call, RPC_INVALID_ARGUMENT, "text must be at most %d characters",
-                         TEXT_MAX);
-    if (!choice[0]) {
-        if (n > 0 || !allow_text)
-            return rpc_error(call, RPC_INVALID_ARGUMENT,
-                             "choice is required: it must be one of the prompt's option values");
-        if (!text[0])
-            return rpc_error(call, RPC_INVALID_ARGUMENT,
-                             "text is required: this prompt is answered in free text");
-        return RPC_OK;
-    }
-    cJSON_ArrayForEach(o, opts) {
-        const char *v = jstr(o, "value");
-        if (v && !strcmp(v, choice)) return RPC_OK;
-    }
-    return rpc_error(call, RPC_INVALID_ARGUMENT, "choice \"%.64s\" is not one of the prompt's %s",
-                     choice, n ? "option values" : "options (it has none)");
-}
-
-static int answer_run_prompt(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
-                             void *ud) {
-    const P(AnswerRunPromptRequest) *rq = (const void *)req;
-    P(AnswerRunPromptResponse) *out = (void *)resp;
-    wf_engine *e = ud;
-    const auth_identity *id;
-    gate g = {0};
-    char *ids = NULL;
-    int won = 0;
-    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
-    if (rc || (rc = wfr_need_gate_id(call, "prompt_id", rq->prompt_id))) return rc;
-    if ((rc = gate_open(call, e, id, "prompt_id", rq->prompt_id, 0, 1, &g)) ||
-        (rc = wrong_door(call, "prompt_id", g_kind(&g), "user_prompt")))
-        goto done;
-    if (!g_allowed(&g, id)) {
-        rc = g_deny(call, &g, id);
-        goto done;
-    }
-    /* "A second answer to an already-answered prompt is a NO-OP (first-write-wins)": only an
-     * answer that could still be recorded is checked against the prompt */
-    if (g_pending(&g) && (rc = check_prompt_answer(call, &g, rq->choice, rq->text))) goto done;
-    if (g_pending(&g)) {
-        cJSON *o = cJSON_CreateObject();
-        cJSON_AddStringToObject(o, "choice", rq->choice);
-        cJSON_AddStringToObject(o, "text", rq->text);
-        cJSON_AddStringToObject(o, "answered_by", id->sub);
-        rc = g_record(call, e, &g, id, "answered", "completed", o, "", &won, &ids);
-        cJSON_Delete(o);
-        if (rc) goto done;
-    }
-    out->recorded = won;
-    out->already_answered = !won;
-    /* the post-answer projection, read in this transaction */
-    char err[512], gid[37];
-    snprintf(gid, sizeof gid, "%s", st_s(g.r, 0, GT_ID));
-    PQclear(g.r);
-    g.r = NULL;
-    if ((rc = st_gate_get(g.tx, gid, 0, 0, &g.r, err, sizeof err))) {
-        rc = wfr_db_fail(call, rc, err);
-        goto done;
-    }
-    out->prompt = prompt_msg(call, &g, id);
-    if ((rc = g_commit(call, e, &g))) goto done;
-    if (won)
-        log_info("gate.answered", "prompt=%s org=%s by=%s", rq->prompt_id, id->org_id, id->sub);
-done:
-    free(ids);
-    gate_free(&g);
-    return rc;
-}
-
-/* ---- ApprovalService ---- */
-
-A(Approval) * gates__approval_msg(rpc_call *call, const gate *g, const auth_identity *id) {
-    A(Approval) *a = rpc_alloc(call, sizeof *a);
-    upsquad__approval__v1__approval__init(a);
-    a->id = wfr_s(call, g->r, 0, GT_ID);
-    a->org_id = wfr_s(call, g->r, 0, GT_ORG);
-    a->run_id = wfr_s(call, g->r, 0, GT_RUN);
-    a->action_id = wfr_s(call, g->r, 0, GT_ACTION);
-    a->kind = wfr_s(call, g->r, 0, GT_KIND);
-    a->status = wfr_s(call, g->r, 0, GT_STATUS);
-    a->required_clearance = g_floor(g);
-    a->decided_by = wfr_s(call, g->r, 0, GT_DECIDED_BY);
-    a->decided_at = wfr_ts(call, g->r, 0, GT_DECIDED_AT);
-    a->comment = wfr_s(call, g->r, 0, GT_COMMENT);
-    a->response_payload = wfr_struct(call, st_s(g->r, 0, GT_ANSWER));
-    /* the spec is the gate's structure (kind, options, summary) a decider below the run's
-     * floor still needs; the sensitive-key half of the one rule applies (wfr_redact) */
-    cJSON *spec = cJSON_Duplicate(g->spec, 1);
-    wfr_redact(call, spec, id->clearance, 0, NULL, NULL, 0);
-    a->spec = wfr_struct_json(call, spec);
-    cJSON_Delete(spec);
-    a->created_at = wfr_ts(call, g->r, 0, GT_CREATED);
-    a->expires_at = wfr_ts(call, g->r, 0, GT_EXPIRES);
-    a->escalations = (int32_t)st_i(g->r, 0, GT_ESCALATIONS);
-    a->can_decide = g_pending(g) && g_allowed(g, id);
-    a->min_approvals = g_min_approvals(g);
-    cJSON *ap = cJSON_Parse(st_s(g->r, 0, GT_APPROVERS)), *v;
-    int n = cJSON_GetArraySize(ap);
-    a->approvers = rpc_alloc(call, (size_t)(n ? n : 1) * sizeof *a->approvers);
-    cJSON_ArrayForEach(v, ap) {
-        if (cJSON_IsString(v)) a->approvers[a->n_approvers++] = rpc_strdup(call, v->valuestring);
-    }
-    cJSON_Delete(ap);
-    a->session_id = wfr_s(call, g->r, 0, GT_SESSION);
-    a->agent_id = wfr_s(call, g->r, 0, GT_AGENT);
-    a->tool = wfr_s(call, g->r, 0, GT_TOOL);
-    a->tool_call_id = wfr_s(call, g->r, 0, GT_TOOL_CALL);
-    a->requested_by = rpc_strdup(call, g->session ? st_s(g->r, 0, GT_TRIGGERED_BY) : "");
-    return a;
-}
-
-static int type_ok(const char *type, const cJSON *v) {
-    if (!strcmp(type, "string")) return cJSON_IsString(v);
-    if (!strcmp(type, "boolean")) return cJSON_IsBool(v);
-    if (!strcmp(type, "number")) return cJSON_IsNumber(v);
-    if (!strcmp(type, "integer"))
-        return cJSON_IsNumber(v) && v->valuedouble == (double)(long long)v->valuedouble;
-    if (!strcmp(type, "array")) return cJSON_IsArray(v);
-    if (!strcmp(type, "object")) return cJSON_IsObject(v);
-    return 0;
-}
-
-/* A question's answer {option_key, fields} against its options and answer fields; every
- * violation is named in the message (INVALID_ARGUMENT) before anything is written. */
-static int check_question_answer(rpc_call *call, const gate *g, const cJSON *p) {
-    char msg[1024];
-    size_t k = 0;
-    const char *key = jstr(p, "option_key");
-    const cJSON *opts = cJSON_GetObjectItemCaseSensitive(g->spec, "options"), *o;
-    const cJSON *decl = cJSON_GetObjectItemCaseSensitive(g->spec, "answer");
-    const cJSON *fields = cJSON_GetObjectItemCaseSensitive(p, "fields");
-    msg[0] = 0;
-#define VIOL(...)                                                                                  \
-    do {                                                                                           \
-        if (k < sizeof msg - 1)                                                                    \
-            k += (size_t)snprintf(msg + k, sizeof msg - k, "%s", k ? "; " : "");                   \
-        if (k < sizeof msg - 1) k += (size_t)snprintf(msg + k, sizeof msg - k, __VA_ARGS__);       \
-    } while (0)
-    if (cJSON_GetArraySize(opts) > 0) {
-        int ok = 0;
-        cJSON_ArrayForEach(o, opts) {
-            const char *v = jstr(o, "key");
-            if (key && v && !strcmp(v, key)) ok = 1;
-        }
-        if (!key || !key[0])
-            VIOL("response_payload.option_key is required");
-        else if (!ok)
-            VIOL("response_payload.option_key \"%.64s\" is not one of the question's options", key);
-    } else if (key && key[0]) {
-        VIOL("response_payload.option_key must be empty: the question has no options");
-    }
-    if (fields && !cJSON_IsObject(fields)) {
-        VIOL("response_payload.fields must be an object");
-        fields = NULL;
-    }
-    cJSON_ArrayForEach(o, decl) {
-        const cJSON *v = cJSON_GetObjectItemCaseSensitive(fields, o->string);
-        const char *ty = jstr(o, "type");
-        if (!v || cJSON_IsNull(v)) {
-            if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "required")))
-                VIOL("response_payload.fields.%s is required", o->string);
-        } else if (ty && !type_ok(ty, v)) {
-            VIOL("response_payload.fields.%s must be of type %s", o->string, ty);
-        }
-    }
-    cJSON_ArrayForEach(o, fields) {
-        if (!cJSON_GetObjectItemCaseSensitive(decl, o->string))
-            VIOL("response_payload.fields.%s is not an answer field of the question", o->string);
-    }
-    for (const cJSON *c = p ? p->child : NULL; c; c = c->next)
-        if (strcmp(c->string, "option_key") && strcmp(c->string, "fields"))
-            VIOL("response_payload.%s is not part of a question's answer", c->string);
-#undef VIOL
-    if (k) return rpc_error(call, RPC_INVALID_ARGUMENT, "%s", msg);
-    return RPC_OK;
-}
-
-static int record_decision(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
-                           void *ud) {
-    const A(RecordDecisionRequest) *rq = (const void *)req;
-    A(RecordDecisionResponse) *out = (void *)resp;
-    wf_engine *e = ud;
-    const auth_identity *id;
-    gate g = {0};
-    char *ids = NULL, err[512];
-    cJSON *payload = NULL, *o = NULL;
-    int won = 0;
-    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
-    if (rc || (rc = wfr_need_gate_id(call, "approval_id", rq->approval_id))) return rc;
-    int approve = rq->decision == UPSQUAD__APPROVAL__V1__DECISION__DECISION_APPROVED;
-    if (!approve && rq->decision != UPSQUAD__APPROVAL__V1__DECISION__DECISION_REJECTED)
-        return rpc_error(call, RPC_INVALID_ARGUMENT,
-                         "decision must be DECISION_APPROVED or DECISION_REJECTED");
-    if (wfr_utf8_chars(rq->comment) > COMMENT_MAX)
-        return rpc_error(call, RPC_INVALID_ARGUMENT, "comment must be at most %d characters",
-                         COMMENT_MAX);
-    payload = rq->response_payload ? pbjson_struct_to_json(rq->response_payload) : NULL;
-    if ((rc = gate_open(call, e, id, "approval_id", rq->approval_id, 0, 1, &g))) goto done;
-    /* every kind is decided here: a question with {option_key, fields}, a prompt (an agent's
-     * ask_user among them) with {choice, text}, both as APPROVED */
-    int question = !strcmp(g_kind(&g), "question_gate");
-    int prompt = !strcmp(g_kind(&g), "user_prompt");
-    const char *choice = jstr(payload, "choice") ? jstr(payload, "choice") : "";
-    const char *text = jstr(payload, "text") ? jstr(payload, "text") : "";
-    if ((question || prompt) && !approve) {
-        rc = rpc_error(call, RPC_INVALID_ARGUMENT,
-                       "decision must be DECISION_APPROVED on a %s (the answer is "
-                       "response_payload %s)",
-                       g_kind(&g), question ? "{option_key, fields}" : "{choice, text}");
-        goto done;
-    }
-    if (!g_allowed(&g, id)) {
-        rc = g_deny(call, &g, id);
-        goto done;
-    }
-    if (question && (rc = check_question_answer(call, &g, payload))) goto done;
-    if (prompt && (rc = check_prompt_answer(call, &g, choice, text))) goto done;
-    if (g_pending(&g)) {
-        o = cJSON_CreateObject();
-        if (prompt) {
-            cJSON_AddStringToObject(o, "choice", choice);
-            cJSON_AddStringToObject(o, "text", text);
-            cJSON_AddStringToObject(o, "answered_by", id->sub);
-        } else if (question) {
-            const char *key = jstr(payload, "option_key");
-            const cJSON *f = cJSON_GetObjectItemCaseSensitive(payload, "fields");
-            cJSON_AddStringToObject(o, "option_key", key ? key : "");
-            cJSON_AddItemToObject(o, "fields", f ? cJSON_Duplicate(f, 1) : cJSON_CreateObject());
-            cJSON_AddStringToObject(o, "answered_by", id->sub);
-        } else {
-            cJSON_AddStringToObject(o, "decision", approve ? "approved" : "rejected");
-            cJSON_AddStringToObject(o, "decided_by", id->sub);
-            cJSON_AddStringToObject(o, "comment", rq->comment);
-        }
-        int resolved = 1;
-        if (!question && !prompt && approve)
-            rc = approve_rules(call, &g, id, rq->comment, o, &resolved);
-        if (!rc && resolved)
-            rc = g_record(call, e, &g, id,
-                          prompt    ? "answered"
-                          : approve ? "approved"
-                                    : "rejected",
-                          question || prompt ? "completed"
-                          : approve          ? "approved"
-                                             : "rejected",
-                          o, rq->comment, &won, &ids);
-        if (rc) goto done;
-        won = won || !resolved; /* a counted vote is recorded; the gate still waits */
-    }
-    out->recorded = won;
-    out->already_decided = !won;
-    char gid[37];
-    snprintf(gid, sizeof gid, "%s", st_s(g.r, 0, GT_ID));
-    PQclear(g.r);
-    g.r = NULL;
-    if ((rc = st_gate_get(g.tx, gid, 0, 0, &g.r, err, sizeof err))) {
-        rc = wfr_db_fail(call, rc, err);
-        goto done;
-    }
-    out->approval = gates__approval_msg(call, &g, id);
-    if ((rc = g_commit(call, e, &g))) goto done;
-    if (won)
-        log_info("gate.decided", "record approval=%s org=%s by=%s", rq->approval_id, id->org_id,
-                 id->sub);
-done:
-    cJSON_Delete(payload);
-    cJSON_Delete(o);
-    free(ids);
-    gate_free(&g);
-    return rc;
-}
-
-static int get_approval(rpc_call *call, const ProtobufCMessage *req, ProtobufCMessage *resp,
-                        void *ud) {
-    const A(GetApprovalRequest) *rq = (const void *)req;
-    A(GetApprovalResponse) *out = (void *)resp;
-    const auth_identity *id;
-    gate g = {0};
-    int rc = rpc_tenant(call, RPC_TENANT_SUB, &id);
-    if (rc || (rc = wfr_need_gate_id(call, "approval_id", rq->approval_id))) return rc;
-    if (!(rc = gate_open(call, ud, id, "approval_id", rq->approval_id, 0, 0, &g)))
-        out->approval = gates__approval_msg(call, &g, id);
-    gate_free(&g);
-    return rc;
-}
-
 /* ---- registration ---- */
 
 #define WSVC "/upsquad.workflow.v1.WorkflowService/"
@@ -1009,11 +541,12 @@ int wf_gates_register(rpc_server *srv, wf_engine *e) {
         WU("EscalateAction", escalate_action_request, escalate_action_response, escalate_action),
         WU("ListPendingApprovals", list_pending_approvals_request, list_pending_approvals_response,
            list_pending),
-        WU("GetRunPrompt", get_run_prompt_request, get_run_prompt_response, get_run_prompt),
+        WU("GetRunPrompt", get_run_prompt_request, get_run_prompt_response, gates__get_run_prompt),
         WU("AnswerRunPrompt", answer_run_prompt_request, answer_run_prompt_response,
-           answer_run_prompt),
-        AU("RecordDecision", record_decision_request, record_decision_response, record_decision),
-        AU("GetApproval", get_approval_request, get_approval_response, get_approval),
+           gates__answer_run_prompt),
+        AU("RecordDecision", record_decision_request, record_decision_response,
+           gates__record_decision),
+        AU("GetApproval", get_approval_request, get_approval_response, gates__get_approval),
         AU("OpenApproval", open_approval_request, open_approval_response, sgate__open),
     };
     return rpc_server_add(srv, methods, sizeof methods / sizeof methods[0]);

@@ -1,7 +1,8 @@
 /* The durable interpreter (interp.h; docs/workflow-engine.md "Run model").
  *
- * A run is advanced in ticks by whichever replica holds its lease (run_queue). One tick is one
- * transaction scoped to the run's org: fence the lease, load the run and its actions, walk the
+ * A run is advanced in ticks by whichever replica holds its lease (run_queue). A tick runs
+ * inside a transaction, with its statements scoped to the run's org: fence the lease, load the
+ * run and its actions, walk the
  * definition from `start` recomputing where the run stands from the actions table (the single
  * durable truth), apply outcomes that arrived (agent results, tool results, events), create the
  * actions that become due, and write every transition with its outbox event. Side effects
@@ -9,7 +10,8 @@
  * key as JetStream message id), tool calls are NATS requests made after the commit and
  * recorded in a second transaction, retried with the same key. A crash at any point leaves
  * either the transition uncommitted (nothing happened) or committed with its side effect keyed
- * (a replay returns the recorded result). */
+ * (a replay returns the recorded result). One transaction may carry the ticks of several
+ * leased runs, of any orgs (group commit, interp_loop.c). */
 #include "interp_int.h"
 
 /* ---- small helpers ---- */
@@ -554,376 +556,101 @@ int wf_interp_cancel(wf_run *r, char *err, size_t errlen) {
 
 /* ---- one tick ---- */
 
-enum { TICK_LOST = -1, TICK_IDLE = 0, TICK_JOBS = 1, TICK_FINISHED = 2 };
-
 /* Outcomes of the previous tick's tool requests, applied by the next tick of the same lease
  * (never written on their own: a crash before that tick commits re-requests with the key). */
-static void apply_outcomes(tick *t, const job *done, char *const *results, int n_done) {
-    for (int k = 0; k < n_done; k++) {
+static void apply_outcomes(tick *t, const tick_run *r) {
+    for (int k = 0; k < r->n_done; k++) {
         for (size_t i = 0; i < t->n; i++) {
             act *a = t->acts[i];
-            if (strcmp(a->id, done[k].action_id) || strcmp(a->key, done[k].key) || a->result)
+            if (strcmp(a->id, r->done[k].action_id) || strcmp(a->key, r->done[k].key) || a->result)
                 continue;
             if (!strcmp(a->status, "in_progress") || !strcmp(a->status, "waiting"))
-                a->result = cJSON_Parse(results[k]);
+                a->result = cJSON_Parse(r->results[k]);
         }
     }
 }
 
-/* Runs one tick; on TICK_JOBS the jobs are moved to *jobs (caller frees args). An idle tick
- * also frees the lease in its own transaction (the run sleeps until *wake_ms or a wake-up). */
-static int run_tick(wf_engine *e, const char *run_id, const char *org, int64_t gen, const job *done,
-                    char *const *results, int n_done, job *jobs, int *n_jobs, int64_t *wake_ms) {
-    char err[512];
-    db_tx *tx = NULL;
-    wf_run run = {0};
-    tick t;
-    PGresult *run_row = NULL, *acts = NULL;
-    int found = 0, held = 0, out = TICK_LOST;
-    memset(&t, 0, sizeof t);
-    *n_jobs = 0;
-    *wake_ms = 0;
-    /* lock order, everywhere: the run row, then its queue row, then its actions. Pipelined
-     * (db.h): the tick's writes and its COMMIT go out together; every one of them is checked
-     * by the commit, and nothing is acted on before the commit returned DB_OK. */
-    if (st_begin_ex(e->pool, org, NULL, DB_TX_PIPELINE, &tx, err, sizeof err) ||
-        st_tick_head(tx, run_id, e->instance, e->cfg->lease_ms, &run_row, &held, &acts, err,
-                     sizeof err))
-        goto done;
-    wf_run_take(tx, run_row, &run, &found);
-    run_row = NULL;
-    if (!held) goto done;
-    if (!found || wf_run_terminal(run.status)) {
-        if (!st_queue_delete(tx, run_id, err, sizeof err) && !db_tx_commit(tx, err, sizeof err))
-            out = TICK_FINISHED;
-        tx = NULL;
-        goto done;
+/* The walk of one run whose reads arrived, up to its writes (queued on the pipeline). */
+static int tick_walk(tick_run *r) {
+    tick *t = &r->t;
+    wf_run *run = &r->run;
+    t->paused = !strcmp(run->status, "paused");
+    t->rc = interp__load_acts_from(t, r->acts); /* takes the result */
+    r->acts = NULL;
+    if (t->rc) return t->rc;
+    apply_outcomes(t, r);
+    if (!strcmp(run->status, "pending") &&
+        (t->rc = wf_run_transition(run, "running", "", t->err, sizeof t->err)))
+        return t->rc;
+    int w = interp__walk_scope(t, str(run->def, "start"), "", 0);
+    if (t->rc) return t->rc;
+    if (w == SCOPE_DONE && !t->paused) {
+        t->rc = wf_run_transition(run, "completed", "", t->err, sizeof t->err);
+        r->finished = 1;
+    } else if (w == SCOPE_FAILED) {
+        if (!(t->rc = stop_open_actions(t, "run failed")))
+            t->rc = wf_run_transition(run, "failed",
+                                      t->budget[0]   ? t->budget
+                                      : t->reason[0] ? t->reason
+                                                     : "a step failed",
+                                      t->err, sizeof t->err);
+        r->finished = 1;
     }
-    interp__tick_init(&t, e, &run);
-    t.paused = !strcmp(run.status, "paused");
-    t.rc = interp__load_acts_from(&t, acts);
-    acts = NULL;
-    if (t.rc) goto done;
-    apply_outcomes(&t, done, results, n_done);
-    if (!strcmp(run.status, "pending") &&
-        (t.rc = wf_run_transition(&run, "running", "", t.err, sizeof t.err)))
-        goto done;
-    int r = interp__walk_scope(&t, str(run.def, "start"), "", 0);
-    if (t.rc) goto done;
-    int finished = 0;
-    if (r == SCOPE_DONE && !t.paused) {
-        t.rc = wf_run_transition(&run, "completed", "", t.err, sizeof t.err);
-        finished = 1;
-    } else if (r == SCOPE_FAILED) {
-        if (!(t.rc = stop_open_actions(&t, "run failed")))
-            t.rc = wf_run_transition(&run, "failed",
-                                     t.budget[0]   ? t.budget
-                                     : t.reason[0] ? t.reason
-                                                   : "a step failed",
-                                     t.err, sizeof t.err);
-        finished = 1;
+    if (r->finished && !t->rc) t->rc = st_queue_delete(t->tx, r->run_id, t->err, sizeof t->err);
+    /* an idle tick frees the lease in its own transaction (the run sleeps until wake_ms or a
+     * wake-up); one with jobs keeps it for the next tick, which applies their outcomes */
+    if (!r->finished && !t->rc && t->n_jobs == 0)
+        t->rc = st_queue_release(t->tx, r->run_id, t->e->instance, r->gen, t->wake_ms, t->err,
+                                 sizeof t->err);
+    if (!t->rc) t->rc = wf_run_flush(run, t->err, sizeof t->err);
+    return t->rc;
+}
+
+int interp__tick_step(wf_engine *e, db_tx *tx, tick_run *r, char *err, size_t errlen) {
+    int held = r->fence && PQntuples(r->fence) > 0, found = 0, rc = DB_OK;
+    PQclear(r->fence);
+    r->fence = NULL;
+    r->out = TICK_LOST;
+    wf_run_take(tx, r->row, &r->run, &found);
+    r->row = NULL;
+    if (!held) return DB_OK; /* another owner took the lease: nothing to write */
+    if (!found || wf_run_terminal(r->run.status)) { /* nothing left to advance */
+        rc = st_queue_delete(tx, r->run_id, err, errlen);
+        r->out = TICK_FINISHED;
+        return rc;
     }
-    if (finished && !t.rc) {
-        t.rc = st_queue_delete(tx, run_id, t.err, sizeof t.err);
+    interp__tick_init(&r->t, e, &r->run);
+    if ((rc = tick_walk(r))) {
+        snprintf(err, errlen, "run=%s: %s", r->run_id, r->t.err);
+        return rc;
+    }
+    r->out = r->finished ? TICK_FINISHED : r->t.n_jobs ? TICK_JOBS : TICK_IDLE;
+    return DB_OK;
+}
+
+void interp__tick_end(wf_engine *e, tick_run *r, int committed) {
+    if (!committed) r->out = TICK_LOST;
+    if (r->out == TICK_JOBS) { /* the calls go out only now that their actions are durable */
+        for (int i = 0; i < r->t.n_jobs; i++) {
+            r->jobs[i] = r->t.jobs[i];
+            r->t.jobs[i].args = NULL;
+        }
+        r->n_jobs = r->t.n_jobs;
+        r->t.n_jobs = 0;
+    }
+    if (committed && r->finished) {
         metric_inc(e->m_runs_finished);
+        wf_engine_run_ended(e, r->run.status, r->run.started_ms);
     }
-    if (!finished && !t.rc && t.n_jobs == 0)
-        t.rc = st_queue_release(tx, run_id, e->instance, gen, t.wake_ms, t.err, sizeof t.err);
-    if (t.rc || (t.rc = wf_run_flush(&run, t.err, sizeof t.err)) ||
-        (t.rc = db_tx_commit(tx, t.err, sizeof t.err))) {
-        tx = NULL;
-        goto done;
-    }
-    tx = NULL;
-    wf_engine_kick_relay(e);
-    if (finished) {
-        wf_engine_run_ended(e, run.status, run.started_ms);
-        out = TICK_FINISHED;
-        goto done;
-    }
-    for (int i = 0; i < t.n_jobs; i++) {
-        jobs[i] = t.jobs[i];
-        t.jobs[i].args = NULL;
-    }
-    *n_jobs = t.n_jobs;
-    t.n_jobs = 0;
-    *wake_ms = t.wake_ms;
-    out = *n_jobs ? TICK_JOBS : TICK_IDLE;
-done:
-    if (t.rc) log_error("run.tick", "run=%s: %s (%s)", run_id, t.err, db_sqlstate());
-    PQclear(acts);
-    db_tx_rollback(tx);
-    if (t.state) interp__tick_free(&t);
-    wf_run_free(&run);
-    return out;
-}
-
-/* The request of one job (args: heap, pbjson_struct_free; the strings are borrowed). */
-static void tool_request(wf_engine *e, const char *run_id, const char *org, const job *j,
-                         Upsquad__Internal__V1__ToolInvokeRequest *rq,
-                         Google__Protobuf__Struct **args) {
-    char e2[256];
-    upsquad__internal__v1__tool_invoke_request__init(rq);
-    *args = NULL;
-    cJSON *aj = cJSON_Parse(j->args);
-    pbjson_struct_from_json(aj, args, e2, sizeof e2);
-    cJSON_Delete(aj);
-    rq->idempotency_key = (char *)j->key;
-    rq->org_id = (char *)org;
-    rq->run_id = (char *)run_id;
-    rq->step_name = (char *)j->step;
-    rq->iteration = j->iteration;
-    rq->tool = (char *)j->tool;
-    rq->action = (char *)j->action;
-    rq->arguments = *args;
-    rq->timeout_ms = (int32_t)e->cfg->tool_timeout_ms;
-    rq->trace_id = (char *)j->key;
-}
-
-/* A provider's answer as the outcome JSON the next tick records (heap). */
-static char *tool_outcome(const Upsquad__Internal__V1__ToolInvokeResponse *rs) {
-    cJSON *out = cJSON_CreateObject();
-    cJSON_AddBoolToObject(out, "ok", rs->ok);
-    cJSON_AddItemToObject(out, "result",
-                          rs->result ? pbjson_struct_to_json(rs->result) : cJSON_CreateObject());
-    cJSON_AddStringToObject(out, "error_code", rs->error_code);
-    cJSON_AddStringToObject(out, "error_message", rs->error_message);
-    cJSON_AddBoolToObject(out, "replayed", rs->replayed);
-    char *s = cJSON_PrintUnformatted(out);
-    cJSON_Delete(out);
-    return s;
-}
-
-/* One tool call over NATS request/reply, retried with the same key; the outcome as JSON. */
-static char *invoke_tool(wf_engine *e, const char *run_id, const char *org, const job *j) {
-    Upsquad__Internal__V1__ToolInvokeRequest rq;
-    Google__Protobuf__Struct *args = NULL;
-    char subject[160];
-    tool_request(e, run_id, org, j, &rq, &args);
-    size_t len = protobuf_c_message_get_packed_size(&rq.base);
-    uint8_t *buf = malloc(len ? len : 1);
-    protobuf_c_message_pack(&rq.base, buf);
-    if (args) pbjson_struct_free(args);
-    char *text = NULL;
-    const char *code = "no_provider";
-    if (!bus_token_valid(j->tool)) code = "invalid_tool";
-    snprintf(subject, sizeof subject, "%s.%s", SUBJ_TOOL_INVOKE, j->tool);
-    for (long long at = 0;
-         !text && at < e->cfg->tool_attempts && !e->stop && strcmp(code, "invalid_tool"); at++) {
-        natsMsg *reply = NULL;
-        metric_inc(e->m_tool_calls);
-        int rc = e->bus ? bus_request(e->bus, subject, buf, (int)len, (int)e->cfg->tool_timeout_ms,
-                                      &reply)
-                        : BUS_ECLOSED;
-        if (rc == BUS_OK) {
-            Upsquad__Internal__V1__ToolInvokeResponse *rs =
-                upsquad__internal__v1__tool_invoke_response__unpack(
-                    NULL, (size_t)natsMsg_GetDataLength(reply),
-                    (const uint8_t *)natsMsg_GetData(reply));
-            natsMsg_Destroy(reply);
-            if (!rs) {
-                code = "bad_reply";
-                continue;
-            }
-            if (!rs->ok && rs->retryable && at + 1 < e->cfg->tool_attempts) {
-                protobuf_c_message_free_unpacked(&rs->base, NULL);
-                code = "retryable";
-                continue;
-            }
-            text = tool_outcome(rs);
-            protobuf_c_message_free_unpacked(&rs->base, NULL);
-        } else {
-            code = rc == BUS_ETIMEOUT ? "timeout" : "no_provider";
-            if (rc == BUS_ENORESP) usleep(200000);
-        }
-    }
-    free(buf);
-    if (!text) {
-        metric_inc(e->m_tool_failures);
-        cJSON *out = cJSON_CreateObject();
-        cJSON_AddBoolToObject(out, "ok", 0);
-        cJSON_AddStringToObject(out, "error_code", code);
-        cJSON_AddStringToObject(out, "error_message",
-                                "the tool provider did not answer within its attempts");
-        text = cJSON_PrintUnformatted(out);
-        cJSON_Delete(out);
-    }
-    return text;
-}
-
-/* The jobs idx[0..n) of one tool as one request on tool.batch.<tool> (decision: a tick's calls
- * to one provider travel together). Each settled answer (ok, or a failure not worth a retry)
- * becomes its job's outcome in results; the others stay NULL and go one by one (invoke_tool:
- * the same keys, so nothing runs twice), as do all of them when the provider serves no batches
- * (no responders) or the request fails. */
-static void invoke_batch(wf_engine *e, const char *run_id, const char *org, const job *jobs,
-                         const int *idx, int n, char **results) {
-    Upsquad__Internal__V1__ToolInvokeRequest rq[MAX_JOBS], *calls[MAX_JOBS];
-    Google__Protobuf__Struct *args[MAX_JOBS];
-    Upsquad__Internal__V1__ToolInvokeBatchRequest b =
-        UPSQUAD__INTERNAL__V1__TOOL_INVOKE_BATCH_REQUEST__INIT;
-    char subject[160];
-    natsMsg *reply = NULL;
-    if (!e->bus || !bus_token_valid(jobs[idx[0]].tool)) return;
-    for (int k = 0; k < n; k++) {
-        tool_request(e, run_id, org, &jobs[idx[k]], &rq[k], &args[k]);
-        calls[k] = &rq[k];
-    }
-    b.calls = calls;
-    b.n_calls = (size_t)n;
-    size_t len = protobuf_c_message_get_packed_size(&b.base);
-    uint8_t *buf = malloc(len ? len : 1);
-    if (buf) protobuf_c_message_pack(&b.base, buf);
-    for (int k = 0; k < n; k++)
-        if (args[k]) pbjson_struct_free(args[k]);
-    if (!buf) return;
-    snprintf(subject, sizeof subject, "%s.%s", SUBJ_TOOL_BATCH, jobs[idx[0]].tool);
-    metric_inc(e->m_tool_batches);
-    int rc = bus_request(e->bus, subject, buf, (int)len, (int)e->cfg->tool_timeout_ms, &reply);
-    free(buf);
-    if (rc != BUS_OK) return;
-    Upsquad__Internal__V1__ToolInvokeBatchResponse *rs =
-        upsquad__internal__v1__tool_invoke_batch_response__unpack(
-            NULL, (size_t)natsMsg_GetDataLength(reply), (const uint8_t *)natsMsg_GetData(reply));
-    natsMsg_Destroy(reply);
-    for (int k = 0; rs && k < n && (size_t)k < rs->n_results; k++) {
-        const Upsquad__Internal__V1__ToolInvokeResponse *r = rs->results[k];
-        if (r->ok || !r->retryable) {
-            metric_inc(e->m_tool_calls);
-            results[idx[k]] = tool_outcome(r);
-        }
-    }
-    if (rs) protobuf_c_message_free_unpacked(&rs->base, NULL);
-}
-
-static void release(wf_engine *e, const char *run_id, const char *org, int64_t gen,
-                    int64_t wake_ms) {
-    char err[512];
-    db_tx *tx = NULL;
-    if (st_begin_ex(e->pool, org, NULL, DB_TX_PIPELINE, &tx, err, sizeof err) ||
-        st_queue_release(tx, run_id, e->instance, gen, wake_ms, err, sizeof err) ||
-        db_tx_commit(tx, err, sizeof err))
-        log_warn("run.release", "run=%s: %s", run_id, err);
-}
-
-typedef struct invoke_arg {
-    wf_engine *e;
-    const char *run_id, *org;
-    const job *j;
-    char *result;
-} invoke_arg;
-
-static void *invoke_thread(void *arg) {
-    invoke_arg *a = arg;
-    a->result = invoke_tool(a->e, a->run_id, a->org, a->j);
-    return NULL;
-}
-
-/* Requests a tick's tool calls: the calls of one tool (two or more) as one batch, then what is
- * left at once (one thread each, at most MAX_JOBS), so the tool steps of parallel branches
- * overlap; one call runs inline. */
-static void invoke_all(wf_engine *e, const char *run_id, const char *org, const job *jobs,
-                       char **results, int n) {
-    invoke_arg args[MAX_JOBS];
-    pthread_t th[MAX_JOBS];
-    int started[MAX_JOBS] = {0}, grouped[MAX_JOBS] = {0}, idx[MAX_JOBS], left[MAX_JOBS], nleft = 0;
-    for (int k = 0; k < n; k++)
-        results[k] = NULL;
-    for (int k = 0; k < n; k++) {
-        int m = 0;
-        for (int i = k; i < n && !grouped[k]; i++)
-            if (!grouped[i] && !strcmp(jobs[i].tool, jobs[k].tool)) idx[m++] = i;
-        if (m < 2) continue;
-        for (int i = 0; i < m; i++)
-            grouped[idx[i]] = 1;
-        invoke_batch(e, run_id, org, jobs, idx, m, results);
-    }
-    for (int k = 0; k < n; k++)
-        if (!results[k]) left[nleft++] = k;
-    for (int i = 0; i < nleft; i++) {
-        int k = left[i];
-        args[k] = (invoke_arg){e, run_id, org, &jobs[k], NULL};
-        if (i > 0) started[k] = pthread_create(&th[k], NULL, invoke_thread, &args[k]) == 0;
-        if (!started[k] && i > 0) invoke_thread(&args[k]);
-    }
-    if (nleft > 0) invoke_thread(&args[left[0]]);
-    for (int i = 0; i < nleft; i++) {
-        int k = left[i];
-        if (started[k]) pthread_join(th[k], NULL);
-        results[k] = args[k].result;
-    }
-}
-
-static void process_run(wf_engine *e, const char *run_id, const char *org, int64_t gen) {
-    job jobs[MAX_JOBS], done[MAX_JOBS];
-    char *results[MAX_JOBS];
-    int n = 0, n_done = 0;
-    int64_t wake = 0;
-    for (int i = 0; i < TICKS_PER_CLAIM && !e->stop; i++) {
-        int r = run_tick(e, run_id, org, gen, done, results, n_done, jobs, &n, &wake);
-        for (int k = 0; k < n_done; k++) {
-            free(results[k]);
-            free(done[k].args);
-        }
-        n_done = 0;
-        if (r != TICK_JOBS) return; /* idle (released), finished, or the lease was lost */
-        invoke_all(e, run_id, org, jobs, results, n); /* parallel branches run concurrently */
-        for (int k = 0; k < n; k++)
-            done[k] = jobs[k];
-        n_done = n;
-    }
-    for (int k = 0; k < n_done; k++) {
-        free(results[k]);
-        free(done[k].args);
-    }
-    release(e, run_id, org, gen, wf_now_ms());
-}
-
-static void idle_wait(wf_engine *e, long long ms) {
-    struct timespec ts;
-    util_deadline(&ts, ms);
-    pthread_mutex_lock(&e->mu);
-    /* only a run kick or the poll interval send an idle thread to claim (the relay and the
-     * scheduler sleep on condition variables of their own) */
-    while (!e->kick && !e->stop && pthread_cond_timedwait(&e->cv, &e->mu, &ts) != ETIMEDOUT) {
-    }
-    e->kick = 0;
-    pthread_mutex_unlock(&e->mu);
-}
-
-void *wf_interp_thread(void *arg) {
-    wf_engine *e = arg;
-    char err[512];
-    while (!e->stop) {
-        db_tx *tx = NULL;
-        PGresult *r = NULL;
-        int claimed = 0;
-        if (st_begin_service_ex(e->pool, DB_TX_PIPELINE, &tx, err, sizeof err) == DB_OK &&
-            st_queue_claim(tx, e->instance, e->cfg->lease_ms, 1, &r, err, sizeof err) == DB_OK &&
-            db_tx_commit(tx, err, sizeof err) == DB_OK) {
-            tx = NULL;
-            if (PQntuples(r) > 0) { /* more may be due: one more idle thread looks (a chain
-                                     * that ends with the first claim finding nothing) */
-                pthread_mutex_lock(&e->mu);
-                e->kick = 1;
-                pthread_cond_signal(&e->cv);
-                pthread_mutex_unlock(&e->mu);
-            }
-            for (int i = 0; i < PQntuples(r); i++) {
-                claimed++;
-                char run_id[37], org[37];
-                snprintf(run_id, sizeof run_id, "%s", st_s(r, i, 0));
-                snprintf(org, sizeof org, "%s", st_s(r, i, 1));
-                process_run(e, run_id, org, st_i(r, i, 2));
-            }
-        } else if (tx) {
-            log_warn("run.claim", "%s", err);
-        }
-        db_tx_rollback(tx);
-        PQclear(r);
-        if (!claimed) idle_wait(e, e->cfg->idle_poll_ms);
-    }
-    return NULL;
+    PQclear(r->row);
+    PQclear(r->fence);
+    PQclear(r->acts);
+    r->row = r->fence = r->acts = NULL;
+    if (r->t.state) interp__tick_free(&r->t);
+    memset(&r->t, 0, sizeof r->t);
+    wf_run_free(&r->run);
+    memset(&r->run, 0, sizeof r->run);
+    r->finished = 0;
 }
 
 /* ---- a person's decision on a parked gate (gates.c) ---- */

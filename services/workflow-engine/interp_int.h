@@ -91,6 +91,39 @@ static inline int num(const cJSON *o, const char *k, int def) {
     return cJSON_IsNumber(v) ? v->valueint : def;
 }
 
+enum { TICK_LOST = -1, TICK_IDLE = 0, TICK_JOBS = 1, TICK_FINISHED = 2 };
+
+/* One leased run's place in a group tick (interp_loop.c): what the loop hands the tick and
+ * what the tick hands back. The loop owns it; between its reads being sent and interp__tick_end
+ * the tick's own members are in use. */
+typedef struct tick_run {
+    char run_id[37], org[37];
+    int64_t gen; /* the claim's wake_gen (st_queue_release: a wake-up since is not lost) */
+    /* the previous tick's tool calls and their outcomes (JSON, heap), applied by this one */
+    job done[MAX_JOBS];
+    char *results[MAX_JOBS];
+    int n_done;
+    job jobs[MAX_JOBS]; /* out: the calls this tick committed (caller frees args) */
+    int n_jobs;
+    int out;   /* TICK_*, set by interp__tick_end */
+    int ticks; /* ticks since the claim (at most TICKS_PER_CLAIM, then released) */
+    int used;  /* the slot holds a claimed run */
+    /* the tick's own */
+    PGresult *row, *fence, *acts;
+    wf_run run;
+    tick t;
+    int finished;
+} tick_run;
+
+/* A group tick, in one pipelined transaction begun with no org: for every run, its org scope
+ * and its three reads queued (st_tick_head_send); one db_pipe_flush; for every run, its org
+ * scope again and interp__tick_step (the walk; its writes queued); COMMIT; then
+ * interp__tick_end for every run (committed 0: nothing of the tick happened, r->out
+ * TICK_LOST). A step that fails (err names the run) fails the whole transaction. The scope
+ * statements are the caller's (interp_loop.c), so runs of one org in a row share one. */
+int interp__tick_step(wf_engine *e, db_tx *tx, tick_run *r, char *err, size_t errlen);
+void interp__tick_end(wf_engine *e, tick_run *r, int committed);
+
 /* Cross-file internals: only the interpreter's files call them. */
 const cJSON *interp__step_def(tick *t, const char *name);
 void interp__wake_at(tick *t, int64_t ms);

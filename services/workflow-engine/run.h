@@ -29,7 +29,7 @@ typedef struct wf_run {
 /* Loads (lock: FOR UPDATE) the run; *found 0 when it is not visible to the tx's org. */
 int wf_run_load(db_tx *tx, const char *run_id, int lock, wf_run *out, int *found, char *err,
                 size_t errlen);
-/* The same from a row of st_run_load's columns already read (st_tick_head); takes ownership
+/* The same from a row of st_run_load's columns already read (st_tick_head_send); takes ownership
  * of res (cleared). Returns DB_OK. */
 int wf_run_take(db_tx *tx, PGresult *res, wf_run *r, int *found);
 void wf_run_free(wf_run *r);

@@ -151,12 +151,14 @@ enum {
     RL_NCOLS
 };
 int st_run_load(db_tx *tx, const char *run_id, int lock, PGresult **out, char *err, size_t errlen);
-/* A tick's three reads behind one sync when the transaction is pipelined (DB_TX_PIPELINE),
- * one by one otherwise: the run locked (st_run_load, RL_*), the lease fenced (st_queue_fence:
- * *held), the run's actions as a tick needs them (st_actions_load, IA_*). *run_row and *acts:
- * caller PQclears. */
-int st_tick_head(db_tx *tx, const char *run, const char *owner, int64_t lease_ms,
-                 PGresult **run_row, int *held, PGresult **acts, char *err, size_t errlen);
+/* A tick's three reads queued on a pipelined transaction (DB_EINVAL when tx is not) without a
+ * sync, in the lock order of every tick: the run locked (st_run_load, RL_*), the lease fenced
+ * (st_queue_fence: *fence has a row when the lease is held), the run's actions as a tick needs
+ * them (st_actions_load, IA_*). A group tick sends every run's reads, each behind its own org
+ * scope, and flushes once (db_pipe_flush); the slots fill at the flush (caller PQclears). */
+int st_tick_head_send(db_tx *tx, const char *run, const char *owner, int64_t lease_ms,
+                      PGresult **run_row, PGresult **fence, PGresult **acts, char *err,
+                      size_t errlen);
 /* WorkflowRun rows (RUN_* columns), node counts populated. */
 enum {
     RUN_ID,
@@ -199,7 +201,7 @@ int st_run_set_status(db_tx *tx, const char *run_id, const char *status, const c
 int st_run_set_seq(db_tx *tx, const char *run_id, int64_t seq, char *err, size_t errlen);
 int st_run_add_cost(db_tx *tx, const char *run_id, double cost, char *err, size_t errlen);
 
-/* ---- actions ---- */
+/* ---- actions (store_actions.c) ---- */
 /* WorkflowAction rows, ordered (created_at, iteration, id). */
 enum {
     AC_ID,
@@ -280,7 +282,7 @@ int st_governance_expire(db_tx *tx, const char *id, char *err, size_t errlen);
 /* Closes the run's open governance rows (the run was cancelled or failed). */
 int st_governance_close(db_tx *tx, const char *run, char *err, size_t errlen);
 
-/* ---- external events ---- */
+/* ---- external events (store_actions.c) ---- */
 int st_delivery_insert(db_tx *tx, const char *org, const char *run, const char *key,
                        const char *delivery, const char *payload_json, int *inserted, char *err,
                        size_t errlen);
@@ -289,7 +291,7 @@ int st_delivery_insert(db_tx *tx, const char *org, const char *run, const char *
 int st_delivery_take(db_tx *tx, const char *run, const char *key, const char *action_id,
                      char **payload, char *err, size_t errlen);
 
-/* ---- run queue (leases) ---- */
+/* ---- run queue (leases; store_queue.c) ---- */
 int st_queue_insert(db_tx *tx, const char *run, const char *org, char *err, size_t errlen);
 int st_queue_wake(db_tx *tx, const char *run, char *err, size_t errlen);
 int st_queue_delete(db_tx *tx, const char *run, char *err, size_t errlen);
@@ -306,10 +308,10 @@ int st_queue_release(db_tx *tx, const char *run, const char *owner, int64_t gen,
                      char *err, size_t errlen);
 
 /* Service: the pending human gates of every org (pending_gates, migration 011): how many, and
- * the age of the oldest in seconds (0 when none). */
+ * the age of the oldest in seconds (0 when none; store_gates.c). */
 int st_pending_gates(db_tx *tx, int64_t *n, double *oldest_s, char *err, size_t errlen);
 
-/* ---- outbox ---- */
+/* ---- outbox (store_queue.c) ---- */
 /* The run's new event_seq and its outbox rows at once; subjects, msg_ids: Postgres text[]
  * literals; payloads: text[] of hex. */
 int st_events_put(db_tx *tx, const char *org, const char *run, int64_t seq, const char *subjects,
@@ -324,7 +326,7 @@ int st_outbox_fetch(db_tx *tx, int limit, int *locked, PGresult **out, char *err
 /* Deletes the published rows; ids as a Postgres array text "{1,2,3}". */
 int st_outbox_delete(db_tx *tx, const char *ids, char *err, size_t errlen);
 
-/* ---- agent step bookkeeping (migrations/004_agent_steps.sql) ---- */
+/* ---- agent step bookkeeping (store_actions.c; migrations/004_agent_steps.sql) ---- */
 
 typedef struct st_agent_state {
     int retries, resumes;
@@ -353,9 +355,7 @@ int st_agent_resume_put(db_tx *tx, const char *org, const char *run, const char 
 /* The step ended: the frozen turn and its answer are dropped. */
 int st_agent_ask_clear(db_tx *tx, const char *action_id, char *err, size_t errlen);
 
-#endif
-
-/* ---- human gates (gates.c) ---- */
+/* ---- human gates (gates.c; store_gates.c) ---- */
 /* One governance row with its run and action context (GT_* columns). by_action: id is the
  * action's id (its newest row); lock: FOR UPDATE of the row. No row: not in the tx's org. */
 enum {
@@ -442,3 +442,5 @@ int st_approval_timer_due(db_tx *tx, int limit, PGresult **out, char *err, size_
 
 /* (run_id, status) of one action of the tx's org; no row: not in it. */
 int st_action_brief(db_tx *tx, const char *action_id, PGresult **out, char *err, size_t errlen);
+
+#endif

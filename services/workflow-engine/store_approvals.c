@@ -1,13 +1,6 @@
 /* The SQL of agent sessions' approvals and prompts (store.h; migrations/010_session_approvals.sql):
  * governance rows that belong to a session instead of a run, and their expiry timers. */
-#include <inttypes.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include "store.h"
-
-#define S "workflow_engine."
+#include "store_int.h"
 
 int st_session_gate_open(db_tx *tx, const st_session_gate *g, int *created, char *id_out, char *err,
                          size_t errlen) {

@@ -30,6 +30,7 @@ typedef struct wf_config {
     char *catalog_file;
     char *page_key;         /* HMAC key of page tokens (secret) */
     long long workers;      /* interpreter threads */
+    long long group_max;    /* runs one interpreter transaction may tick (group commit) */
     long long max_rendered; /* UPSQUAD_WF_MAX_RENDERED: bytes per template render */
     long long lease_ms;     /* run lease */
     long long idle_poll_ms;
@@ -80,7 +81,7 @@ typedef struct wf_engine {
     int n_announced;
     metric *m_transitions, *m_runs_started, *m_runs_finished, *m_tool_calls, *m_tool_failures,
         *m_tool_batches, *m_published, *m_first_step, *m_outbox_lag, *m_pending_gates,
-        *m_oldest_gate;
+        *m_oldest_gate, *m_group_runs, *m_group_fallbacks, *m_tick_seconds, *m_tool_round_seconds;
     /* by final status: completed, failed, cancelled (wf_engine_run_ended) */
     metric *m_ended[3], *m_run_seconds[3];
 } wf_engine;

@@ -53,9 +53,9 @@ def code_of(fn):
 class ModelRegistryHostile(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.srv = T.Server("model-registry", env={
+        cls.srv = T.drain(T.Server("model-registry", env={
             "UPSQUAD_PG_DSN": DSN, "UPSQUAD_NATS_URL": NATS, "UPSQUAD_MIGRATIONS_DIR": MIGRATIONS,
-            "UPSQUAD_MODEL_CATALOG_FILE": SHIPPED, "UPSQUAD_MODEL_CATALOG_POLL": "1h"})
+            "UPSQUAD_MODEL_CATALOG_FILE": SHIPPED, "UPSQUAD_MODEL_CATALOG_POLL": "1h"}))
         cls.ch = grpc.insecure_channel(cls.srv.addr, options=[
             ("grpc.max_send_message_length", 8 << 20)])
         cls.md = (("authorization", "Bearer " + cls.srv.token()),)

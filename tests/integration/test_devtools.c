@@ -1,5 +1,6 @@
 /* devtools over real NATS (UPSQUAD_NATS_URL): every catalogued action answers from its
- * fixture, each cue, de-duplication by idempotency key, stats, announcements, the dedup bound.
+ * fixture, each cue, de-duplication by idempotency key, batches (their delayed calls side by
+ * side on the workers), stats, announcements, the dedup bound.
  * Needs the whole bus to itself for the tool subjects (tests run one at a time). */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -23,6 +24,8 @@
 #include "upsquad/internal/v1/tool.pb-c.h"
 
 #define DEDUP_KEYS 200 /* small, so that the bound is reached by the last test */
+#define TEST_WORKERS 8 /* UPSQUAD_DEVTOOLS_WORKERS: a batch of 8 delayed calls runs at once */
+#define TEST_QUEUE 8   /* UPSQUAD_DEVTOOLS_QUEUE: a batch of 12 delayed calls overflows it */
 
 typedef Upsquad__Internal__V1__ToolInvokeRequest req_t;
 typedef Upsquad__Internal__V1__ToolInvokeResponse resp_t;
@@ -569,6 +572,63 @@ static void test_bad_requests(void **state) {
     resp_free(r);
 }
 
+typedef Upsquad__Internal__V1__ToolInvokeBatchResponse batch_resp_t;
+
+/* One tool.batch.<tool> request of n calls (actions[i] NULL = get_issue), answered within
+ * wait_ms; *ms gets the round trip. Caller frees the response. */
+static batch_resp_t *batch_send(const char *tool, size_t n, const char *const *actions,
+                                const char *const *keys, const char *const *args, int wait_ms,
+                                int64_t *ms) {
+    req_t q[32], *calls[32];
+    Google__Protobuf__Struct *st[32];
+    char err[256];
+    assert_true(n <= 32);
+    for (size_t i = 0; i < n; i++) {
+        upsquad__internal__v1__tool_invoke_request__init(&q[i]);
+        q[i].idempotency_key = (char *)keys[i];
+        q[i].org_id = "0d5e0000-0000-0000-0000-000000000001";
+        q[i].run_id = g_run;
+        q[i].step_name = (char *)g_step;
+        q[i].tool = (char *)tool;
+        q[i].action = (char *)(actions && actions[i] ? actions[i] : "get_issue");
+        cJSON *a = cJSON_Parse(args[i]);
+        assert_non_null(a);
+        assert_int_equal(pbjson_struct_from_json(a, &st[i], err, sizeof err), 0);
+        cJSON_Delete(a);
+        q[i].arguments = st[i];
+        calls[i] = &q[i];
+    }
+    Upsquad__Internal__V1__ToolInvokeBatchRequest b =
+        UPSQUAD__INTERNAL__V1__TOOL_INVOKE_BATCH_REQUEST__INIT;
+    b.calls = calls;
+    b.n_calls = n;
+    size_t len = upsquad__internal__v1__tool_invoke_batch_request__get_packed_size(&b);
+    uint8_t *buf = malloc(len);
+    upsquad__internal__v1__tool_invoke_batch_request__pack(&b, buf);
+    for (size_t i = 0; i < n; i++)
+        pbjson_struct_free(st[i]);
+    natsMsg *reply = NULL;
+    int64_t t0 = now_ms();
+    char subject[96];
+    snprintf(subject, sizeof subject, "tool.batch.%s", tool);
+    assert_int_equal(bus_request(g_bus, subject, buf, (int)len, wait_ms, &reply), 0);
+    if (ms) *ms = now_ms() - t0;
+    free(buf);
+    batch_resp_t *r = upsquad__internal__v1__tool_invoke_batch_response__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(reply), (const uint8_t *)natsMsg_GetData(reply));
+    natsMsg_Destroy(reply);
+    assert_non_null(r);
+    return r;
+}
+
+/* A result's "number" (get_issue echoes its argument): which call it answers. */
+static int result_number(const resp_t *r) {
+    cJSON *j = result_json(r);
+    int n = (int)num(j, "number");
+    cJSON_Delete(j);
+    return n;
+}
+
 /* tool.batch.<tool>: each call through the same admission (a recorded key replays, a bad call
  * gets its own error, a cue fails only its call), one reply with the responses in order. */
 static void test_batch(void **state) {
@@ -583,40 +643,9 @@ static void test_batch(void **state) {
     const char *keys[] = {k1, k2, k3, k2};
     const char *bodies[] = {args, args,
                             "{\"repo\":\"acme/widgets\",\"number\":5,\"body\":\"x __fail\"}", args};
-    req_t q[4], *calls[4];
-    Google__Protobuf__Struct *st[4];
-    char err[256];
-    for (int i = 0; i < 4; i++) {
-        upsquad__internal__v1__tool_invoke_request__init(&q[i]);
-        q[i].idempotency_key = (char *)keys[i];
-        q[i].org_id = "0d5e0000-0000-0000-0000-000000000001";
-        q[i].run_id = g_run;
-        q[i].step_name = (char *)g_step;
-        q[i].tool = "github";
-        q[i].action = i == 3 ? "no_such_action" : "create_comment";
-        cJSON *a = cJSON_Parse(bodies[i]);
-        assert_int_equal(pbjson_struct_from_json(a, &st[i], err, sizeof err), 0);
-        cJSON_Delete(a);
-        q[i].arguments = st[i];
-        calls[i] = &q[i];
-    }
-    Upsquad__Internal__V1__ToolInvokeBatchRequest b =
-        UPSQUAD__INTERNAL__V1__TOOL_INVOKE_BATCH_REQUEST__INIT;
-    b.calls = calls;
-    b.n_calls = 4;
-    size_t n = upsquad__internal__v1__tool_invoke_batch_request__get_packed_size(&b);
-    uint8_t *buf = malloc(n);
-    upsquad__internal__v1__tool_invoke_batch_request__pack(&b, buf);
-    for (int i = 0; i < 4; i++)
-        pbjson_struct_free(st[i]);
-    natsMsg *reply = NULL;
-    assert_int_equal(bus_request(g_bus, "tool.batch.github", buf, (int)n, 5000, &reply), 0);
-    free(buf);
-    Upsquad__Internal__V1__ToolInvokeBatchResponse *r =
-        upsquad__internal__v1__tool_invoke_batch_response__unpack(
-            NULL, (size_t)natsMsg_GetDataLength(reply), (const uint8_t *)natsMsg_GetData(reply));
-    natsMsg_Destroy(reply);
-    assert_non_null(r);
+    const char *actions[] = {"create_comment", "create_comment", "create_comment",
+                             "no_such_action"};
+    batch_resp_t *r = batch_send("github", 4, actions, keys, bodies, 5000, NULL);
     assert_int_equal(r->n_results, 4);
     assert_true(r->results[0]->ok && r->results[0]->replayed); /* k1 was recorded */
     assert_true(r->results[1]->ok && !r->results[1]->replayed);
@@ -633,6 +662,7 @@ static void test_batch(void **state) {
     key_counts(k2, &tries, &execs, &replays);
     assert_int_equal(execs, 1);
     /* garbage: no results, and the requester sends its calls alone */
+    natsMsg *reply = NULL;
     assert_int_equal(bus_request(g_bus, "tool.batch.github", "\xff\xff\xff", 3, 5000, &reply), 0);
     r = upsquad__internal__v1__tool_invoke_batch_response__unpack(
         NULL, (size_t)natsMsg_GetDataLength(reply), (const uint8_t *)natsMsg_GetData(reply));
@@ -640,6 +670,204 @@ static void test_batch(void **state) {
     assert_non_null(r);
     assert_int_equal(r->n_results, 0);
     upsquad__internal__v1__tool_invoke_batch_response__free_unpacked(r, NULL);
+}
+
+/* n calls of get_issue, call i with its own key, "number": first + i and the extra members
+ * (e.g. a delay cue) in args[i] (text of at most 160 bytes). */
+#define BATCH_N 12
+typedef struct batch_calls {
+    char key[BATCH_N][96], args[BATCH_N][160];
+    const char *keys[BATCH_N], *argv[BATCH_N];
+} batch_calls;
+
+static void batch_calls_make(batch_calls *c, size_t n, int first, const char *extra) {
+    for (size_t i = 0; i < n; i++) {
+        new_key(c->key[i], sizeof c->key[i]);
+        snprintf(c->args[i], sizeof c->args[i], "{\"repo\":\"a/b\",\"number\":%d,%s}",
+                 first + (int)i, extra);
+        c->keys[i] = c->key[i];
+        c->argv[i] = c->args[i];
+    }
+}
+
+/* Waits (up to 5 s) until `busy` workers run a delayed call and none waits in the queue. */
+static void wait_workers(int busy) {
+    for (int i = 0; i < 250; i++) {
+        cJSON *s = stats(NULL);
+        int now = (int)num(s, "workers_busy"), queued = (int)num(s, "queued");
+        cJSON_Delete(s);
+        if (now == busy && queued == 0) return;
+        usleep(20 * 1000);
+    }
+    fail_msg("workers busy never reached %d", busy);
+}
+
+/* The delayed calls of a batch run on the workers side by side: the batch takes about its
+ * slowest call, not the sum (8 x 400 ms here, 8 workers), and the results keep their order. */
+static void test_batch_delayed_calls_run_concurrently(void **state) {
+    (void)state;
+    batch_calls c;
+    batch_calls_make(&c, 8, 1, "\"__sleep_ms\":400");
+    wait_workers(0); /* an earlier test's late reply may still hold one */
+    int64_t ms = 0;
+    batch_resp_t *r = batch_send("github", 8, NULL, c.keys, c.argv, 10000, &ms);
+    assert_int_equal(r->n_results, 8);
+    for (int i = 0; i < 8; i++) {
+        assert_true(r->results[i]->ok);
+        assert_false(r->results[i]->replayed);
+        assert_int_equal(result_number(r->results[i]), i + 1);
+    }
+    upsquad__internal__v1__tool_invoke_batch_response__free_unpacked(r, NULL);
+    print_message("batch of 8 calls sleeping 400 ms: answered in %lld ms\n", (long long)ms);
+    assert_true(ms > 350);  /* every call slept */
+    assert_true(ms < 1600); /* not one after the other (3.2 s) */
+    int tries, execs, replays;
+    for (int i = 0; i < 8; i++) {
+        key_counts(c.key[i], &tries, &execs, &replays);
+        assert_int_equal(execs, 1);
+    }
+}
+
+static void *batch_in_background(void *arg) {
+    batch_calls *c = arg;
+    batch_resp_t *r = batch_send("github", 2, NULL, c->keys, c->argv, 10000, NULL);
+    assert_int_equal(r->n_results, 2);
+    upsquad__internal__v1__tool_invoke_batch_response__free_unpacked(r, NULL);
+    return NULL;
+}
+
+/* A batch waiting for its delayed calls holds up no other subscription: another tool's batch,
+ * single calls of every tool and the stats answer meanwhile (each subscription has a delivery
+ * thread of its own; a shared one would make them wait for the batch's second). */
+static void test_a_waiting_batch_holds_up_no_other_subscription(void **state) {
+    (void)state;
+    batch_calls slow, other;
+    batch_calls_make(&slow, 2, 1, "\"__sleep_ms\":1500");
+    wait_workers(0);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, batch_in_background, &slow), 0);
+    wait_workers(2); /* both calls sleeping: the github batch's thread waits for them */
+    int64_t t0 = now_ms();
+    new_key(other.key[0], sizeof other.key[0]);
+    new_key(other.key[1], sizeof other.key[1]);
+    const char *keys[] = {other.key[0], other.key[1]}, *args[] = {"{}", "{}"},
+               *actions[] = {"read_run_state", "list_pending_approvals"};
+    batch_resp_t *r = batch_send("platform", 2, actions, keys, args, 5000, NULL);
+    assert_int_equal(r->n_results, 2);
+    assert_true(r->results[0]->ok && r->results[1]->ok);
+    upsquad__internal__v1__tool_invoke_batch_response__free_unpacked(r, NULL);
+    char k[96];
+    new_key(k, sizeof k);
+    resp_t *one = invoke("github", "get_issue", k, "{\"repo\":\"a/b\",\"number\":7}");
+    assert_true(one->ok);
+    resp_free(one);
+    cJSON_Delete(stats(NULL));
+    int64_t took = now_ms() - t0;
+    print_message("while a batch waited 1.5 s: another batch, a call and the stats in %lld ms\n",
+                  (long long)took);
+    assert_true(took < 1000);
+    pthread_join(th, NULL);
+}
+
+/* A key twice in a batch, and in a single request running meanwhile, still runs once: the
+ * batch's copies wait for the running try (on the workers) and replay its outcome, while the
+ * batch's other delayed calls run beside them. */
+static void test_batch_duplicate_key_runs_once(void **state) {
+    (void)state;
+    batch_calls c;
+    batch_calls_make(&c, 4, 1, "\"__sleep_ms\":500");
+    snprintf(c.key[1], sizeof c.key[1], "%s", c.key[0]); /* calls 0 and 1 share a key */
+    bg_call single = {.key = c.key[0], .args = c.args[0], .wait = 5000};
+    pthread_t th;
+    wait_workers(0);
+    pthread_create(&th, NULL, bg_invoke, &single);
+    wait_workers(1); /* the single runs first: its key is running */
+    int64_t ms = 0;
+    batch_resp_t *r = batch_send("github", 4, NULL, c.keys, c.argv, 10000, &ms);
+    pthread_join(th, NULL);
+    assert_int_equal(single.rc, 0);
+    assert_true(single.r->ok && !single.r->replayed);
+    resp_free(single.r);
+    assert_int_equal(r->n_results, 4);
+    for (int i = 0; i < 4; i++)
+        assert_true(r->results[i]->ok);
+    assert_true(r->results[0]->replayed && r->results[1]->replayed);
+    assert_false(r->results[2]->replayed || r->results[3]->replayed);
+    upsquad__internal__v1__tool_invoke_batch_response__free_unpacked(r, NULL);
+    print_message("batch with a running key twice, 500 ms calls: answered in %lld ms\n",
+                  (long long)ms);
+    assert_true(ms < 1000); /* the waits and the other calls side by side, not 1.4 s in a row */
+    int tries, execs, replays;
+    key_counts(c.key[0], &tries, &execs, &replays);
+    assert_int_equal(tries, 1);
+    assert_int_equal(execs, 1);
+    assert_int_equal(replays, 2);
+
+    /* inside one batch alone: the first call runs, its copy replays it */
+    batch_calls_make(&c, 2, 1, "\"__sleep_ms\":300");
+    snprintf(c.key[1], sizeof c.key[1], "%s", c.key[0]);
+    r = batch_send("github", 2, NULL, c.keys, c.argv, 10000, NULL);
+    assert_int_equal(r->n_results, 2);
+    assert_true(r->results[0]->ok && !r->results[0]->replayed);
+    assert_true(r->results[1]->ok && r->results[1]->replayed);
+    upsquad__internal__v1__tool_invoke_batch_response__free_unpacked(r, NULL);
+    key_counts(c.key[0], &tries, &execs, &replays);
+    assert_int_equal(tries, 1);
+    assert_int_equal(execs, 1);
+}
+
+/* The workers busy (8 single calls sleeping) and the queue's room (8) below the batch's
+ * delayed calls (12): the calls the queue cannot take run on the batch's thread, so every call
+ * is answered; none is refused "overloaded". The last two of them share a key: the copy,
+ * left behind too, waits for its key on the batch's thread after the first ran there, and
+ * replays it. */
+static void test_batch_beyond_the_queue_runs_inline(void **state) {
+    (void)state;
+    bg_call busy[TEST_WORKERS];
+    char keys[TEST_WORKERS][96];
+    pthread_t th[TEST_WORKERS];
+    wait_workers(0);
+    for (int i = 0; i < TEST_WORKERS; i++) {
+        new_key(keys[i], sizeof keys[i]);
+        busy[i] = (bg_call){.key = keys[i],
+                            .args = "{\"repo\":\"a/b\",\"number\":1,\"__sleep_ms\":2000}",
+                            .wait = 8000};
+        pthread_create(&th[i], NULL, bg_invoke, &busy[i]);
+    }
+    wait_workers(TEST_WORKERS); /* every worker has taken one; the queue is empty */
+    cJSON *s = stats(NULL);
+    double inline0 = num(s, "batch_inline"), overloaded0 = num(s, "overloaded");
+    cJSON_Delete(s);
+    batch_calls c;
+    batch_calls_make(&c, BATCH_N, 1, "\"__sleep_ms\":250");
+    snprintf(c.key[BATCH_N - 1], sizeof c.key[0], "%s", c.key[BATCH_N - 2]);
+    int64_t ms = 0;
+    batch_resp_t *r = batch_send("github", BATCH_N, NULL, c.keys, c.argv, 15000, &ms);
+    assert_int_equal(r->n_results, BATCH_N);
+    for (int i = 0; i < BATCH_N; i++) {
+        int copy = i == BATCH_N - 1;
+        assert_true(r->results[i]->ok);
+        assert_int_equal(r->results[i]->replayed, copy);
+        assert_int_equal(result_number(r->results[i]), copy ? i : i + 1);
+    }
+    upsquad__internal__v1__tool_invoke_batch_response__free_unpacked(r, NULL);
+    s = stats(NULL);
+    double inlined = num(s, "batch_inline") - inline0;
+    print_message("batch of %d delayed calls, %d places in the queue: %.0f ran inline, %lld ms\n",
+                  BATCH_N, TEST_QUEUE, inlined, (long long)ms);
+    assert_true(inlined >= BATCH_N - TEST_QUEUE);
+    assert_true(num(s, "overloaded") == overloaded0);
+    cJSON_Delete(s);
+    int tries, execs, replays;
+    key_counts(c.key[BATCH_N - 1], &tries, &execs, &replays);
+    assert_int_equal(tries, 1);
+    assert_int_equal(execs, 1);
+    for (int i = 0; i < TEST_WORKERS; i++) {
+        pthread_join(th[i], NULL);
+        assert_int_equal(busy[i].rc, 0);
+        assert_true(busy[i].r->ok);
+        resp_free(busy[i].r);
+    }
 }
 
 static void test_stats_by_run(void **state) {
@@ -718,10 +946,13 @@ static int setup(void **state) {
     const char *b = getenv("BUILD");
     snprintf(bin, sizeof bin, "%s/bin/devtools", b ? b : "build");
     snprintf(g_stats, sizeof g_stats, "devtools.stats.t%d", (int)getpid());
-    static char e_stats[160], e_keys[64];
+    static char e_stats[160], e_keys[64], e_workers[64], e_queue[64];
     snprintf(e_stats, sizeof e_stats, "UPSQUAD_DEVTOOLS_STATS_SUBJECT=%s", g_stats);
     snprintf(e_keys, sizeof e_keys, "UPSQUAD_DEVTOOLS_DEDUP_KEYS=%d", DEDUP_KEYS);
-    const char *env[] = {e_stats, e_keys, "UPSQUAD_DEVTOOLS_ANNOUNCE_INTERVAL=300ms", NULL};
+    snprintf(e_workers, sizeof e_workers, "UPSQUAD_DEVTOOLS_WORKERS=%d", TEST_WORKERS);
+    snprintf(e_queue, sizeof e_queue, "UPSQUAD_DEVTOOLS_QUEUE=%d", TEST_QUEUE);
+    const char *env[] = {
+        e_stats, e_keys, e_workers, e_queue, "UPSQUAD_DEVTOOLS_ANNOUNCE_INTERVAL=300ms", NULL};
     if (readyproc_start(&g_proc, bin, env, 10000) != 0) return -1;
     /* the start-up announcement was published before "ready"; let it arrive */
     for (int i = 0; i < 50; i++) {
@@ -766,6 +997,10 @@ int main(void) {
         cmocka_unit_test(test_sleep_beyond_timeout_gives_up),
         cmocka_unit_test(test_late_reply_then_retry_replays),
         cmocka_unit_test(test_batch),
+        cmocka_unit_test(test_batch_delayed_calls_run_concurrently),
+        cmocka_unit_test(test_a_waiting_batch_holds_up_no_other_subscription),
+        cmocka_unit_test(test_batch_duplicate_key_runs_once),
+        cmocka_unit_test(test_batch_beyond_the_queue_runs_inline),
         cmocka_unit_test(test_bad_requests),
         cmocka_unit_test(test_stats_by_run),
         cmocka_unit_test(test_announce_periodic_and_on_request),

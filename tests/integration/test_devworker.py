@@ -768,7 +768,7 @@ class UnreachableOrchestratorTest(unittest.TestCase):
             c.close()
             w.signal(signal.SIGTERM)
             self.assertEqual(w.wait(10), 0)
-            log = w.proc.stderr.read()
+            log = w.log_text(wait=10)
         finally:
             c.close()
             w.stop()
@@ -793,7 +793,7 @@ class UnreachableOrchestratorTest(unittest.TestCase):
             c.close()
             w.signal(signal.SIGTERM)
             w.wait(10)
-            log = w.proc.stderr.read()
+            log = w.log_text(wait=10)
             w.stop()
         lines = [json.loads(l) for l in log.splitlines() if l.startswith("{")]
         hits = [l for l in lines if l["event"] == "step.cancelled"]
@@ -812,7 +812,7 @@ class UnreachableOrchestratorTest(unittest.TestCase):
         finally:
             w.signal(signal.SIGTERM)
             w.wait(10)
-            log = w.proc.stderr.read()
+            log = w.log_text(wait=10)
             w.stop()
             orch.stop()
         self.assertEqual(log.count("heartbeat.refused"), 1, log[-2000:])

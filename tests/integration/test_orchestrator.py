@@ -887,14 +887,7 @@ class Orch(unittest.TestCase):
         self.assertEqual(c, grpc.StatusCode.UNAUTHENTICATED)
 
 
-def drain(server):
-    """Keeps a process's stderr (its log) flowing into server.log, so a full pipe never blocks
-    it and tests can grep what it wrote."""
-    server.log = []
-    t = threading.Thread(target=lambda: [server.log.append(l) for l in iter(server.proc.stderr.readline, "")],
-                         daemon=True)
-    t.start()
-    return server
+drain = T.drain
 
 
 @unittest.skipUnless(os.path.exists(DEVWORKER), "build/bin/devworker is not built")

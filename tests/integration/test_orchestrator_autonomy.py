@@ -46,45 +46,8 @@ STALL = script([{"tokens": "trying again"},
                 {"complete": "no luck"}])
 
 
-@unittest.skipUnless(os.path.exists(DEVWORKER), "build/bin/devworker is not built")
-class Autonomy(unittest.TestCase):
-    procs = []
-
-    @classmethod
-    def setUpClass(cls):
-        addr = "127.0.0.1:%d" % T.free_port()
-        wenv = {"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info", "UPSQUAD_ORCHESTRATOR_ADDR": addr,
-                "UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL": "200ms", "UPSQUAD_DEVWORKER_ALLOW_CRASH": "true"}
-        cls.wenv = wenv
-        cls.w1 = drain(T.Server("devworker", env=wenv))
-        cls.w2 = drain(T.Server("devworker", env=wenv))
-        cls.procs += [cls.w1, cls.w2]
-        cls.o = drain(T.Server("orchestrator", env={
-            "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": DSN, "UPSQUAD_MIGRATIONS_DIR": MIGRATIONS,
-            "UPSQUAD_REDIS_URL": REDIS, "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK,
-            "UPSQUAD_WORKER_PROBE": "200ms", "UPSQUAD_LOG_LEVEL": "info", "UPSQUAD_GRPC_ADDR": addr,
-            "UPSQUAD_APPROVALS_DURABLE": "none",
-            "UPSQUAD_WORKER_TARGETS": cls.w1.addr + "," + cls.w2.addr}))
-        cls.procs.append(cls.o)
-        cls.ch = grpc.insecure_channel(cls.o.addr)
-        cls.org, cls.user = str(uuid.uuid4()), str(uuid.uuid4())
-        cls.agent = apply_agent(cls.org, {"role": "planner", "display_name": "Planner",
-                                          "model": "claude-sonnet-4-6", "max_loops": 10})
-        cls.short = apply_agent(cls.org, {"role": "short", "display_name": "Short leash",
-                                          "model": "claude-sonnet-4-6", "max_loops": 3})
-        deadline = time.time() + 15
-        while time.time() < deadline:
-            try:
-                list(cls().stream("warm up", mode=R.EXECUTION_MODE_SINGLE_TURN))
-                break
-            except grpc.RpcError:
-                time.sleep(0.2)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.ch.close()
-        for p in cls.procs:
-            p.stop()
+class AutonomyClient:
+    """The calls and reads of a test of the loop: the class has ch, org, user and agent."""
 
     def tok(self):
         return T.mint(SECRET, sub=self.user, org=self.org)
@@ -124,6 +87,41 @@ class Autonomy(unittest.TestCase):
     def get(self, sid):
         return self.unary("GetSession", L.GetSessionRequest(session_id=sid), L.GetSessionResponse)
 
+
+@unittest.skipUnless(os.path.exists(DEVWORKER), "build/bin/devworker is not built")
+class Autonomy(AutonomyClient, unittest.TestCase):
+    procs = []
+
+    @classmethod
+    def setUpClass(cls):
+        addr = "127.0.0.1:%d" % T.free_port()
+        wenv = {"UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_LOG_LEVEL": "info", "UPSQUAD_ORCHESTRATOR_ADDR": addr,
+                "UPSQUAD_DEVWORKER_HEARTBEAT_INTERVAL": "200ms", "UPSQUAD_DEVWORKER_ALLOW_CRASH": "true"}
+        cls.wenv = wenv
+        cls.w1 = drain(T.Server("devworker", env=wenv))
+        cls.w2 = drain(T.Server("devworker", env=wenv))
+        cls.procs += [cls.w1, cls.w2]
+        cls.o = drain(T.Server("orchestrator", env={
+            "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": DSN, "UPSQUAD_MIGRATIONS_DIR": MIGRATIONS,
+            "UPSQUAD_REDIS_URL": REDIS, "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK,
+            "UPSQUAD_WORKER_PROBE": "200ms", "UPSQUAD_LOG_LEVEL": "info", "UPSQUAD_GRPC_ADDR": addr,
+            "UPSQUAD_APPROVALS_DURABLE": "none",
+            "UPSQUAD_WORKER_TARGETS": cls.w1.addr + "," + cls.w2.addr}))
+        cls.procs.append(cls.o)
+        cls.ch = grpc.insecure_channel(cls.o.addr)
+        cls.org, cls.user = str(uuid.uuid4()), str(uuid.uuid4())
+        cls.agent = apply_agent(cls.org, {"role": "planner", "display_name": "Planner",
+                                          "model": "claude-sonnet-4-6", "max_loops": 10})
+        cls.short = apply_agent(cls.org, {"role": "short", "display_name": "Short leash",
+                                          "model": "claude-sonnet-4-6", "max_loops": 3})
+        T.until_served(lambda: list(cls().stream("warm up", mode=R.EXECUTION_MODE_SINGLE_TURN)))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.ch.close()
+        for p in cls.procs:
+            p.stop()
+
     # ---- a 5-todo goal: plan + 5 steps + plan_complete ----
     def test_plan_runs_to_completion(self):
         sid = self.create()
@@ -139,6 +137,13 @@ class Autonomy(unittest.TestCase):
         self.assertEqual(arms[-1], "completion")
         self.assertEqual(evs[-1].completion.loop_iterations, 5)
         self.assertEqual(evs[-1].completion.final_response, "echo: todo 5")
+        # spec CompletionEvent: token_usage "aggregated ... for this step", duration_ms its
+        # wall-clock time: the loop's, over the PLAN step and the five cycles
+        u = evs[-1].completion.token_usage
+        self.assertGreaterEqual(u.output_tokens, 5)
+        self.assertGreater(u.input_tokens, 0)
+        self.assertTrue(u.model)
+        self.assertGreater(evs[-1].completion.duration_ms, 0)
         # the steps' own tokens reached the caller
         self.assertIn("echo: todo 3", "".join(e.token.text for e in evs if e.HasField("token")))
         cursor, cycles, state, reason, todos = self.plan_row(sid)
@@ -151,6 +156,30 @@ class Autonomy(unittest.TestCase):
         # loop_count: the cycles as they run, and the worker's iterations its checkpoints show
         # (the PLAN step's one too, once its checkpoint arrived)
         self.assertIn(self.get(sid).loop_count, (5, 6))
+
+    # ---- spec ExecuteStepRequest.prior_turns: "Empty on the autonomous / temporalwf path" ----
+    def test_no_prior_turns_on_the_autonomous_path(self):
+        sid = self.create()
+        for i in range(2):  # chat turns first: the history a chat turn would carry
+            list(self.stream("chat %d" % i, sid, mode=R.EXECUTION_MODE_SINGLE_TURN))
+        look = script([{"inspect": True}, {"complete": "looked"}])
+        evs = self.run_loop(script([{"inspect": True}, {"decomposition": [look]}, {"complete": "planned"}]), sid)
+        seen = [json.loads(e.token.text)["request"] for e in evs
+                if e.HasField("token") and e.token.text.startswith("{")]
+        self.assertEqual(len(seen), 2)  # the plan step, the cycle
+        self.assertEqual(seen[1]["step_goal"], look)
+        for r in seen:
+            self.assertEqual(r["execution_mode"], "EXECUTION_MODE_AUTONOMOUS")
+            self.assertNotIn("prior_turns", r)
+        # a chat turn after the loop carries the history again
+        chat = script([{"inspect": True}, {"complete": "chat again"}])
+        evs = list(self.stream(chat, sid, mode=R.EXECUTION_MODE_SINGLE_TURN))
+        rq = [json.loads(e.token.text)["request"] for e in evs if e.HasField("token") and e.token.text.startswith("{")][0]
+        self.assertGreaterEqual(len(rq.get("prior_turns", [])), 4)
+        # spec: the snapshot is "immutable": a turn's mode is on the request, not in it
+        self.assertEqual(rq["execution_mode"], "EXECUTION_MODE_SINGLE_TURN")
+        for r in seen:
+            self.assertEqual(r["snapshot"], rq["snapshot"])
 
     # ---- the plan's rules: stable order, empty titles dropped, ids re-indexed ----
     def test_plan_is_reindexed_and_ordered(self):
@@ -237,6 +266,37 @@ class Autonomy(unittest.TestCase):
         th.join(20)
         cursor, cycles, state, reason, _ = self.plan_row(sid)
         self.assertEqual((cursor, cycles, state, reason), (2, 2, "ended", "plan_complete"))
+
+    # ---- spec TerminateSession "ends an active session": no cycle after it ----
+    def test_terminate_stops_the_loop(self):
+        sid = self.create()
+        slow = script([{"tokens": "slow"}, {"sleep_ms": 800}, {"complete": "slow done"}])
+        it = self.stream(planned([slow] * 5), sid)
+        evs, codes = [], []
+
+        def read():
+            try:
+                for e in it:
+                    evs.append(e)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+
+        th = threading.Thread(target=read)
+        th.start()
+        deadline = time.time() + 15
+        while time.time() < deadline and not any("todo-1 (1/5)" in d for d in self.details(evs)):
+            time.sleep(0.05)
+        self.unary("TerminateSession", L.TerminateLifecycleSessionRequest(session_id=sid, reason="enough"),
+                   L.TerminateLifecycleSessionResponse)
+        th.join(20)
+        self.assertFalse(th.is_alive())
+        self.assertEqual(codes, [grpc.StatusCode.CANCELLED])
+        self.assertIn("the session was terminated: the autonomous loop stops", self.details(evs))
+        time.sleep(1.0)  # nothing runs on after the stream's end
+        cursor, cycles, state, reason, _ = self.plan_row(sid)
+        self.assertEqual((state, reason), ("ended", "cancel"))
+        self.assertLessEqual(cycles, 2)  # the cycle the terminate cut short, at most
+        self.assertLessEqual([t for t, _ in self.audit(sid)].count("todo_done"), 2)
 
     # ---- a pause between cycles, then a later SendMessage continues at the same todo ----
     def test_pause_between_cycles_then_continue(self):

@@ -6,6 +6,7 @@ result as the call's result. Limits refuse cleanly; TerminateSubagentTree stops 
 worker step. build/bin/devworker scripts every level. Fresh org UUIDs; processes stopped by pid."""
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -72,13 +73,7 @@ class Delegation(unittest.TestCase):
         cls.helper = apply_agent(cls.org, {"role": "helper", "display_name": "Helper", "model": "claude-sonnet-4-6"})
         cls.researcher = apply_agent(cls.org, {"role": "researcher", "display_name": "Researcher",
                                                "model": "claude-sonnet-4-6"})
-        deadline = time.time() + 15
-        while time.time() < deadline:
-            try:
-                list(cls().stream("warm up", cls().create()))
-                break
-            except grpc.RpcError:
-                time.sleep(0.2)
+        T.until_served(lambda: list(cls().stream("warm up", cls().create())))
 
     @classmethod
     def tearDownClass(cls):
@@ -153,6 +148,24 @@ class Delegation(unittest.TestCase):
         self.assertEqual((nodes[1].parent_session_id, nodes[2].parent_session_id), (sid, child_id))
         self.assertEqual({n.root_session_id for n in nodes[1:]}, {sid})
 
+    # ---- a child's error reaches the parent wrapped, never as the parent's own ----
+    def test_child_error_reaches_the_parent_wrapped(self):
+        """The child's gated call cannot open its approval (this replica has no ApprovalService):
+        the child's APPROVAL_UNAVAILABLE goes inside the child's envelope, and the parent's
+        turn goes on with the child's result."""
+        sid = self.create()
+        child = script([{"interrupt": {"tool_name": "deploy", "tool_call_id": "x1", "pending_tool_intent": {}}},
+                        {"complete": "never"}])
+        evs = list(self.stream(delegating("d1", "helper", child, after="parent got {{answer}}"), sid))
+        top = [e.WhichOneof("event") for e in evs]
+        self.assertNotIn("error", top)  # the parent's own stream has no error of its own
+        inner = [ev for _, ev in (unwrap(e) for e in evs if e.HasField("delegated"))]
+        errors = [ev.error for ev in inner if ev.HasField("error")]
+        self.assertEqual([e.code for e in errors], ["APPROVAL_UNAVAILABLE"], top)
+        self.assertEqual(top[-1], "completion")  # the parent's turn goes on with the result
+        result = json.loads(evs[-1].completion.final_response[len("parent got "):])
+        self.assertTrue(result["is_error"], result)
+
     # ---- the depth limit: refused as the call's error result; the turn goes on ----
     def test_depth_limit_refused(self):
         sid = self.create()
@@ -199,6 +212,43 @@ class Delegation(unittest.TestCase):
         row = sql(self.org, "SELECT status FROM orchestrator.subagent_invocations WHERE child_session_id = '%s'"
                   % child)
         self.assertEqual(row, [["cancelled"]])
+
+    def test_replica_lost_mid_delegation_ends_the_bridge_row(self):
+        """The replica relaying a delegating turn is killed (SIGKILL) while the child works: the
+        surviving replica reclaims the parent's turn when its lease goes stale, and the child's
+        bridge row ends as an error (parent_turn_reclaimed) instead of staying pending."""
+        v = drain(T.Server("orchestrator", env={
+            "UPSQUAD_JWT_SECRET": SECRET, "UPSQUAD_PG_DSN": DSN, "UPSQUAD_MIGRATIONS_DIR": MIGRATIONS,
+            "UPSQUAD_REDIS_URL": REDIS, "UPSQUAD_NATS_URL": NATS, "UPSQUAD_KEK": KEK,
+            "UPSQUAD_WORKER_PROBE": "200ms", "UPSQUAD_LOG_LEVEL": "info", "UPSQUAD_APPROVALS_DURABLE": "none",
+            "UPSQUAD_WORKER_TARGETS": self.w.addr, "UPSQUAD_TURN_LEASE_TTL": "1500ms"}))
+        ch = grpc.insecure_channel(v.addr)
+        try:
+            sid = self.create()
+            slow = script([{"tokens": "working"}, {"sleep_ms": 6000}, {"complete": "too late"}])
+            fn = ch.unary_stream(LC + "SendMessage", request_serializer=L.SendMessageRequest.SerializeToString,
+                                 response_deserializer=L.AgentEvent.FromString)
+            it = fn(L.SendMessageRequest(session_id=sid, message=delegating("d1", "helper", slow)),
+                    metadata=[("authorization", "Bearer " + self.tok())], timeout=30)
+            for e in it:
+                if e.HasField("delegated"):
+                    break
+            bridge = "SELECT status, coalesce(error_code, '-') FROM orchestrator.subagent_invocations" \
+                     " WHERE parent_session_id = '%s'" % sid
+            self.assertEqual(sql(self.org, bridge), [["pending", "-"]])
+            v.signal(signal.SIGKILL)
+            v.wait(10)
+            # the surviving replica's sweep reclaims the parent's turn once its lease is stale by
+            # that replica's own TTL (15 s, the default)
+            deadline = time.time() + 30
+            while time.time() < deadline and sql(self.org, bridge)[0][0] == "pending":
+                time.sleep(0.2)
+            self.assertEqual(sql(self.org, bridge), [["error", "parent_turn_reclaimed"]])
+            child = [n for n in self.tree(sid).nodes if n.parent_session_id == sid]
+            self.assertEqual([n.result_status for n in child], ["error"])  # the same through GetSubagentTree
+        finally:
+            ch.close()
+            v.stop()
 
 
 if __name__ == "__main__":

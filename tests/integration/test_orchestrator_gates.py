@@ -151,13 +151,7 @@ class ChatGates(unittest.TestCase):
         cls.foreign = T.WorkflowClient(cls.engine.addr, tok(cls.member, cls.org2, 5))
         cls.clients = (cls.requester, cls.low, cls.approver, cls.foreign)
         warm = cls()
-        deadline = time.time() + 15
-        while time.time() < deadline:
-            try:
-                list(warm.open_stream("warm up"))
-                break
-            except grpc.RpcError:
-                time.sleep(0.2)
+        T.until_served(lambda: list(warm.open_stream("warm up")))
 
     @classmethod
     def tearDownClass(cls):

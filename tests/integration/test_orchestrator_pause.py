@@ -86,13 +86,7 @@ class Pause(unittest.TestCase):
         cls.agent2 = apply_agent(cls.org2, AGENT)
         # replica B sees the worker live before the first turn
         warm = cls()
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                warm.stream_of("warm up")
-                break
-            except grpc.RpcError:
-                time.sleep(0.2)
+        T.until_served(lambda: warm.stream_of("warm up"), 10)
 
     @classmethod
     def tearDownClass(cls):

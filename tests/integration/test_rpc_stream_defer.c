@@ -2,8 +2,10 @@
  * on loopback: a deferred frame on an idle stream waits for the kick; a kicked burst goes out
  * whole (its frames but the last carry the write-buffer hint, which holds bytes in the
  * transport until an unhinted send follows: a burst whose last frame were hinted would never
- * arrive); a plain push or the final status also starts what was deferred; producers on two
- * threads deferring and kicking the same stream lose nothing (run under `make tsan` too). */
+ * arrive); a burst that opens a stream (its first frame carries the response headers) arrives
+ * on a connection of its own; a plain push or the final status also starts what was deferred;
+ * producers on two threads deferring and kicking the same stream lose nothing (run under
+ * `make tsan` too). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -31,6 +33,7 @@ typedef Upsquad__Test__V1__EchoResponse EchoResponse;
 static rpc_server *srv;
 static rpc_channel *ch;
 static _Atomic(rpc_call *) detached; /* the stream the handler handed over */
+static atomic_int no_hello;          /* the handler detaches the stream with nothing sent */
 
 static int64_t now_ms(void) {
     struct timespec ts;
@@ -43,12 +46,13 @@ static void on_close(rpc_call *call, void *ud) {
 }
 
 /* sends a hello (seq -1: the client's rpc_stream_open returns with the initial metadata, which
- * goes with the first frame), then hands the stream to the test's producer */
+ * goes with the first frame), unless no_hello, then hands the stream to the test's producer */
 static int detach_stream(rpc_call *call, const ProtobufCMessage *req, void *ud) {
     (void)req, (void)ud;
     EchoResponse hello = UPSQUAD__TEST__V1__ECHO_RESPONSE__INIT;
     hello.seq = -1;
-    if (rpc_stream_send(call, &hello.base) != RPC_OK) return RPC_CANCELLED;
+    if (!atomic_load(&no_hello) && rpc_stream_send(call, &hello.base) != RPC_OK)
+        return RPC_CANCELLED;
     rpc_call *c = rpc_stream_detach(call, on_close, NULL);
     if (!c) return RPC_CANCELLED;
     atomic_store(&detached, c);
@@ -58,6 +62,7 @@ static int detach_stream(rpc_call *call, const ProtobufCMessage *req, void *ud) 
 /* ---- the client side: a thread reading one stream ---- */
 
 typedef struct reader {
+    rpc_channel *chan; /* NULL: the shared channel */
     rpc_reader *r;
     pthread_t th;
     atomic_int hello; /* the stream is open */
@@ -72,7 +77,8 @@ static void *read_main(void *arg) {
     ProtobufCMessage *m;
     EchoRequest req = UPSQUAD__TEST__V1__ECHO_REQUEST__INIT;
     rpc_call_opts o = {.timeout_ms = 60000};
-    rpc_stream_open(ch, PATH("PublicStream"), &req.base, RESP_DESC, &o, &rd->r);
+    rpc_stream_open(rd->chan ? rd->chan : ch, PATH("PublicStream"), &req.base, RESP_DESC, &o,
+                    &rd->r);
     while (rpc_reader_next(rd->r, &m) == 1) {
         EchoResponse *e = (EchoResponse *)m;
         if (e->seq < 0) {
@@ -155,6 +161,26 @@ static void test_a_deferred_frame_waits_for_the_kick(void **state) {
     close_stream(rd, call);
 }
 
+/* rpc_stream_room: the free slots, the pushes that would succeed (a StreamGap and the frame it
+ * names go together only with room for both). */
+static void test_room_counts_the_free_slots(void **state) {
+    (void)state;
+    rpc_call *call;
+    reader *rd = open_stream(&call);
+    assert_int_equal(rpc_stream_room(call), QUEUE);
+    for (int i = 0; i < QUEUE; i++) {
+        assert_int_equal(push_deferred(call, i), RPC_OK);
+        assert_int_equal(rpc_stream_room(call), QUEUE - i - 1);
+    }
+    assert_int_equal(push_deferred(call, QUEUE), RPC_EFULL); /* no room: refused */
+    rpc_stream_kick(call);
+    assert_true(wait_got(rd, QUEUE, 5000) >= 0);
+    for (int i = 0; i < 100 && rpc_stream_room(call) != QUEUE; i++)
+        usleep(10 * 1000);
+    assert_int_equal(rpc_stream_room(call), QUEUE); /* drained: all free again */
+    close_stream(rd, call);
+}
+
 /* The burst's frames but the last are hinted: the last one, unhinted, flushes them all; a frame
  * deferred later on the same (idle again) stream is not held behind a hinted write either. */
 static void test_a_kicked_burst_arrives_whole_and_promptly(void **state) {
@@ -180,6 +206,44 @@ static void test_a_kicked_burst_arrives_whole_and_promptly(void **state) {
     pthread_join(rd->th, NULL);
     assert_int_equal(rpc_reader_close(rd->r, NULL), RPC_OK);
     free(rd);
+}
+
+/* A stream whose handler sent nothing (the hub's run streams with an empty snapshot) and whose
+ * first frames come as a burst: the first one carries the response headers, and chttp2 starts
+ * no write for a server's headers whose batch holds a hinted message; that batch completes
+ * only once they are written, and the stream's next frame waits for that completion. Alone on
+ * its connection (no other stream's write to carry the headers out), the stream received
+ * nothing at all. */
+static void test_a_burst_that_opens_a_stream_arrives_alone_on_its_connection(void **state) {
+    (void)state;
+    char err[256], target[64];
+    rpc_channel *own;
+    snprintf(target, sizeof target, "127.0.0.1:%d", rpc_server_port(srv));
+    rpc_channel_opts co = {.target = target};
+    assert_int_equal(rpc_channel_new(&co, &own, err, sizeof err), 0);
+    atomic_store(&no_hello, 1);
+    reader *rd = calloc(1, sizeof *rd);
+    rd->chan = own;
+    atomic_store(&detached, NULL);
+    assert_int_equal(pthread_create(&rd->th, NULL, read_main, rd), 0);
+    int64_t until = now_ms() + 5000;
+    while (!atomic_load(&detached) && now_ms() < until)
+        usleep(2000);
+    rpc_call *call = atomic_load(&detached);
+    atomic_store(&no_hello, 0);
+    assert_non_null(call);
+    usleep(300 * 1000); /* the request's own traffic (settings, window updates) is over */
+    for (int i = 0; i < 8; i++)
+        assert_int_equal(push_deferred(call, i), RPC_OK);
+    rpc_stream_kick(call);
+    int64_t took = wait_got(rd, 8, 3000);
+    int next = atomic_load(&rd->next);
+    if (took < 0) /* the stuck send would hold the status back too: end it past the queue */
+        rpc_stream_abort(call, RPC_UNAVAILABLE, "frames never sent");
+    close_stream(rd, call);
+    rpc_channel_free(own);
+    assert_true(took >= 0 && took < 2000);
+    assert_int_equal(next, 8);
 }
 
 static void test_a_plain_push_or_the_status_starts_deferred_frames(void **state) {
@@ -278,7 +342,9 @@ int main(void) {
     log_init("test_rpc_stream_defer", LOG_WARN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_a_deferred_frame_waits_for_the_kick),
+        cmocka_unit_test(test_room_counts_the_free_slots),
         cmocka_unit_test(test_a_kicked_burst_arrives_whole_and_promptly),
+        cmocka_unit_test(test_a_burst_that_opens_a_stream_arrives_alone_on_its_connection),
         cmocka_unit_test(test_a_plain_push_or_the_status_starts_deferred_frames),
         cmocka_unit_test(test_two_producers_defer_and_kick_one_stream),
     };

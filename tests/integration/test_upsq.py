@@ -469,8 +469,6 @@ class UpsqChatTest(unittest.TestCase):
     def start(cls, binary, env):
         srv = T.Server(binary, env=env)
         cls.procs.append(srv)
-        # keep its log flowing: a full stderr pipe would block it
-        threading.Thread(target=lambda: [None for _ in iter(srv.proc.stderr.readline, "")], daemon=True).start()
         return srv
 
     @classmethod

@@ -6,6 +6,7 @@ Each run of this file uses fresh org UUIDs, so it shares the runtime's database 
 replicas run with a short lease (1.5 s) so the kill -9 part finishes quickly."""
 import json
 import os
+import queue
 import secrets
 import signal
 import subprocess
@@ -190,6 +191,19 @@ class EngineTest(unittest.TestCase):
 
     def done(self, run, timeout=20):
         return self.wait_for(run, lambda s: s.run.status in ("completed", "failed", "cancelled"), timeout)
+
+    def watched_run(self, subject, wf_id, q=None):
+        """A run of wf_id triggered and waited for to its end while subject is watched on the
+        bus: (run, its last status, the queue of what went on subject)."""
+        sid, q = self.nc.subscribe(subject, q=q)
+        self.nc.flush()
+        try:
+            run = self.trigger(wf_id)
+            s = self.done(run.id)
+            self.nc.flush()
+        finally:
+            self.nc.unsubscribe(sid)
+        return run, s, q
 
     def pages(self, client, method, make):
         """Every page of a keyset-paged list, in order; make(token) builds each request."""
@@ -455,14 +469,7 @@ class EngineTest(unittest.TestCase):
                  contains="/steps/x/action")
         # the run: the step fails at dispatch without a request to any provider, and the run
         # fails as on any failed step; every tool request of the run is watched on the bus
-        sid, q = self.nc.subscribe(SUBJ_TOOL_INVOKE + ".>")
-        self.nc.flush()
-        try:
-            run = self.trigger(wf.id)
-            s = self.done(run.id)
-            self.nc.flush()
-        finally:
-            self.nc.unsubscribe(sid)
+        run, s, q = self.watched_run(SUBJ_TOOL_INVOKE + ".>", wf.id)
         self.assertEqual(s.run.status, "failed")
         self.assertEqual(self.acts(s), [("pre", "completed", 0), ("x", "failed", 0)])
         x = [a for a in s.actions if a.step_name == "x"][0]
@@ -582,15 +589,8 @@ class EngineTest(unittest.TestCase):
             "after": tool("get_issue", number=14),
         })
         w = self.create(d)
-        sid, q = self.nc.subscribe("tool.*.github")
-        self.nc.flush()
         before = json.loads(self.nc.request("devtools.stats", b"{}"))["batches"]
-        try:
-            run = self.trigger(w.id)
-            s = self.done(run.id)
-            self.nc.flush()
-        finally:
-            self.nc.unsubscribe(sid)
+        run, s, q = self.watched_run("tool.*.github", w.id)
         self.assertEqual(s.run.status, "completed", self.acts(s))
         out = {a.step_name: js(a.output) for a in s.actions}
         self.assertEqual((out["b1"]["number"], out["b2"]["number"]), (11, 12))
@@ -612,6 +612,99 @@ class EngineTest(unittest.TestCase):
         self.assertGreater(json.loads(self.nc.request("devtools.stats", b"{}"))["batches"], before)
         per_run = json.loads(self.nc.request("devtools.stats", json.dumps({"run_id": run.id}).encode()))
         self.assertTrue(all(r["executions"] == 1 for r in per_run["records"]), per_run)
+
+    def test_03d_group_commit_across_orgs(self):
+        """Group commit: due runs of two orgs, triggered in one burst, are ticked several per
+        transaction (each under its own org's scope and lease) and their calls to one tool go
+        out together. Every run completes with its own outputs, each call carries its own run's
+        org, and neither org sees the other's runs."""
+        n = 30
+        chain = defn("t1", {"t1": tool("get_issue", "t2", number="${/trigger/n}"),
+                            "t2": tool("get_issue", "t3", number="${/steps/t1/output/number}"),
+                            "t3": tool("get_issue", number="${/steps/t2/output/number}")})
+        wa, wb = self.create(chain), self.create(chain, client=self.other_org)
+        sid, q = self.nc.subscribe("tool.batch.github")
+        self.nc.flush()
+        group_a, group_b = (srv.metric("workflow_engine_tick_group_runs_count") for srv in (self.a, self.b))
+        sums = (self.a.metric("workflow_engine_tick_group_runs_sum"), self.b.metric("workflow_engine_tick_group_runs_sum"))
+        try:
+            jobs = [(i, wa.id, self.A) if i % 2 == 0 else (i, wb.id, self.other_org) for i in range(n)]
+            with ThreadPoolExecutor(8) as pool:
+                runs = list(pool.map(lambda j: (j[0], j[2], self.trigger(j[1], {"n": 100 + j[0]}, client=j[2]).id), jobs))
+            for i, c, r in runs:
+                end = time.time() + 60
+                while time.time() < end:
+                    s = c("GetWorkflowStatus", W.GetWorkflowStatusRequest(run_id=r))
+                    if s.run.status in ("completed", "failed", "cancelled"):
+                        break
+                    time.sleep(0.1)
+                self.assertEqual(s.run.status, "completed", self.acts(s))
+                self.assertEqual([js(a.output)["number"] for a in s.actions], [100 + i] * 3)
+                other = self.other_org if c is self.A else self.A
+                self.err(C.NOT_FOUND, lambda: other("GetWorkflowStatus", W.GetWorkflowStatusRequest(run_id=r)))
+            self.nc.flush()
+        finally:
+            self.nc.unsubscribe(sid)
+        org_of = {r: (self.org if c is self.A else self.org2) for _, c, r in runs}
+        shared = 0
+        while not q.empty():
+            calls = ToolPB.ToolInvokeBatchRequest.FromString(q.get()[3]).calls
+            mine = [c for c in calls if c.run_id in org_of]
+            for c in mine:
+                self.assertEqual(c.org_id, org_of[c.run_id], c.run_id)  # each call in its run's org
+            shared += len({c.run_id for c in mine}) > 1
+        # several runs' calls in one request: only a tick of several runs commits them together
+        self.assertGreater(shared, 0)
+        ticks = self.a.metric("workflow_engine_tick_group_runs_count") + self.b.metric(
+            "workflow_engine_tick_group_runs_count") - group_a - group_b
+        runs_ticked = self.a.metric("workflow_engine_tick_group_runs_sum") + self.b.metric(
+            "workflow_engine_tick_group_runs_sum") - sum(sums)
+        print("group commit: %d run ticks in %d transactions, %d shared batch requests"
+              % (runs_ticked, ticks, shared), file=sys.stderr)
+        self.assertGreater(runs_ticked, ticks)  # fewer transactions than run ticks
+
+    def test_03e_batches_of_two_tools_go_at_once(self):
+        """A tick's batches to two tools are requested together, not one after the other: with
+        both tools' calls slow, the second batch would otherwise wait out the first's reply
+        (the devtools provider sleeps 400 ms per call here: a batch answers, or times out at the
+        class's 700 ms, after at least 400 ms)."""
+        slow = "slow __sleep_ms=400"
+        d = defn("fan", {
+            "fan": {"type": "parallel", "branches": ["g1", "g2", "p1", "p2"]},
+            "g1": tool("create_comment", number=21, body=slow),
+            "g2": tool("create_comment", number=22, body=slow),
+            "p1": {"type": "tool_action", "tool": "platform", "action": "read_step_output",
+                   "with": {"step": "p1 " + slow}},
+            "p2": {"type": "tool_action", "tool": "platform", "action": "read_step_output",
+                   "with": {"step": "p2 " + slow}},
+        })
+        w = self.create(d)
+
+        class Stamped(queue.Queue):  # each request with the time it reached the test
+            def put(self, item, block=True, timeout=None):
+                super().put((time.monotonic(),) + tuple(item), block, timeout)
+
+        def slow_rounds():  # (tool rounds over 0.25 s, ticks) on both replicas
+            m = [(srv.metric("workflow_engine_tool_round_seconds_count"),
+                  srv.metric("workflow_engine_tool_round_seconds_bucket", 'le="0.25"'),
+                  srv.metric("workflow_engine_tick_seconds_count")) for srv in (self.a, self.b)]
+            return sum(c - le for c, le, _ in m), sum(t for _, _, t in m)
+
+        slow0, ticks0 = slow_rounds()
+        run, s, q = self.watched_run("tool.batch.*", w.id, q=Stamped())
+        self.assertEqual(s.run.status, "completed", self.acts(s))
+        first = {}
+        while not q.empty():
+            at, subj, _, _, data = q.get()
+            if any(c.run_id == run.id for c in ToolPB.ToolInvokeBatchRequest.FromString(data).calls):
+                first.setdefault(subj, at)
+        self.assertEqual(sorted(first), ["tool.batch.github", "tool.batch.platform"])
+        gap = abs(first["tool.batch.github"] - first["tool.batch.platform"])
+        self.assertLess(gap, 0.35, "the second tool's batch waited %.2f s for the first's" % gap)
+        # the round of slow calls is in the tool-round histogram, the run's ticks in the tick one
+        slow, ticks = slow_rounds()
+        self.assertGreaterEqual(slow - slow0, 1)
+        self.assertGreaterEqual(ticks - ticks0, 2)
 
     def test_04_failures_and_gates(self):
         f = self.create(defn("a", {"a": tool("create_comment", "b", number=1, body="boom __fail"),
@@ -1261,6 +1354,11 @@ class EngineTest(unittest.TestCase):
         batches = json.loads(self.nc.request("devtools.stats", b"{}"))["batches"]
         while not self.ev_q.empty():  # earlier tests' events
             self.ev_q.get()
+        grouped = lambda: (self.b.metric("workflow_engine_tick_group_runs_sum"),
+                           self.b.metric("workflow_engine_tick_group_runs_count"))
+        g0 = grouped()
+        bsid, bq = self.nc.subscribe("tool.batch.github")
+        self.nc.flush()
         runs = [self.trigger(w.id, client=self.B).id for _ in range(n)]
         victim = self.a
         for _ in range(5):
@@ -1277,8 +1375,20 @@ class EngineTest(unittest.TestCase):
             self.assertEqual(s.run.status, "completed", self.acts(s))
             self.assertEqual(sorted((a.step_name, a.status) for a in s.actions),
                              [("a", "completed"), ("b", "completed"), ("c", "completed"), ("fan", "completed")])
+        g1 = grouped()  # the replica never killed ticked several runs per transaction
+        self.assertGreater(g1[0] - g0[0], g1[1] - g0[1], (g0, g1))
+        self.nc.flush()
+        self.nc.unsubscribe(bsid)
+        paired = set()  # runs whose pair of calls went in one batch request (with other runs')
+        while not bq.empty():
+            calls = ToolPB.ToolInvokeBatchRequest.FromString(bq.get()[3]).calls
+            steps = {}
+            for c in calls:
+                steps.setdefault(c.run_id, set()).add(c.step_name)
+            paired |= {r for r, st in steps.items() if st == {"a", "b"}}
+        self.assertGreaterEqual(len(paired & set(runs)), n // 2)  # the pairs went batched
         stats = json.loads(self.nc.request("devtools.stats", b"{}"))
-        self.assertGreaterEqual(stats["batches"] - batches, n // 2)  # the pairs went batched
+        self.assertGreater(stats["batches"], batches)
         self.assertEqual(stats["evicted"], 0)
         self.assertEqual(stats["max_executions_per_key"], 1)
         self.assertLessEqual(max(self.responder.seen.values()), 1)  # no agent step twice

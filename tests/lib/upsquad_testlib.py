@@ -96,6 +96,19 @@ class Server:
             self.stop()
             raise RuntimeError("%s did not start: %s" % (binary, why))
         self.addr = "127.0.0.1:%d" % self.port
+        # its log (stderr) is read as it is written, into self.log: a pipe nobody reads fills
+        # at 64 KiB and blocks whichever thread of the server logs next
+        self.log = []
+        self._drain = threading.Thread(
+            target=lambda: [self.log.append(l) for l in iter(self.proc.stderr.readline, "")],
+            daemon=True)
+        self._drain.start()
+
+    def log_text(self, wait=0):
+        """What it has logged; with wait, once it has exited, all of it (up to wait seconds)."""
+        if wait:
+            self._drain.join(wait)
+        return "".join(self.log)
 
     def token(self, **kw):
         return mint(self.secret, **kw)
@@ -123,6 +136,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if getattr(self, "_drain", None):
+            self._drain.join(5)  # at the pipe's end now: the reader is not cut mid-line
         for f in (self.proc.stdout, self.proc.stderr):
             if f:
                 f.close()
@@ -182,11 +197,22 @@ def require(env, bins=()):
     return vals
 
 
+def until_served(call, timeout=15):
+    """call() once it answers without a gRPC error (a service just started may not yet see its
+    worker or datastore), tried every 0.2 s for up to timeout s, then once more letting the
+    error through."""
+    import grpc
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            return call()
+        except grpc.RpcError:
+            time.sleep(0.2)
+    return call()
+
+
 def drain(server):
-    """Keeps a process's log (stderr) flowing into server.log so tests can grep it."""
-    server.log = []
-    threading.Thread(target=lambda: [server.log.append(l) for l in iter(server.proc.stderr.readline, "")],
-                     daemon=True).start()
+    """server, whose log every Server drains into server.log (kept for the callers that say so)."""
     return server
 
 

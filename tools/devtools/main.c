@@ -31,11 +31,12 @@ static const cfg_var vars[] = {
      "bytes of recorded responses remembered (LRU beyond)", &dedup_bytes, 1 << 16, 1LL << 34, 0},
     {"UPSQUAD_DEVTOOLS_ANNOUNCE_INTERVAL", CFG_MS, "30s", "period of ToolAnnounce on tool.announce",
      &announce_ms, 100, 3600000, 0},
-    {"UPSQUAD_DEVTOOLS_WORKERS", CFG_INT, "16", "threads running invocations with a delay cue",
-     &workers, 1, 1024, 0},
+    {"UPSQUAD_DEVTOOLS_WORKERS", CFG_INT, "16",
+     "threads running invocations with a delay cue, a batch's included", &workers, 1, 1024, 0},
     {"UPSQUAD_DEVTOOLS_QUEUE", CFG_INT, "1024",
-     "delayed invocations waiting for a worker (full: retryable \"overloaded\")", &queue_len, 1,
-     1 << 20, 0},
+     "delayed invocations waiting for a worker (full: retryable \"overloaded\"; a batch's call "
+     "runs on the batch's thread)",
+     &queue_len, 1, 1 << 20, 0},
 };
 #define N_VARS (sizeof vars / sizeof vars[0])
 
@@ -59,6 +60,10 @@ int main(int argc, char **argv) {
     if (cfg_load(vars, N_VARS, err, sizeof err) != 0) goto done;
     cfg_log(vars, N_VARS);
     if (dt_catalog_load(catalog_path, fixtures_dir, &cat, err, sizeof err) != 0) goto done;
+    /* a thread per subscription (a handful: two per tool, announce, stats): a batch waits on
+     * its subscription's thread for its delayed calls, which must not hold up another tool's
+     * requests as a shared delivery thread would */
+    bus_set_delivery_threads(0);
     if (bus_connect(nats_url, "devtools", &b, err, sizeof err) != BUS_OK) goto done;
     dt_opts o = {.provider = provider_name,
                  .stats_subject = stats_subject,

@@ -13,8 +13,10 @@
  * "in_progress" when it is still running by then.
  * Retryable failures (__fail_times, timeouts, overload) are not recorded: the next try of the
  * key runs. Invocations without a delay cue run on the subscription's own thread; delayed
- * ones go to a bounded queue served by worker threads, so a sleeping invocation never holds
- * up the others. */
+ * ones (and duplicates waiting for their key) go to a bounded queue served by worker threads,
+ * so a sleeping invocation never holds up the others. A batch hands its delayed calls to the
+ * same queue and waits for them before its one reply, so it takes about its slowest call, not
+ * the sum; a call the full queue cannot take runs on the batch's thread instead. */
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -54,15 +56,26 @@ typedef struct dt_job {
     uint32_t try_no;
     int64_t t0_ms;
     int waiting; /* a duplicate of a running key, waiting for that try to end */
-    /* a call of a batch: its response is kept here (heap) for the batch's one reply instead
-     * of being published to reply */
+    /* a call of a batch: its response is kept in slot (heap) for the batch's one reply instead
+     * of being published to reply; both borrowed from the batch, which outlives the job */
     struct dt_slot *slot;
+    struct dt_batch *batch;
 } dt_job;
 
 typedef struct dt_slot {
     uint8_t *buf;
     size_t len;
 } dt_slot;
+
+/* A batch being answered, on its subscription's thread. slots (one per call, in the calls'
+ * order) and the batch itself belong to on_batch and are freed by it only once queued is 0:
+ * a worker writes a call's slot, frees the job, and only then counts the call done, so no
+ * worker touches either after that. */
+typedef struct dt_batch {
+    dt_slot *slots;
+    size_t queued;          /* calls handed to the workers and not yet done (under p->mu) */
+    pthread_cond_t done_cv; /* queued fell to 0 */
+} dt_batch;
 
 typedef struct dt_subctx {
     dt_provider *p;
@@ -72,7 +85,7 @@ typedef struct dt_subctx {
 
 typedef struct dt_counters {
     uint64_t invocations, executions, replays, in_progress, transient_failures, permanent_failures,
-        timeouts, rejected, overloaded, batches;
+        timeouts, rejected, overloaded, batches, batch_inline;
     uint32_t max_executions_per_key;
 } dt_counters;
 
@@ -93,6 +106,7 @@ struct dt_provider {
     size_t announce_len;
     dt_job **q; /* ring of delayed jobs */
     size_t qhead, qlen;
+    size_t busy; /* workers running a job */
     pthread_t *workers;
     size_t n_workers;
     pthread_t announcer;
@@ -491,17 +505,24 @@ static int await_key(dt_provider *p, dt_job *j) {
     return admit(p, j, 0);
 }
 
-/* Takes ownership of j. Full queue: the try is refused, retryable, and nothing is recorded. */
-static void enqueue(dt_provider *p, dt_job *j) {
+/* Hands j to the workers (they own it then) and counts it in its batch; -1 when the queue is
+ * full or the provider stops (j stays the caller's). */
+static int queue_push(dt_provider *p, dt_job *j) {
     pthread_mutex_lock(&p->mu);
     int full = p->qlen == (size_t)p->o.queue || p->stopping;
     if (!full) {
         p->q[(p->qhead + p->qlen) % (size_t)p->o.queue] = j;
         p->qlen++;
+        if (j->batch) j->batch->queued++;
         pthread_cond_signal(&p->qcv);
     }
     pthread_mutex_unlock(&p->mu);
-    if (!full) return;
+    return full ? -1 : 0;
+}
+
+/* Takes ownership of j. Full queue: the try is refused, retryable, and nothing is recorded. */
+static void enqueue(dt_provider *p, dt_job *j) {
+    if (queue_push(p, j) == 0) return;
     if (j->waiting) { /* the key is another try's: leave its record alone */
         pthread_mutex_lock(&p->mu);
         p->st.overloaded++;
@@ -511,6 +532,11 @@ static void enqueue(dt_provider *p, dt_job *j) {
     }
     reply_error(p, j, "overloaded", "devtools' delayed-invocation queue is full", 1, j->t0_ms);
     job_free(j);
+}
+
+/* Runs a dequeued (or batch-inline) job to its answer: a duplicate first waits for its key. */
+static void run_job(dt_provider *p, dt_job *j) {
+    if (!j->waiting || await_key(p, j) == ADMIT_RUN) execute(p, j);
 }
 
 static void *worker_main(void *arg) {
@@ -526,13 +552,27 @@ static void *worker_main(void *arg) {
         dt_job *j = p->q[p->qhead];
         p->qhead = (p->qhead + 1) % (size_t)p->o.queue;
         p->qlen--;
+        p->busy++;
         pthread_mutex_unlock(&p->mu);
-        if (!j->waiting || await_key(p, j) == ADMIT_RUN) execute(p, j);
+        run_job(p, j);
+        dt_batch *bt = j->batch;
         job_free(j);
+        pthread_mutex_lock(&p->mu);
+        p->busy--;
+        /* the last touch of the batch: once queued is 0 its thread may free it */
+        if (bt && --bt->queued == 0) pthread_cond_signal(&bt->done_cv);
+        pthread_mutex_unlock(&p->mu);
     }
 }
 
 /* ---- subscriptions ---- */
+
+/* An admitted try that waits before answering (a delay cue this try obeys): a worker's. */
+static int job_delayed(const dt_job *j) {
+    const dt_cues *c = &j->cues;
+    return c->reply_delay_ms > 0 ||
+           (c->sleep_ms > 0 && (c->sleep_times == 0 || j->try_no <= (uint32_t)c->sleep_times));
+}
 
 static void on_invoke(bus *b, natsMsg *m, void *ud) {
     (void)b;
@@ -562,11 +602,7 @@ static void on_invoke(bus *b, natsMsg *m, void *ud) {
         job_free(j);
         return;
     }
-    const dt_cues *c = &j->cues;
-    int delayed =
-        c->reply_delay_ms > 0 ||
-        (c->sleep_ms > 0 && (c->sleep_times == 0 || j->try_no <= (uint32_t)c->sleep_times));
-    if (delayed) {
+    if (job_delayed(j)) {
         enqueue(p, j);
         return;
     }
@@ -575,53 +611,79 @@ static void on_invoke(bus *b, natsMsg *m, void *ud) {
 }
 
 /* tool.batch.<tool>: every call of the batch through the same admission and execution as a
- * single request (its own key, replay, cues), one after the other on this thread (a delayed
- * one included: the batch's one reply waits for its last call), then one reply with the
- * responses in order. A batch over DT_BATCH_MAX calls, or one that does not decode, gets no
- * results: the requester sends its calls one by one. */
+ * single request (its own key, replay, cues), then one reply with the responses in order.
+ * Calls without a delay run on this thread as they come; delayed calls, and duplicates that
+ * must wait for their key's running try, go to the workers' queue, so the batch takes about
+ * its slowest call. A call the full queue cannot take runs on this thread once the others are
+ * handed out (the queue is tried again first): the batch's calls all get their answer, and
+ * the blocking stays bounded by the calls' own cues, where a retryable "overloaded" would make
+ * the engine send each such call again, alone. A batch over DT_BATCH_MAX calls, or one that
+ * does not decode, gets no results: the requester sends its calls one by one. */
 #define DT_BATCH_MAX 256
 
-static void on_batch(bus *b, natsMsg *m, void *ud) {
-    (void)b;
-    dt_subctx *sc = ud;
-    dt_provider *p = sc->p;
-    const char *reply = natsMsg_GetReply(m);
-    if (!reply || !*reply) return;
-    Upsquad__Internal__V1__ToolInvokeBatchRequest *bq =
-        upsquad__internal__v1__tool_invoke_batch_request__unpack(
-            NULL, (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
-    size_t n = bq && bq->n_calls <= DT_BATCH_MAX ? bq->n_calls : 0;
-    dt_slot *slots = calloc(n ? n : 1, sizeof *slots);
+/* Call i of the batch decoded and admitted like a single request. Returns the job to run (its
+ * waiting flag set when its key is running elsewhere), or NULL when the call was answered in
+ * its slot (bad, replayed, refused) or could not be made (no slot: the requester retries it). */
+static dt_job *batch_admit(dt_provider *p, const dt_tool *t, const dt_req *call, const char *reply,
+                           dt_batch *bt, size_t i) {
+    dt_job *j = calloc(1, sizeof *j);
+    size_t len = upsquad__internal__v1__tool_invoke_request__get_packed_size(call);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (!j || !buf || !(j->reply = strdup(reply))) {
+        free(buf);
+        job_free(j);
+        return NULL;
+    }
+    upsquad__internal__v1__tool_invoke_request__pack(call, buf);
+    j->slot = &bt->slots[i];
+    j->batch = bt;
+    j->t0_ms = util_mono_ms();
+    int a = decode(p, t, buf, len, j) != 0 ? ADMIT_DONE : admit(p, j, 1);
+    free(buf);
+    if (a == ADMIT_DONE) {
+        job_free(j);
+        return NULL;
+    }
+    j->waiting = a == ADMIT_WAIT;
+    return j;
+}
+
+/* Runs or hands out every call of bq; returns once each has delivered into its slot. */
+static void batch_run(dt_provider *p, const dt_tool *t,
+                      const Upsquad__Internal__V1__ToolInvokeBatchRequest *bq, size_t n,
+                      const char *reply, dt_batch *bt, dt_job **later) {
+    size_t n_later = 0, n_inline = 0;
+    for (size_t i = 0; i < n; i++) {
+        dt_job *j = batch_admit(p, t, bq->calls[i], reply, bt, i);
+        if (!j) continue;
+        if (!j->waiting && !job_delayed(j)) {
+            execute(p, j);
+            job_free(j);
+        } else if (queue_push(p, j) != 0) {
+            later[n_later++] = j; /* admitted (its key marked running) and kept in call order */
+        }
+    }
+    /* a deferred duplicate follows the deferred try of its key (call order), so it never waits
+     * here for a call still to be run here */
+    for (size_t k = 0; k < n_later; k++) {
+        if (queue_push(p, later[k]) == 0) continue;
+        n_inline++;
+        run_job(p, later[k]);
+        job_free(later[k]);
+    }
+    pthread_mutex_lock(&p->mu);
+    p->st.batch_inline += n_inline;
+    while (bt->queued)
+        pthread_cond_wait(&bt->done_cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* The one reply: the responses in the calls' order, up to the first call without one. */
+static void batch_reply(dt_provider *p, const char *reply, const dt_slot *slots, size_t n) {
     dt_resp **rs = calloc(n ? n : 1, sizeof *rs);
     Upsquad__Internal__V1__ToolInvokeBatchResponse out =
         UPSQUAD__INTERNAL__V1__TOOL_INVOKE_BATCH_RESPONSE__INIT;
-    if (!slots || !rs) n = 0;
-    pthread_mutex_lock(&p->mu);
-    p->st.batches++;
-    p->st.invocations += n;
-    pthread_mutex_unlock(&p->mu);
-    for (size_t i = 0; i < n; i++) {
-        dt_job *j = calloc(1, sizeof *j);
-        size_t len = upsquad__internal__v1__tool_invoke_request__get_packed_size(bq->calls[i]);
-        uint8_t *buf = malloc(len ? len : 1);
-        if (!j || !buf || !(j->reply = strdup(reply))) {
-            free(buf);
-            job_free(j);
-            continue; /* no response for it: the requester sends it alone */
-        }
-        upsquad__internal__v1__tool_invoke_request__pack(bq->calls[i], buf);
-        j->slot = &slots[i];
-        j->t0_ms = util_mono_ms();
-        int a = decode(p, sc->t, buf, len, j) != 0 ? ADMIT_DONE : admit(p, j, 1);
-        free(buf);
-        if (a == ADMIT_WAIT) {
-            j->waiting = 1;
-            a = await_key(p, j);
-        }
-        if (a == ADMIT_RUN) execute(p, j);
-        job_free(j);
-    }
-    for (size_t i = 0; i < n && slots[i].buf; i++) {
+    for (size_t i = 0; rs && i < n && slots[i].buf; i++) {
         rs[i] =
             upsquad__internal__v1__tool_invoke_response__unpack(NULL, slots[i].len, slots[i].buf);
         if (!rs[i]) break;
@@ -636,12 +698,36 @@ static void on_batch(bus *b, natsMsg *m, void *ud) {
             log_warn("devtools.reply", "batch reply to %s not sent", reply);
     }
     free(buf);
-    for (size_t i = 0; i < n; i++) {
-        if (rs[i]) upsquad__internal__v1__tool_invoke_response__free_unpacked(rs[i], NULL);
-        free(slots[i].buf);
-    }
+    for (size_t i = 0; i < out.n_results; i++)
+        upsquad__internal__v1__tool_invoke_response__free_unpacked(rs[i], NULL);
     free(rs);
-    free(slots);
+}
+
+static void on_batch(bus *b, natsMsg *m, void *ud) {
+    (void)b;
+    dt_subctx *sc = ud;
+    dt_provider *p = sc->p;
+    const char *reply = natsMsg_GetReply(m);
+    if (!reply || !*reply) return;
+    Upsquad__Internal__V1__ToolInvokeBatchRequest *bq =
+        upsquad__internal__v1__tool_invoke_batch_request__unpack(
+            NULL, (size_t)natsMsg_GetDataLength(m), (const uint8_t *)natsMsg_GetData(m));
+    size_t n = bq && bq->n_calls <= DT_BATCH_MAX ? bq->n_calls : 0;
+    dt_batch bt = {.slots = calloc(n ? n : 1, sizeof *bt.slots)};
+    dt_job **later = calloc(n ? n : 1, sizeof *later);
+    if (!bt.slots || !later) n = 0;
+    pthread_cond_init(&bt.done_cv, NULL);
+    pthread_mutex_lock(&p->mu);
+    p->st.batches++;
+    p->st.invocations += n;
+    pthread_mutex_unlock(&p->mu);
+    if (n) batch_run(p, sc->t, bq, n, reply, &bt, later);
+    batch_reply(p, reply, bt.slots, n); /* no worker holds bt any more */
+    for (size_t i = 0; i < n; i++)
+        free(bt.slots[i].buf);
+    free(bt.slots);
+    free(later);
+    pthread_cond_destroy(&bt.done_cv);
     if (bq) upsquad__internal__v1__tool_invoke_batch_request__free_unpacked(bq, NULL);
 }
 
@@ -693,6 +779,7 @@ static void on_stats(bus *b, natsMsg *m, void *ud) {
     cJSON_AddStringToObject(o, "provider", p->o.provider);
     cJSON_AddNumberToObject(o, "invocations", (double)s->invocations);
     cJSON_AddNumberToObject(o, "batches", (double)s->batches);
+    cJSON_AddNumberToObject(o, "batch_inline", (double)s->batch_inline);
     cJSON_AddNumberToObject(o, "executions", (double)s->executions);
     cJSON_AddNumberToObject(o, "replays", (double)s->replays);
     cJSON_AddNumberToObject(o, "in_progress", (double)s->in_progress);
@@ -701,6 +788,8 @@ static void on_stats(bus *b, natsMsg *m, void *ud) {
     cJSON_AddNumberToObject(o, "timeouts", (double)s->timeouts);
     cJSON_AddNumberToObject(o, "rejected", (double)s->rejected);
     cJSON_AddNumberToObject(o, "overloaded", (double)s->overloaded);
+    cJSON_AddNumberToObject(o, "queued", (double)p->qlen);
+    cJSON_AddNumberToObject(o, "workers_busy", (double)p->busy);
     cJSON_AddNumberToObject(o, "max_executions_per_key", s->max_executions_per_key);
     cJSON_AddNumberToObject(o, "keys", (double)lru_count(p->rec));
     cJSON_AddNumberToObject(o, "evicted", (double)lru_evicted(p->rec));
