@@ -44,6 +44,9 @@ run_one() {
         fail=$((fail + 1))
         failed+=("$name")
         printf 'FAIL  %-60s (exit %d)\n' "$name" "$rc"
+        # the failures themselves first (unittest's FAIL:/ERROR: sections, cmocka's [  FAILED  ]
+        # lines), where an excerpt of this output keeps them; then the end of the log
+        grep -E -A 24 '^(FAIL|ERROR): |\[  (FAILED|ERROR) +\]' "$log" | head -n 50 | sed 's/^/      ! /'
         tail -n 60 "$log" | sed 's/^/      | /'
     fi
 }

@@ -370,9 +370,14 @@ void fanout__flush_pending(hub_sub *s) {
     /* node I/O: the frames refused for want of room came after every held one, so the
      * StreamGap goes before the next frame delivered (spec to_seq: "the first seq that will be
      * delivered after the gap"), not before the first held one */
-    if (s->pending_overflow && s->rpc == HUB_RPC_IO && s->state == SS_LIVE && !s->gap) {
-        s->gap = 1;
-        s->gap_from = s->last_seq;
+    if (s->pending_overflow && s->rpc == HUB_RPC_IO && s->state == SS_LIVE) {
+        if (!s->gap) {
+            s->gap = 1;
+            s->gap_from = s->last_seq;
+            snprintf(s->gap_node, sizeof s->gap_node, "%.63s",
+                     s->n_pending ? s->pending[s->n_pending - 1].node : s->node);
+        }
+        s->gap_lost = 1;
     }
     if (s->pending_overflow && s->rpc == HUB_RPC_VISIBLE && s->state == SS_LIVE) {
         s->state = SS_RESYNC;

@@ -83,6 +83,7 @@ struct hub_sub {
     int status_mask;
     int64_t last_seq; /* run: last seq accounted; io: last seq delivered */
     int gap;
+    int gap_lost; /* io: a frame the gap covers is lost (not only gap_tail, which still goes) */
     int64_t gap_from;
     char gap_node[64];
     rpc_frame *gap_tail;   /* io: the newest frame dropped into a pending gap (fanout_io.c) */
@@ -165,8 +166,8 @@ void fanout__io_deliver(hub_sub *s, const char *session, const char *node, int64
 /* The run's transcript (at s's clearance), snapshot_done, then the open prompts' frames.
  * 0 sent, -1 not. */
 int fanout__snapshot_io(hub_sub *s);
-/* A pending StreamGap whose next frame has not come: once s's queue has room, the gap and the
- * newest frame dropped into it; topic->mu held. */
+/* A pending StreamGap whose next frame has not come: once s's queue has room, the newest frame
+ * dropped into it, after the gap when another frame was lost too; topic->mu held. */
 void fanout__io_gap_tail(hub_sub *s);
 
 /* ---- fanout_visible.c: visible runs ---- */

@@ -25,16 +25,39 @@ static rpc_frame *gap_frame(const char *node, int64_t from, int64_t to) {
 /* A frame dropped into a pending gap is kept, the newest only: when no frame follows (the
  * node's last, e.g. its final status), the maintenance pass sends the gap and this frame
  * once the queue has room (fanout__io_gap_tail), rather than leave the subscriber without
- * the gap and the end of the node's output until a frame that may never come. */
+ * the gap and the end of the node's output until a frame that may never come. A gap whose
+ * only refused frame is the kept one loses nothing: that frame goes late, and no StreamGap
+ * (spec: frames "were dropped") before it. The frame it replaces is lost (gap_lost). */
 static void keep_tail(hub_sub *s, rpc_frame *f, int64_t seq) {
+    if (s->gap_tail) s->gap_lost = 1;
     rpc_frame_unref(s->gap_tail);
     s->gap_tail = rpc_frame_ref(f);
     s->gap_tail_seq = seq;
 }
 
-static void drop_tail(hub_sub *s) {
+/* The gap is closed: sent, or not needed. */
+static void gap_closed(hub_sub *s) {
     rpc_frame_unref(s->gap_tail);
     s->gap_tail = NULL;
+    s->gap = s->gap_lost = 0;
+}
+
+/* Sends the kept frame, after a StreamGap up to it when another frame was lost (then `need`
+ * counts the gap's slot too); topic->mu held, s the stream's one producer, so the room checked
+ * here only grows until the pushes. 1 sent (the gap closed), 0 not (no room: nothing sent). */
+static int send_tail(hub_sub *s, size_t room_after) {
+    size_t need = (s->gap_lost ? 2 : 1) + room_after;
+    if (rpc_stream_room(s->call) < need) return 0;
+    if (s->gap_lost) {
+        rpc_frame *g = gap_frame(s->gap_node, s->gap_from, s->gap_tail_seq);
+        int rc = g ? fanout__push(s, g) : RPC_ENOMEM;
+        rpc_frame_unref(g);
+        if (rc != RPC_OK) return 0;
+        metric_inc(s->h->m_gaps);
+    }
+    if (fanout__push(s, s->gap_tail) == RPC_OK) s->last_seq = s->gap_tail_seq;
+    gap_closed(s);
+    return 1;
 }
 
 /* Delivers one live frame to a LIVE subscriber: de-duplicated against the snapshot (by
@@ -52,16 +75,28 @@ void fanout__io_deliver(hub_sub *s, const char *session, const char *node, int64
     if (sn->seq && seq <= sn->seq) return; /* the snapshot (or the client, resuming) has it */
     /* a frame after the snapshot's last transcript event may follow token frames the
      * snapshot never holds: no gap then; a jump seen live (or after a resume) is one */
-    if (sn->seq && !sn->in_set && seq > sn->seq + 1 && !s->gap) {
-        s->gap = 1;
-        s->gap_from = sn->skipped ? sn->had : sn->seq;
-        snprintf(s->gap_node, sizeof s->gap_node, "%s", node);
+    if (sn->seq && !sn->in_set && seq > sn->seq + 1) {
+        if (!s->gap) {
+            s->gap = 1;
+            s->gap_from = sn->skipped ? sn->had : sn->seq;
+            snprintf(s->gap_node, sizeof s->gap_node, "%s", node);
+        }
+        s->gap_lost = 1;
     }
     if (!sn->skipped) sn->had = sn->seq;
     sn->skipped = f == NULL;
     sn->seq = seq;
     sn->in_set = 0;
     if (!f) return; /* a pending gap waits for the next frame sent */
+    if (s->gap && s->gap_tail && !s->gap_lost) {
+        /* only the kept frame was refused: it goes first, with room for this one after it;
+         * else this one is kept instead, and the one before is lost (keep_tail) */
+        if (!send_tail(s, 1)) {
+            keep_tail(s, f, seq);
+            fanout__push_dropped(s);
+            return;
+        }
+    }
     if (s->gap) {
         /* spec StreamGap.to_seq "is the first seq that will be delivered after the gap": the
          * gap goes only with room for the frame it names too (this is the stream's one
@@ -79,15 +114,14 @@ void fanout__io_deliver(hub_sub *s, const char *session, const char *node, int64
             keep_tail(s, f, seq);
             return;
         }
-        s->gap = 0;
-        drop_tail(s); /* the gap covers it */
+        gap_closed(s); /* the gap covers the kept frame */
         metric_inc(s->h->m_gaps);
     }
     int rc = fanout__push(s, f);
     if (rc == RPC_OK) {
         s->last_seq = seq;
     } else if (rc == RPC_EFULL) {
-        s->gap = 1;
+        s->gap = 1; /* gap_lost only once another frame is lost too */
         s->gap_from = s->last_seq;
         snprintf(s->gap_node, sizeof s->gap_node, "%s", node);
         keep_tail(s, f, seq);
@@ -95,16 +129,7 @@ void fanout__io_deliver(hub_sub *s, const char *session, const char *node, int64
 }
 
 void fanout__io_gap_tail(hub_sub *s) {
-    /* room for both, checked by the stream's one producer (topic->mu held): both go */
-    if (!s->gap || !s->gap_tail || s->state != SS_LIVE || rpc_stream_room(s->call) < 2) return;
-    rpc_frame *g = gap_frame(s->gap_node, s->gap_from, s->gap_tail_seq);
-    if (g && fanout__push(s, g) == RPC_OK && fanout__push(s, s->gap_tail) == RPC_OK) {
-        s->gap = 0;
-        s->last_seq = s->gap_tail_seq;
-        metric_inc(s->h->m_gaps);
-        drop_tail(s);
-    }
-    rpc_frame_unref(g);
+    if (s->gap && s->gap_tail && s->state == SS_LIVE) send_tail(s, 0);
 }
 
 /* Holds a live frame while the snapshot is sent (topic->mu held). A run of consecutive frames

@@ -92,13 +92,14 @@ class Publisher:
 class Reader(threading.Thread):
     """Reads one server stream into a list; records the final status code."""
 
-    def __init__(self, rpc, req, md, pause_after_first=0.0):
+    def __init__(self, rpc, req, md, pause_after_first=0.0, hold=None):
         super().__init__(daemon=True)
         self.call = rpc(req, metadata=md, timeout=60)
         self.msgs = []
         self.code = None
         self.details = ""
         self.pause = pause_after_first
+        self.hold = hold  # a threading.Event: after the first frame, no reading until it is set
         self.start()
 
     def run(self):
@@ -108,6 +109,9 @@ class Reader(threading.Thread):
                 if self.pause:  # a client that stops reading for a while
                     time.sleep(self.pause)
                     self.pause = 0
+                if self.hold:
+                    self.hold.wait(30)
+                    self.hold = None
             self.code = grpc.StatusCode.OK
         except grpc.RpcError as e:
             self.code = e.code()
@@ -158,13 +162,22 @@ class StreamHub(unittest.TestCase):
             s.stop()
         psql(ADMIN_DSN, "DROP DATABASE %s WITH (FORCE)" % cls.db)
 
+    def retire(self, srv):
+        """A replica a test started and stopped: out of the class's list, its log kept for
+        tearDown's report."""
+        self.__class__.servers.remove(srv)
+        self.retired = getattr(self, "retired", []) + [srv]
+
     def tearDown(self):
-        # a failure shows the replicas' warnings (hub.hole, hub.project, hub.repair) next to the
-        # test's name, where a CI excerpt of the output keeps them
+        # a failure shows its assertion and the replicas' warnings (hub.hole, hub.project,
+        # hub.repair) next to the test's name, where a CI excerpt of the output keeps them
         res = self._outcome.result
-        if any(t is self for t, _ in list(res.failures) + list(res.errors)):
-            for srv in self.servers:
-                warns = [l for l in srv.log_text().splitlines() if '"hub.' in l]
+        mine = [tb for t, tb in list(res.failures) + list(res.errors) if t is self]
+        if mine:
+            print("failed: %s" % " / ".join(mine[-1].strip().splitlines()[-6:])[-1200:],
+                  file=sys.stderr)
+            for srv in self.servers + getattr(self, "retired", []):
+                warns = [l for l in srv.log_text().splitlines() if '"hub.' in l or '"bus.' in l]
                 print("%s warnings: %s" % (srv.addr, " | ".join(warns[-8:])[-1500:]),
                       file=sys.stderr)
 
@@ -616,7 +629,7 @@ class StreamHub(unittest.TestCase):
             t.join()
         finally:
             c.stop()
-            self.__class__.servers.remove(c)
+            self.retire(c)
             self.channels.pop(c.addr, None)
         self.projected(run, 600)
         last_st, last_lg = st.msgs[-1].run_seq, lg.msgs[-1].run_seq
@@ -806,7 +819,7 @@ class StreamHub(unittest.TestCase):
             self.held_frames_below_clearance_4((self.a, self.b, c))
         finally:
             c.stop()
-            self.__class__.servers.remove(c)
+            self.retire(c)
             self.channels.pop(c.addr, None)
 
     def held_frames_below_clearance_4(self, replicas):
@@ -953,6 +966,51 @@ class StreamHub(unittest.TestCase):
         self.assertEqual(gap.from_seq, lives[-2])  # the last seq it saw before the gap
         self.assertEqual(lives, sorted(lives))
         self.assertLess(len(lives), n)
+
+    def test_a_frame_kept_from_a_full_queue_goes_late_without_a_gap_when_nothing_else_was_lost(self):
+        # spec StreamGap: frames "were dropped". The newest frame refused by a full queue is
+        # kept and sent once there is room; when it is the only one refused, nothing was lost
+        # and no StreamGap goes before it (one used to, from the frame before it to itself,
+        # e.g. over token frames a clearance-3 subscriber is never sent). Frames are published
+        # one at a time until the hub counts the first drop, so exactly one is refused.
+        org = uid()
+        run = self.new_run(org)
+        self.projected(run, 1)
+        rpc = self.small_window_node_io(self.a, "small-kept")
+        hold = threading.Event()  # set at the drop: the stall limit counts from there
+        slow = Reader(rpc, W.StreamNodeIORequest(run_id=run), self.md(org), hold=hold)
+        wait_until(lambda: slow.msgs, 10, "snapshot_done")
+        def handled():  # frames this replica queued or dropped
+            return (self.a.metric("stream_hub_frames_total") +
+                    self.a.metric("stream_hub_dropped_frames_total"))
+
+        drops0 = self.a.metric("stream_hub_dropped_frames_total")
+        t0, seq = time.time(), 0
+        while self.a.metric("stream_hub_dropped_frames_total") == drops0:
+            self.assertLess(time.time() - t0, 20, "no frame refused while the client paused")
+            seq += 1
+            n0 = handled()
+            self.pub("tokens", org=org, run=run, node="coder", session="s1", count=1, size=1024,
+                     rate=0, **{"from": seq})
+            wait_until(lambda: handled() > n0, 5, "frame %d handled" % seq)
+        hold.set()
+        self.assertEqual(self.a.metric("stream_hub_dropped_frames_total"), drops0 + 1)
+        try:
+            wait_until(lambda: any(m.HasField("live") and m.live.seq == seq for m in slow.msgs),
+                       15, "the kept frame")
+            # a frame after it, once the client reads again: no gap either
+            self.pub("tokens", org=org, run=run, node="coder", session="s1", count=1, size=1024,
+                     rate=0, **{"from": seq + 1})
+            wait_until(lambda: any(m.HasField("live") and m.live.seq == seq + 1
+                                   for m in slow.msgs), 10, "the frame after it")
+            time.sleep(0.2)
+        finally:
+            slow.cancel()
+        kinds = [m.WhichOneof("frame") for m in slow.msgs]
+        self.assertEqual(kinds.count("gap"), 0, [(m.WhichOneof("frame"), m.live.seq, m.gap.to_seq)
+                                                 for m in slow.msgs[-4:]])
+        self.assertEqual([m.live.seq for m in slow.msgs if m.HasField("live")],
+                         list(range(1, seq + 2)))
 
     def test_stalled_subscriber_gets_a_gap_or_is_ended_while_a_fast_one_gets_everything(self):
         org = uid()
@@ -1553,7 +1611,7 @@ class StreamHub(unittest.TestCase):
             for x in ch:
                 x.close()
             c.stop()
-            self.__class__.servers.remove(c)
+            self.retire(c)
 
     # ---- restart and shutdown ----
     def test_zz_replica_restart_loses_nothing_and_shutdown_ends_streams_unavailable(self):
