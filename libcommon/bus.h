@@ -196,9 +196,10 @@ int bus_js_pull_subscribe(bus *b, const char *stream, const char *durable,
 int bus_js_pull_subscribe_ex(bus *b, const char *stream, const char *durable,
                              const char *filter_subject, int ack_wait_ms, int max_deliver,
                              int deliver_new, bus_pull **out, char *err, size_t errlen);
-/* Fetches up to batch messages, waiting up to timeout_ms for the first. A timeout with nothing
- * to deliver is BUS_OK with out->Count == 0. The caller owns the list: ack/nak/term each
- * message, then natsMsgList_Destroy(out). */
+/* Fetches up to batch messages, waiting up to timeout_ms for the first: it returns as soon as
+ * one is there, with those the consumer held behind it (never waiting for a full batch). A
+ * timeout with nothing to deliver is BUS_OK with out->Count == 0. The caller owns the list:
+ * ack/nak/term each message, then natsMsgList_Destroy(out). */
 int bus_js_fetch(bus_pull *p, int batch, int timeout_ms, natsMsgList *out, char *err,
                  size_t errlen);
 /* Stops fetching; the durable consumer and its state stay on the server. Messages in flight

@@ -601,16 +601,24 @@ static int wait_connected(bus *b, int want, int timeout_ms) {
 #define TRACE_A "4bf92f3577b34da6a3ce929d0e0e4736"
 #define TRACE_B "0af7651916cd43dd8448eb211c80319c"
 
+/* A stream of this run's "<prefix>.<part>.>" subjects (name and subjects: 64 and 96 bytes). */
+static void test_stream(bus *b, const char *tag, const char *part, int retention, char *name,
+                        char *subjects) {
+    char err[256];
+    stream_name(name, 64, tag);
+    snprintf(subjects, 96, "%s.%s.>", g_prefix, part);
+    const char *subs[] = {subjects};
+    int rc =
+        bus_js_stream_ensure(b, name, subs, 1, retention, 3600, test_limits(), err, sizeof err);
+    if (rc != BUS_OK) print_error("stream %s: %s\n", name, err);
+    assert_int_equal(rc, BUS_OK);
+}
+
 static void test_js_publish_batch(void **state) {
     (void)state;
     bus *b = must_connect(g_url, NULL);
     char name[64], subjects[96], s[96], none[96], err[256];
-    stream_name(name, sizeof name, "BATCH");
-    snprintf(subjects, sizeof subjects, "%s.batch.>", g_prefix);
-    const char *subs[] = {subjects};
-    assert_int_equal(bus_js_stream_ensure(b, name, subs, 1, BUS_RETENTION_LIMITS, 3600,
-                                          test_limits(), err, sizeof err),
-                     BUS_OK);
+    test_stream(b, "BATCH", "batch", BUS_RETENTION_LIMITS, name, subjects);
     subj(s, sizeof s, "batch.a");
     subj(none, sizeof none, "no_stream_for_batch");
     assert_int_equal(bus_js_publish(b, s, "0", 1, "b-0", NULL, err, sizeof err), BUS_OK);
@@ -661,6 +669,78 @@ static void test_js_publish_batch(void **state) {
     /* an empty batch, and bad arguments */
     assert_int_equal(bus_js_publish_batch(b, m, 0, err, sizeof err), BUS_OK);
     assert_int_equal(bus_js_publish_batch(b, NULL, 1, err, sizeof err), BUS_EINVAL);
+    assert_int_equal(bus_js_stream_delete(b, name, err, sizeof err), BUS_OK);
+    bus_close(b);
+}
+
+/* A fetch returns what the consumer has without waiting out its timeout for a full batch:
+ * the server keeps a waiting pull request for several messages open until it has them all,
+ * and a message that came into such a fetch (of the projection's 128) sat there for up to
+ * its whole timeout. */
+typedef struct late_pub {
+    bus *b;
+    const char *subject;
+    int after_ms, n;
+} late_pub;
+
+static void *publish_later(void *arg) {
+    late_pub *lp = arg;
+    char err[256], id[32];
+    sleep_ms(lp->after_ms);
+    for (int i = 0; i < lp->n; i++) {
+        snprintf(id, sizeof id, "late-%d-%d", lp->after_ms, i);
+        bus_js_publish(lp->b, lp->subject, "x", 1, id, NULL, err, sizeof err);
+    }
+    return NULL;
+}
+
+static void test_js_fetch_returns_what_it_has(void **state) {
+    (void)state;
+    bus *b = must_connect(g_url, NULL);
+    char name[64], subjects[96], s[96], err[256], id[32];
+    test_stream(b, "PROMPT", "prompt", BUS_RETENTION_WORKQUEUE, name, subjects);
+    subj(s, sizeof s, "prompt.x");
+    bus_pull *p = NULL;
+    assert_int_equal(
+        bus_js_pull_subscribe(b, name, "prompt", subjects, 5000, -1, &p, err, sizeof err), BUS_OK);
+    natsMsgList l;
+    /* a backlog comes in one fetch, at once */
+    for (int i = 0; i < 5; i++) {
+        snprintf(id, sizeof id, "backlog-%d", i);
+        assert_int_equal(bus_js_publish(b, s, "x", 1, id, NULL, err, sizeof err), BUS_OK);
+    }
+    double t0 = now_ms();
+    assert_int_equal(bus_js_fetch(p, 128, 2000, &l, err, sizeof err), BUS_OK);
+    double took = now_ms() - t0;
+    assert_int_equal(l.Count, 5);
+    for (int i = 0; i < l.Count; i++)
+        bus_ack(l.Msgs[i]);
+    natsMsgList_Destroy(&l);
+    if (took > 300) print_error("a backlog of 5 took %.0f ms\n", took);
+    assert_true(took < 300);
+    /* messages published while a fetch waits: it returns with the first ones, and the rest
+     * come to the next fetch, each round far below the timeout */
+    for (int round = 0; round < 10; round++) {
+        late_pub lp = {b, s, 50 + round * 13, 1 + round % 3};
+        pthread_t th;
+        assert_int_equal(pthread_create(&th, NULL, publish_later, &lp), 0);
+        int got = 0;
+        t0 = now_ms();
+        while (got < lp.n && now_ms() - t0 < 4000) {
+            assert_int_equal(bus_js_fetch(p, 128, 2000, &l, err, sizeof err), BUS_OK);
+            for (int i = 0; i < l.Count; i++, got++)
+                bus_ack(l.Msgs[i]);
+            natsMsgList_Destroy(&l);
+        }
+        took = now_ms() - t0;
+        pthread_join(th, NULL);
+        assert_int_equal(got, lp.n);
+        if (took > lp.after_ms + 300)
+            print_error("round %d: %d message(s) published after %d ms, fetched after %.0f ms\n",
+                        round, lp.n, lp.after_ms, took);
+        assert_true(took < lp.after_ms + 300);
+    }
+    bus_pull_close(p);
     assert_int_equal(bus_js_stream_delete(b, name, err, sizeof err), BUS_OK);
     bus_close(b);
 }
@@ -761,6 +841,7 @@ int main(void) {
         cmocka_unit_test(test_js_dedup),
         cmocka_unit_test(test_js_pull_ack_redelivery),
         cmocka_unit_test(test_js_publish_batch),
+        cmocka_unit_test(test_js_fetch_returns_what_it_has),
         cmocka_unit_test_setup_teardown(test_reconnect_buffers_publishes, private_setup,
                                         private_teardown),
         cmocka_unit_test_setup_teardown(test_connect_fails_fast_or_retries, private_setup,
