@@ -18,7 +18,7 @@
 
 #define BUS_TOKEN_MAX 128
 #define BUS_FETCH_MAX 256        /* messages per fetch */
-#define BUS_FETCH_MORE_MS 10     /* a no-wait pull's bound (bus_js_fetch) */
+#define BUS_FETCH_MORE_MS 5      /* a fetch's wait for a message behind the first */
 #define BUS_MAX_ACK_PENDING 1024 /* unacked messages per pull consumer before it pauses */
 #define BUS_CLOSE_WAIT_MS 5000   /* bound on waiting for nats.c's closed/complete callbacks */
 
@@ -757,40 +757,6 @@ static int fetch_first(bus_pull *p, int timeout_ms, natsMsgList *out, char *err,
     }
 }
 
-/* Up to n messages that are there now, appended to out (which holds the first). A no-wait
- * pull: the server sends what it has and ends the request; should the others have been taken
- * meanwhile, it waits for one at most BUS_FETCH_MORE_MS. */
-static void fetch_more(bus_pull *p, int n, natsMsgList *out) {
-    jsFetchRequest req;
-    natsMsgList more = {0};
-    jsFetchRequest_Init(&req);
-    req.Batch = n;
-    req.NoWait = true;
-    req.Expires = (int64_t)BUS_FETCH_MORE_MS * 1000000; /* ns; should the end not come */
-    if (natsSubscription_FetchRequest(&more, p->sub, &req) != NATS_OK || more.Count == 0) {
-        natsMsgList_Destroy(&more); /* nothing more now: what we have goes */
-        return;
-    }
-    natsMsg **v = malloc((size_t)(out->Count + more.Count) * sizeof *v);
-    if (!v) { /* the extra messages come back after the ack wait */
-        natsMsgList_Destroy(&more);
-        return;
-    }
-    for (int i = 0; i < out->Count; i++) {
-        v[i] = out->Msgs[i];
-        out->Msgs[i] = NULL; /* moved: the list's destroy frees the array only */
-    }
-    for (int i = 0; i < more.Count; i++) {
-        v[out->Count + i] = more.Msgs[i];
-        more.Msgs[i] = NULL;
-    }
-    int total = out->Count + more.Count;
-    natsMsgList_Destroy(out);
-    natsMsgList_Destroy(&more);
-    out->Msgs = v;
-    out->Count = total;
-}
-
 /* The messages the consumer held behind m when it was delivered (its metadata). */
 static int pending_behind(natsMsg *m) {
     jsMsgMetaData *md = NULL;
@@ -802,12 +768,14 @@ static int pending_behind(natsMsg *m) {
     return n > BUS_FETCH_MAX ? BUS_FETCH_MAX : (int)n;
 }
 
-/* Never a pull request for several messages that waits: the server keeps such a request open
- * until it has them all or it expires, and nats.c's fetch waits with it, so a message that
- * came into a waiting fetch of 128 sat there until its timeout (300 to 500 ms for 3% of the
- * projection's messages, docs/libcommon.md). A request for one message that waits, then, when
- * the consumer held more behind it, one that does not wait for those: the first message goes
- * at once, and a backlog still comes in batches. */
+/* Never a pull request for several messages: the server keeps a waiting one open until it has
+ * them all or it expires, and nats.c's fetch waits with it, so a message that came into a
+ * waiting fetch of 128 sat there until its timeout (300 to 500 ms for 3% of the projection's
+ * messages, docs/libcommon.md). And nats.c 3.4's fetch of n that finds k >= n/2 messages
+ * already queued to the subscription reads on past its array of n (seen under ASan). So one
+ * message a request: the first waits up to timeout_ms, then, while the last one's metadata says
+ * the consumer held more behind it, the next (BUS_FETCH_MORE_MS at most: another puller may
+ * have taken them). The first message goes at once, and a backlog still comes in batches. */
 int bus_js_fetch(bus_pull *p, int batch, int timeout_ms, natsMsgList *out, char *err,
                  size_t errlen) {
     memset(out, 0, sizeof *out);
@@ -818,9 +786,27 @@ int bus_js_fetch(bus_pull *p, int batch, int timeout_ms, natsMsgList *out, char 
     }
     int rc = fetch_first(p, timeout_ms, out, err, errlen);
     if (rc != BUS_OK || out->Count == 0 || batch == 1) return rc;
-    int more = pending_behind(out->Msgs[0]);
-    if (more > 0) fetch_more(p, more < batch - 1 ? more : batch - 1, out);
-    return rc;
+    natsMsg **v = malloc((size_t)batch * sizeof *v); /* freed by natsMsgList_Destroy */
+    if (!v) return BUS_OK;                           /* the one we have goes */
+    int n = 0;
+    v[n++] = out->Msgs[0];
+    out->Msgs[0] = NULL; /* moved: the destroy frees the array only */
+    natsMsgList_Destroy(out);
+    while (n < batch && pending_behind(v[n - 1]) > 0) {
+        natsMsgList one = {0};
+        jsErrCode jerr = 0;
+        if (natsSubscription_Fetch(&one, p->sub, 1, BUS_FETCH_MORE_MS, &jerr) != NATS_OK ||
+            one.Count == 0) {
+            natsMsgList_Destroy(&one);
+            break;
+        }
+        v[n++] = one.Msgs[0];
+        one.Msgs[0] = NULL;
+        natsMsgList_Destroy(&one);
+    }
+    out->Msgs = v;
+    out->Count = n;
+    return BUS_OK;
 }
 
 /* A message the server handed to a fetch that had already timed out sits in this
