@@ -42,19 +42,22 @@ static void gap_closed(hub_sub *s) {
     s->gap = s->gap_lost = 0;
 }
 
+/* Queues the pending StreamGap, to_seq `to` (the frame that follows it); counted when queued. */
+static int push_gap(hub_sub *s, int64_t to) {
+    rpc_frame *g = gap_frame(s->gap_node, s->gap_from, to);
+    int rc = g ? fanout__push(s, g) : RPC_ENOMEM;
+    rpc_frame_unref(g);
+    if (rc == RPC_OK) metric_inc(s->h->m_gaps);
+    return rc;
+}
+
 /* Sends the kept frame, after a StreamGap up to it when another frame was lost (then `need`
  * counts the gap's slot too); topic->mu held, s the stream's one producer, so the room checked
  * here only grows until the pushes. 1 sent (the gap closed), 0 not (no room: nothing sent). */
 static int send_tail(hub_sub *s, size_t room_after) {
     size_t need = (s->gap_lost ? 2 : 1) + room_after;
     if (rpc_stream_room(s->call) < need) return 0;
-    if (s->gap_lost) {
-        rpc_frame *g = gap_frame(s->gap_node, s->gap_from, s->gap_tail_seq);
-        int rc = g ? fanout__push(s, g) : RPC_ENOMEM;
-        rpc_frame_unref(g);
-        if (rc != RPC_OK) return 0;
-        metric_inc(s->h->m_gaps);
-    }
+    if (s->gap_lost && push_gap(s, s->gap_tail_seq) != RPC_OK) return 0;
     if (fanout__push(s, s->gap_tail) == RPC_OK) s->last_seq = s->gap_tail_seq;
     gap_closed(s);
     return 1;
@@ -107,15 +110,11 @@ void fanout__io_deliver(hub_sub *s, const char *session, const char *node, int64
             fanout__push_dropped(s);
             return;
         }
-        rpc_frame *g = gap_frame(s->gap_node, s->gap_from, seq);
-        int rc = g ? fanout__push(s, g) : RPC_ENOMEM;
-        rpc_frame_unref(g);
-        if (rc != RPC_OK) { /* still full: this frame is dropped too */
+        if (push_gap(s, seq) != RPC_OK) { /* still full: this frame is dropped too */
             keep_tail(s, f, seq);
             return;
         }
         gap_closed(s); /* the gap covers the kept frame */
-        metric_inc(s->h->m_gaps);
     }
     int rc = fanout__push(s, f);
     if (rc == RPC_OK) {
