@@ -130,7 +130,9 @@ class Recovery(unittest.TestCase):
         self.fail("not within %ss: %s" % (timeout, what))
 
     def latest_loop(self, sid):
-        rows = sql(self.org, "SELECT max(loop_iteration) FROM checkpoints WHERE session_id = '%s'" % sid)
+        """The newest checkpointed loop, -1 before the first (psql prints max()'s NULL as nothing)."""
+        rows = sql(self.org, "SELECT coalesce(max(loop_iteration), -1) FROM checkpoints"
+                   " WHERE session_id = '%s'" % sid)
         return int(rows[0][0])
 
     def wait_checkpointed(self, sids, loops):
