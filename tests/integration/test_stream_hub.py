@@ -193,6 +193,11 @@ class StreamHub(unittest.TestCase):
         return self.channel(srv).unary_stream(SVC + method, request_serializer=req.SerializeToString,
                                               response_deserializer=resp.FromString)
 
+    @staticmethod
+    def handled(srv):
+        """Frames srv queued to its subscribers or dropped."""
+        return srv.metric("stream_hub_frames_total") + srv.metric("stream_hub_dropped_frames_total")
+
     def small_window_node_io(self, srv, key):
         """StreamNodeIO on a connection of its own without BDP probing: its HTTP/2 window stays
         at 64 KiB, so what a slow client does not read backs up into the hub's queue quickly."""
@@ -973,12 +978,20 @@ class StreamHub(unittest.TestCase):
         self.projected(run, 1)
         req = W.StreamNodeIORequest(run_id=run)
         rpc = self.small_window_node_io(self.a, "small-tail")
-        slow = Reader(rpc, req, self.md(org), pause_after_first=1.0)  # after snapshot_done
+        # the client reads nothing after snapshot_done until the hub has handled the whole
+        # burst (a pause of fixed length could end mid-burst on a loaded machine, and the
+        # frames after it would then go out after the gap)
+        hold = threading.Event()
+        slow = Reader(rpc, req, self.md(org), hold=hold)
         wait_until(lambda: slow.msgs, 10, "snapshot_done")
         n = 400  # 1 KiB each, at once: past its 64 KiB window and 64-frame queue
+        h0, drops0 = self.handled(self.a), self.a.metric("stream_hub_dropped_frames_total")
         self.pub("tokens", org=org, run=run, node="coder", session="s1", count=n, size=1024,
                  rate=0)
         try:
+            wait_until(lambda: self.handled(self.a) >= h0 + n, 10, "the burst handled")
+            hold.set()  # within the stall limit of the first drop: the burst took far less
+            self.assertGreater(self.a.metric("stream_hub_dropped_frames_total"), drops0 + 1)
             wait_until(lambda: any(m.HasField("live") and m.live.seq == n for m in slow.msgs), 10,
                        "the last frame")
         finally:
@@ -1005,19 +1018,15 @@ class StreamHub(unittest.TestCase):
         hold = threading.Event()  # set at the drop: the stall limit counts from there
         slow = Reader(rpc, W.StreamNodeIORequest(run_id=run), self.md(org), hold=hold)
         wait_until(lambda: slow.msgs, 10, "snapshot_done")
-        def handled():  # frames this replica queued or dropped
-            return (self.a.metric("stream_hub_frames_total") +
-                    self.a.metric("stream_hub_dropped_frames_total"))
-
         drops0 = self.a.metric("stream_hub_dropped_frames_total")
         t0, seq = time.time(), 0
         while self.a.metric("stream_hub_dropped_frames_total") == drops0:
             self.assertLess(time.time() - t0, 20, "no frame refused while the client paused")
             seq += 1
-            n0 = handled()
+            n0 = self.handled(self.a)
             self.pub("tokens", org=org, run=run, node="coder", session="s1", count=1, size=1024,
                      rate=0, **{"from": seq})
-            wait_until(lambda: handled() > n0, 5, "frame %d handled" % seq)
+            wait_until(lambda: self.handled(self.a) > n0, 5, "frame %d handled" % seq)
         hold.set()
         self.assertEqual(self.a.metric("stream_hub_dropped_frames_total"), drops0 + 1)
         try:
